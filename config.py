@@ -1,0 +1,293 @@
+"""One flat config for the whole trainer.
+
+Every field has a default and a one-line comment; `python train.py --help` prints them.
+The field name, the command-line flag and the metric key are the same string. Names
+follow open-instruct's grpo_fast where it has one. `Config.__post_init__` refuses every
+contradiction before any process group, model or server starts.
+
+    python train.py --config run.toml --learning_rate 3e-4 --beta=0.0 --vllm_server_urls a,b
+"""
+
+import dataclasses
+import difflib
+import re
+import sys
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class Config:
+    # --- model and data
+    model_name_or_path: str = "models/tiny"  # HF hub name or local dir (build a tiny one: python scripts/make_tiny_model.py --out models/tiny)
+    dataset: str = "copy"  # a built-in task (copy, add), a hub dataset name, or a local .jsonl/.json/.parquet/.csv file
+    dataset_split: str = "train"  # split to read from a hub dataset
+    dataset_prompt_column: str = "prompt"  # column holding the prompt: a string, or a list of {role, content} chat messages
+    dataset_answer_column: str = "answer"  # column the reward function reads as example["answer"] (may be absent if the reward needs none)
+    reward_fn: Optional[str] = None  # "module:function" or "path/to/file.py:function"; None = the built-in task's reward, else exact_match
+    apply_chat_template: bool = False  # wrap string prompts as one user message and apply the tokenizer's chat template
+    max_prompt_length: int = 64  # prompt tokens; longer prompts are skipped and counted, or refused (see skip_long_prompts)
+    skip_long_prompts: bool = True  # True: skip and count prompts over max_prompt_length; False: stop with an error
+    num_eval_prompts: int = 64  # held-out prompts for greedy evaluation (never trained on)
+    eval_freq: int = 10  # evaluate every this many steps; 0 disables
+    # --- rollouts (vLLM)
+    response_length: int = 16  # max new tokens per completion
+    temperature: float = 1.0  # sampling temperature for training rollouts
+    top_p: float = 1.0  # nucleus sampling for training rollouts
+    vllm_server_urls: list[str] = field(default_factory=list)  # servers you run yourself (comma separated); empty = launch one
+    vllm_port: int = 8011  # port of the server we launch
+    vllm_dtype: str = "auto"  # dtype of the server we launch (auto, float32, bfloat16)
+    vllm_max_model_len: Optional[int] = None  # context of the server we launch; None = max_prompt_length + response_length
+    vllm_kv_cache_space_gb: int = 1  # KV cache size of a CPU server we launch (VLLM_CPU_KVCACHE_SPACE)
+    vllm_gpu_memory_utilization: float = 0.9  # memory fraction of a GPU server we launch
+    vllm_startup_timeout: float = 300.0  # seconds to wait for a launched server's /health
+    vllm_request_timeout: float = 120.0  # seconds for one HTTP request to a server
+    vllm_max_retries: int = 3  # retries (with backoff) of a failed request before the run stops
+    weight_sync_transport: str = "filesystem"  # filesystem (safetensors + reload_weights, CPU and GPU) or nccl (GPU servers)
+    vllm_logp_tolerance: float = 1e-2  # max |trainer - vLLM| logprob after a sync before it counts as failed
+    # --- batch
+    num_unique_prompts_rollout: int = 16  # prompts per step
+    num_samples_per_prompt_rollout: int = 8  # completions per prompt (the GRPO group)
+    per_device_train_batch_size: int = 8  # sequences per forward/backward on one rank
+    num_mini_batches: int = 1  # optimizer steps per rollout batch (per epoch)
+    num_epochs: int = 1  # passes over each rollout batch
+    num_training_steps: int = 100  # rollout batches to train on
+    # --- optimizer
+    learning_rate: float = 1e-3  # peak learning rate of AdamW
+    lr_scheduler_type: str = "constant"  # constant, linear or cosine (after warm-up)
+    warm_up_steps: int = 0  # linear warm-up, in optimizer steps
+    weight_decay: float = 0.0  # AdamW weight decay
+    max_grad_norm: float = 1.0  # gradient clipping; 0 disables
+    # --- objective
+    loss_fn: str = "dapo"  # dapo (asymmetric clip), cispo (capped weight x logp) or ess (batch-adaptive, seed 004)
+    clip_lower: float = 0.2  # dapo: ratio clipped below at 1 - clip_lower
+    clip_higher: float = 0.28  # dapo: ratio clipped above at 1 + clip_higher; cispo: weight capped at 1 + clip_higher
+    beta: float = 0.0  # KL coefficient toward the reference; 0 = no KL term
+    kl_estimator: str = "k3"  # k1, k2, k3, k4 or topk
+    kl_topk: int = 0  # topk: tokens of the sampling policy summed exactly per position (0 = sampled k4)
+    loss_denominator: str = "token"  # "token" (valid tokens of the whole optimizer step) or a positive number (Dr GRPO)
+    advantage_normalization_type: str = "standard"  # standard (r - mean)/(std + eps) or centered (r - mean)
+    filter_zero_std_samples: bool = True  # drop groups whose rewards all agree (no learning signal)
+    use_vllm_logprobs: bool = False  # take vLLM's sampling logprobs as old_logp instead of recomputing them
+    truncated_importance_sampling_ratio_cap: float = 0.0  # cap of exp(old_logp - vllm_logp) on the policy term; 0 disables
+    # --- reference policy
+    load_ref_policy: bool = True  # build a reference policy (needed for beta > 0)
+    ref_policy_update_freq: Optional[int] = None  # Polyak-update the reference every N steps; None = fixed reference
+    alpha: float = 0.6  # Polyak weight: ref = alpha * policy + (1 - alpha) * ref
+    # --- distributed
+    sequence_parallel_size: int = 1  # sequence parallelism is not implemented; values > 1 are refused
+    backend_timeout: int = 30  # minutes before a stuck collective fails the process group
+    # --- checkpoints, output, logging
+    output_dir: str = "output"  # metrics.jsonl, exported models and plots go here
+    checkpoint_state_dir: Optional[str] = None  # resumable sharded checkpoints (needs checkpoint_state_freq > 0)
+    checkpoint_state_freq: int = -1  # steps between resumable checkpoints; -1 = none
+    save_freq: int = -1  # steps between Hugging Face model exports; -1 = final export only
+    with_tracking: bool = False  # also log to Weights & Biases or TensorBoard (offline modes work)
+    seed: int = 1  # seeds data order, sampling and initialisation
+
+    def __post_init__(self):
+        def refuse(msg):
+            raise ValueError(msg)
+
+        choices = {
+            "loss_fn": ("dapo", "cispo", "ess"),
+            "kl_estimator": ("k1", "k2", "k3", "k4", "topk"),
+            "advantage_normalization_type": ("standard", "centered"),
+            "lr_scheduler_type": ("constant", "linear", "cosine"),
+            "weight_sync_transport": ("filesystem", "nccl"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                refuse(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        self.loss_denominator = str(self.loss_denominator)
+        if self.loss_denominator != "token":
+            try:
+                ok = float(self.loss_denominator) > 0
+            except ValueError:
+                ok = False
+            if not ok:
+                refuse(f"loss_denominator={self.loss_denominator!r} must be 'token' or a positive number such as 1024")
+        if self.use_vllm_logprobs and self.truncated_importance_sampling_ratio_cap > 0:
+            refuse("use_vllm_logprobs=True with truncated_importance_sampling_ratio_cap > 0 is a contradiction: "
+                   "with vLLM's logprobs as old_logp the ratio is 1; set one of them off")
+        if (self.checkpoint_state_dir is None) != (self.checkpoint_state_freq <= 0):
+            refuse("checkpoint_state_dir and checkpoint_state_freq go together: set both "
+                   "(a directory and a frequency > 0) or neither")
+        if not self.load_ref_policy and self.beta != 0:
+            refuse(f"load_ref_policy=False needs beta=0 (got beta={self.beta}): the KL term needs a reference")
+        if not self.load_ref_policy and self.ref_policy_update_freq is not None:
+            refuse("ref_policy_update_freq is set but load_ref_policy=False: there is no reference to update")
+        if self.ref_policy_update_freq is not None and self.ref_policy_update_freq <= 0:
+            refuse(f"ref_policy_update_freq={self.ref_policy_update_freq} must be a positive number of steps, or None")
+        if not 0.0 < self.alpha <= 1.0:
+            refuse(f"alpha={self.alpha} must be in (0, 1]: ref = alpha * policy + (1 - alpha) * ref")
+        if self.sequence_parallel_size != 1:
+            refuse(f"sequence_parallel_size={self.sequence_parallel_size}: sequence parallelism is not implemented "
+                   "in this FSDP2 trainer (every rank holds whole sequences); set it to 1")
+        if self.kl_topk != 0 and self.kl_estimator != "topk":
+            refuse(f"kl_topk={self.kl_topk} only applies to kl_estimator='topk' (got {self.kl_estimator!r})")
+        if self.kl_topk < 0:
+            refuse(f"kl_topk={self.kl_topk} must be >= 0")
+        if self.clip_lower < 0 or self.clip_lower >= 1 or self.clip_higher < 0:
+            refuse(f"clip_lower={self.clip_lower} must be in [0, 1) and clip_higher={self.clip_higher} >= 0")
+        if self.truncated_importance_sampling_ratio_cap < 0:
+            refuse("truncated_importance_sampling_ratio_cap must be >= 0 (0 disables it)")
+        if self.beta < 0:
+            refuse(f"beta={self.beta} must be >= 0")
+        if self.temperature <= 0:
+            refuse(f"temperature={self.temperature} must be > 0 for training rollouts (greedy is used for evaluation)")
+        for name in ("num_unique_prompts_rollout", "num_samples_per_prompt_rollout", "per_device_train_batch_size",
+                     "num_mini_batches", "num_epochs", "num_training_steps", "response_length", "max_prompt_length"):
+            if getattr(self, name) < 1:
+                refuse(f"{name}={getattr(self, name)} must be >= 1")
+        if self.num_samples_per_prompt_rollout < 2:
+            refuse("num_samples_per_prompt_rollout must be >= 2: GRPO's advantage compares samples of one prompt")
+        if self.num_unique_prompts_rollout % self.num_mini_batches:
+            refuse(f"num_unique_prompts_rollout={self.num_unique_prompts_rollout} must be divisible by "
+                   f"num_mini_batches={self.num_mini_batches} (each mini-batch takes whole groups)")
+        if self.vllm_max_model_len is not None and self.vllm_max_model_len < self.max_prompt_length + self.response_length:
+            refuse(f"vllm_max_model_len={self.vllm_max_model_len} is below max_prompt_length + response_length = "
+                   f"{self.max_prompt_length + self.response_length}; raise it or leave it None")
+
+    def batch_plan(self, world_size: int) -> dict:
+        """Derive the per-rank batch arithmetic; refuse numbers that do not divide.
+
+        Rollout: prompts x samples sequences, split into num_mini_batches optimizer steps,
+        each spread over world_size ranks and cut into micro-batches of
+        per_device_train_batch_size (gradient accumulation). Whole groups stay together
+        only at the mini-batch level; ranks may hold parts of a group.
+        """
+        seqs = self.num_unique_prompts_rollout * self.num_samples_per_prompt_rollout
+        per_mini = seqs // self.num_mini_batches
+        if per_mini % world_size:
+            raise ValueError(f"{per_mini} sequences per mini-batch (num_unique_prompts_rollout x "
+                             f"num_samples_per_prompt_rollout / num_mini_batches) do not split over {world_size} ranks; "
+                             f"make it a multiple of the world size")
+        per_rank = per_mini // world_size
+        if per_rank % self.per_device_train_batch_size:
+            raise ValueError(f"{per_rank} sequences per rank per mini-batch is not a multiple of "
+                             f"per_device_train_batch_size={self.per_device_train_batch_size}; pick a divisor of {per_rank}")
+        return dict(sequences=seqs, mini_batches=self.num_mini_batches, per_mini_batch=per_mini,
+                    per_rank=per_rank, accumulation_steps=per_rank // self.per_device_train_batch_size,
+                    optimizer_steps=self.num_mini_batches * self.num_epochs)
+
+
+# --- command line and config file
+
+def field_comments() -> dict:
+    """The one-line comment of each field, read from this file's source."""
+    with open(__file__) as f:
+        src = f.read()
+    return dict(re.findall(r"^    (\w+): [^\n]*?  # ([^\n]*)$", src, flags=re.M))
+
+
+def convert(name: str, text, tp):
+    """Turn a flag's text (or a TOML value) into the field's type; ValueError if it does not fit."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union:  # Optional[X]
+        if isinstance(text, str) and text.lower() in ("none", "null"):
+            return None
+        return convert(name, text, next(a for a in args if a is not type(None)))
+    if origin is list:
+        items = text if isinstance(text, list) else [t for t in str(text).split(",") if t]
+        return [convert(name, t, args[0]) for t in items]
+    if tp is bool:
+        if isinstance(text, bool):
+            return text
+        if str(text).lower() in ("true", "1", "yes"):
+            return True
+        if str(text).lower() in ("false", "0", "no"):
+            return False
+        raise ValueError(f"--{name} expects true or false, got {text!r}")
+    if tp is str and isinstance(text, str):
+        return text
+    if tp is int and isinstance(text, int) and not isinstance(text, bool):
+        return text
+    if tp is int and isinstance(text, str) and re.fullmatch(r"[+-]?\d+", text.strip()):
+        return int(text)
+    if tp is float and not isinstance(text, (bool, list, dict)):
+        try:
+            return float(text)
+        except ValueError:
+            pass
+    raise ValueError(f"--{name} expects {tp.__name__}, got {text!r}")
+
+
+def help_text() -> str:
+    comments = field_comments()
+    lines = ["usage: train.py [--config FILE.toml] [--key value | --key=value ...]", "",
+             "Every field of Config (also valid as a key in the TOML file; flags override it):"]
+    for f in dataclasses.fields(Config):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        lines.append(f"  --{f.name} (default {default!r})\n      {comments.get(f.name, '')}")
+    return "\n".join(lines)
+
+
+def unknown(name: str, names: list) -> str:
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
+    return f"unknown option {name!r}" + (f"; did you mean {close[0]!r}?" if close else "; see --help")
+
+
+def parse_args(argv=None) -> Config:
+    """`--key value`, `--key=value`, bare `--flag` for booleans, `--config FILE.toml` (flags win).
+
+    Unknown keys and values of the wrong type exit with status 2 and one line on stderr;
+    contradictions between fields raise ValueError from Config.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    types = {f.name: f.type for f in dataclasses.fields(Config)}
+    types = {k: eval(v, globals()) if isinstance(v, str) else v for k, v in types.items()}
+
+    def fail(msg):
+        print(f"error: {msg}", file=sys.stderr)
+        raise SystemExit(2)
+
+    if "-h" in argv or "--help" in argv:
+        print(help_text())
+        raise SystemExit(0)
+    pairs, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            fail(f"unexpected argument {arg!r}; options look like --key value")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if types.get(key) is bool and (nxt is None or nxt.startswith("--")):
+                value = "true"
+            elif nxt is None:
+                fail(f"--{key} needs a value")
+            else:
+                value, i = nxt, i + 1
+        pairs.append((key, value))
+        i += 1
+
+    values = {}
+    for key, value in pairs:
+        if key == "config":
+            try:
+                with open(value, "rb") as f:
+                    file_values = tomllib.load(f)
+            except FileNotFoundError:
+                fail(f"config file {value!r} does not exist; pass the path of a TOML file")
+            except tomllib.TOMLDecodeError as e:
+                fail(f"config file {value!r} is not valid TOML: {e}")
+            for k, v in file_values.items():
+                if k not in types:
+                    fail(f"{value}: " + unknown(k, list(types)))
+                values.setdefault(k, (v, "file"))
+    for key, value in pairs:
+        if key == "config":
+            continue
+        if key not in types:
+            fail(unknown(key, list(types)))
+        values[key] = (value, "cli")
+    kwargs = {}
+    for key, (value, _) in values.items():
+        try:
+            kwargs[key] = convert(key, value, types[key])
+        except ValueError as e:
+            fail(str(e))
+    return Config(**kwargs)

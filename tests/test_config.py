@@ -1,0 +1,132 @@
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+
+from config import Config, help_text, parse_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (bad overrides, a message fragment, good overrides that fix it)
+RULES = [
+    (dict(use_vllm_logprobs=True, truncated_importance_sampling_ratio_cap=2.0), "contradiction",
+     dict(use_vllm_logprobs=True, truncated_importance_sampling_ratio_cap=0.0)),
+    (dict(loss_denominator="tokens"), "loss_denominator", dict(loss_denominator="1024")),
+    (dict(loss_denominator="-5"), "positive", dict(loss_denominator=5)),
+    (dict(checkpoint_state_dir="ckpt"), "checkpoint_state_freq", dict(checkpoint_state_dir="ckpt", checkpoint_state_freq=10)),
+    (dict(checkpoint_state_freq=10), "checkpoint_state_dir", dict(checkpoint_state_freq=-1)),
+    (dict(load_ref_policy=False, beta=0.1), "beta", dict(load_ref_policy=False, beta=0.0)),
+    (dict(load_ref_policy=False, ref_policy_update_freq=5), "no reference", dict(ref_policy_update_freq=5)),
+    (dict(ref_policy_update_freq=0), "positive", dict(ref_policy_update_freq=1)),
+    (dict(alpha=0.0), "alpha", dict(alpha=1.0)),
+    (dict(sequence_parallel_size=2), "sequence parallelism", dict(sequence_parallel_size=1)),
+    (dict(kl_topk=4), "kl_topk", dict(kl_topk=4, kl_estimator="topk")),
+    (dict(kl_estimator="topk", kl_topk=-1), "kl_topk", dict(kl_estimator="topk", kl_topk=0)),
+    (dict(loss_fn="ppo"), "loss_fn", dict(loss_fn="cispo")),
+    (dict(kl_estimator="k5"), "kl_estimator", dict(kl_estimator="k4")),
+    (dict(advantage_normalization_type="z"), "advantage_normalization_type", dict(advantage_normalization_type="centered")),
+    (dict(lr_scheduler_type="step"), "lr_scheduler_type", dict(lr_scheduler_type="cosine")),
+    (dict(weight_sync_transport="ipc"), "weight_sync_transport", dict(weight_sync_transport="nccl")),
+    (dict(clip_lower=1.0), "clip_lower", dict(clip_lower=0.0)),
+    (dict(beta=-1.0), "beta", dict(beta=1.0)),
+    (dict(temperature=0.0), "temperature", dict(temperature=0.7)),
+    (dict(num_samples_per_prompt_rollout=1), "num_samples_per_prompt_rollout", dict(num_samples_per_prompt_rollout=2)),
+    (dict(num_epochs=0), "num_epochs", dict(num_epochs=2)),
+    (dict(num_mini_batches=3), "divisible", dict(num_mini_batches=4)),
+    (dict(vllm_max_model_len=32), "vllm_max_model_len", dict(vllm_max_model_len=80)),
+    (dict(truncated_importance_sampling_ratio_cap=-1.0), "truncated_importance", dict(truncated_importance_sampling_ratio_cap=2.0)),
+]
+
+
+@pytest.mark.parametrize("bad,fragment,good", RULES, ids=[f"{i}-{r[1]}" for i, r in enumerate(RULES)])
+def test_rule_rejects_bad_accepts_good(bad, fragment, good):
+    with pytest.raises(ValueError, match=fragment):
+        Config(**bad)
+    Config(**good)
+
+
+def test_defaults_follow_seed_002():
+    c = Config()
+    assert (c.alpha, c.ref_policy_update_freq, c.loss_denominator, c.clip_lower) == (0.6, None, "token", 0.2)
+
+
+def test_batch_plan_divides_and_names_the_numbers():
+    c = Config(num_unique_prompts_rollout=16, num_samples_per_prompt_rollout=8, num_mini_batches=2,
+               per_device_train_batch_size=8)
+    plan = c.batch_plan(world_size=2)
+    assert plan == dict(sequences=128, mini_batches=2, per_mini_batch=64, per_rank=32, accumulation_steps=4,
+                        optimizer_steps=2)
+    with pytest.raises(ValueError, match="3 ranks"):
+        c.batch_plan(world_size=3)
+    with pytest.raises(ValueError, match="per_device_train_batch_size=5"):
+        Config(per_device_train_batch_size=5).batch_plan(world_size=2)
+
+
+def test_cli_forms():
+    c = parse_args(["--beta", "0.1", "--clip_higher=0.3", "--with_tracking", "--filter_zero_std_samples=false",
+                    "--ref_policy_update_freq", "None", "--vllm_server_urls", "http://a:1,http://b:2",
+                    "--loss_denominator", "512", "--seed", "7"])
+    assert c.beta == 0.1 and c.clip_higher == 0.3 and c.with_tracking is True
+    assert c.filter_zero_std_samples is False and c.ref_policy_update_freq is None
+    assert c.vllm_server_urls == ["http://a:1", "http://b:2"] and c.loss_denominator == "512" and c.seed == 7
+    assert parse_args(["--ref_policy_update_freq", "4"]).ref_policy_update_freq == 4
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--learning_rat", "1e-4"], "did you mean 'learning_rate'"),
+    (["--seed", "1.5"], "--seed expects int"),
+    (["--beta", "abc"], "--beta expects float"),
+    (["--with_tracking", "maybe"], "true or false"),
+    (["--beta"], "needs a value"),
+    (["beta", "1"], "unexpected argument"),
+    (["--config", "/nonexistent.toml"], "does not exist"),
+])
+def test_cli_rejects_with_exit_2(argv, fragment, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert fragment in err and err.count("\n") == 1
+
+
+def test_cli_contradiction_raises_value_error():
+    with pytest.raises(ValueError, match="beta"):
+        parse_args(["--load_ref_policy=false", "--beta", "0.5"])
+
+
+def test_file_then_cli_precedence(tmp_path, capsys):
+    f = tmp_path / "run.toml"
+    f.write_text('beta = 0.2\nseed = 3\nvllm_server_urls = ["http://x:1"]\nwith_tracking = true\n')
+    c = parse_args(["--config", str(f), "--seed", "9"])
+    assert (c.beta, c.seed, c.vllm_server_urls, c.with_tracking) == (0.2, 9, ["http://x:1"], True)
+    c = parse_args(["--seed=9", "--config", str(f)])  # order on the line does not matter: flags win
+    assert c.seed == 9
+    f.write_text("betta = 0.2\n")
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(f)])
+    assert "did you mean 'beta'" in capsys.readouterr().err
+    f.write_text('seed = "three"\n')
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(f)])
+    assert "--seed expects int" in capsys.readouterr().err
+
+
+def test_help_lists_every_field_with_default_and_comment():
+    text = help_text()
+    for f in dataclasses.fields(Config):
+        line = next(line for line in text.splitlines() if line.startswith(f"  --{f.name} (default"))
+        comment = text.split(line + "\n", 1)[1].splitlines()[0].strip()
+        assert comment, f"{f.name} has no comment"
+
+
+def test_train_py_help():
+    out = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0
+    assert "--ref_policy_update_freq (default None)" in out.stdout and "--alpha (default 0.6)" in out.stdout
+
+
+def test_train_py_bad_value_is_one_line():
+    out = subprocess.run([sys.executable, "train.py", "--loss_fn", "ppo"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "loss_fn='ppo'" in out.stderr

@@ -1,0 +1,145 @@
+import json
+
+import pytest
+
+import data
+from config import Config
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def test_tasks_are_deterministic_and_eval_is_held_out():
+    for task in data.TASKS:
+        a = data.task_rows(task, 200, seed=3, split="train")
+        assert a == data.task_rows(task, 200, seed=3, split="train")
+        assert a != data.task_rows(task, 200, seed=4, split="train")
+        evals = data.task_rows(task, 50, seed=3, split="eval")
+        assert not {r["prompt"] for r in a} & {r["prompt"] for r in evals}
+
+
+@pytest.mark.parametrize("answer,completion,expected", [
+    ("abca", "abca", 1.0), ("abca", "abcd", 0.75), ("abca", "abcaaaaa", 0.5), ("ab", "", 0.0), ("ab", "ba", 0.0),
+    ("abc", "a", 1 / 3),
+])
+def test_copy_reward(answer, completion, expected):
+    assert data.copy_reward("", completion, {"answer": answer}) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("answer,completion,expected", [
+    ("19", "19", 1.0), ("19", " 19 \nmore", 1.0), ("19", "190", 0.0), ("19", "", 0.0), (19, "19", 1.0),
+])
+def test_exact_match(answer, completion, expected):
+    assert data.exact_match("", completion, {"answer": answer}) == expected
+
+
+def test_task_answers_are_right():
+    for row in data.task_rows("add", 20, 0, "train"):
+        a, b = row["prompt"][:-1].split("+")
+        assert int(row["answer"]) == int(a) + int(b)
+    for row in data.task_rows("copy", 20, 0, "train"):
+        assert row["prompt"] == f"copy: {row['answer']}=" and data.copy_reward("", row["answer"], row) == 1.0
+
+
+def test_score_counts_raising_and_non_numeric_rewards():
+    def reward(p, c, ex):
+        if c == "boom":
+            raise RuntimeError("bad")
+        return {"x": None, "nan": float("nan"), "t": True}.get(c, 0.5)
+
+    rewards, errors, first = data.score(reward, ["p"] * 5, ["ok", "boom", "x", "nan", "t"], [{}] * 5)
+    assert rewards == [0.5, 0.0, 0.0, 0.0, 0.0] and errors == 4 and first == "RuntimeError: bad"
+
+
+def test_load_reward_fn(tmp_path):
+    assert data.load_reward_fn("data:exact_match") is data.exact_match
+    f = tmp_path / "my_reward.py"
+    f.write_text("def length(prompt, completion, example):\n    return float(len(completion))\n")
+    assert data.load_reward_fn(f"{f}:length")("", "abc", {}) == 3.0
+    for bad, fragment in [("data.exact_match", "module:function"), ("nope_module:f", "cannot import"),
+                          ("data:nope", "no function"), (f"{tmp_path}/missing.py:f", "does not exist")]:
+        with pytest.raises(ValueError, match=fragment):
+            data.load_reward_fn(bad)
+
+
+ROWS = [{"question": f"{i}+1=", "solution": str(i + 1), "id": i} for i in range(30)]
+
+
+def write(path, fmt):
+    import datasets
+
+    ds = datasets.Dataset.from_list(ROWS)
+    {"jsonl": lambda: ds.to_json(path, lines=True), "json": lambda: ds.to_json(path, lines=False),
+     "parquet": lambda: ds.to_parquet(path), "csv": lambda: ds.to_csv(path, index=False)}[fmt]()
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "parquet", "csv"])
+def test_load_local_formats_with_column_mapping(tmp_path, fmt, tokenizer):
+    path = str(tmp_path / f"rows.{fmt}")
+    write(path, fmt)
+    cfg = Config(dataset=path, dataset_prompt_column="question", dataset_answer_column="solution",
+                 num_eval_prompts=5)
+    train, evals, skipped, reward_fn = data.load_prompts(cfg, tokenizer)
+    assert len(train) == 25 and len(evals) == 5 and reward_fn is data.exact_match
+    rows = {r["id"]: r for r in train + evals}
+    assert sorted(rows) == list(range(30))
+    r = rows[7]
+    assert r["prompt"] == "7+1=" and str(r["answer"]) == "8" and tokenizer.decode(r["prompt_ids"]) == "7+1="
+
+
+@pytest.mark.parametrize("setup,fragment", [
+    (lambda p: None, "does not exist"),
+    (lambda p: p.write_text(""), "no rows|could not be read"),
+    (lambda p: p.write_text('{"text": "a"}\n'), "no column 'prompt' \\(columns: text\\)"),
+])
+def test_dataset_errors_name_the_fix(tmp_path, setup, fragment, tokenizer):
+    path = tmp_path / "d.jsonl"
+    setup(path)
+    with pytest.raises(ValueError, match=fragment):
+        data.load_prompts(Config(dataset=str(path)), tokenizer)
+
+
+def test_unknown_extension_and_missing_hub_dataset(tmp_path, tokenizer, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "d.txt").write_text("x")
+    with pytest.raises(ValueError, match="unknown type"):
+        data.load_prompts(Config(dataset=str(tmp_path / "d.txt")), tokenizer)
+    with pytest.raises(ValueError, match="neither a built-in task"):
+        data.load_prompts(Config(dataset="no-such-org/no-such-dataset"), tokenizer)
+
+
+def test_bad_rows_are_skipped_and_counted(tmp_path, tokenizer):
+    path = tmp_path / "d.jsonl"
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "   ", "answer": "0"},
+            {"prompt": "9" * 100, "answer": "0"}, {"prompt": [{"role": "user", "content": "hi"}], "answer": "x"},
+            {"prompt": [{"no_role": 1}], "answer": "0"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows[:3]) + "\n")
+    train, _, skipped, _ = data.load_prompts(Config(dataset=str(path), max_prompt_length=64, num_eval_prompts=0), tokenizer)
+    assert len(train) == 1 and skipped == {"empty": 1, "malformed": 0, "too_long": 1}
+    with pytest.raises(ValueError, match="over max_prompt_length=64"):
+        data.load_prompts(Config(dataset=str(path), skip_long_prompts=False, num_eval_prompts=0), tokenizer)
+    kept, skipped = data.tokenize_rows(rows[3:], tokenizer, Config())
+    assert len(kept) == 1 and skipped["malformed"] == 1
+    assert kept[0]["prompt_text"] == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_chat_template_on_string_prompts(tokenizer):
+    train, evals, _, reward_fn = data.load_prompts(Config(dataset="add", apply_chat_template=True), tokenizer)
+    assert train[0]["prompt_text"].startswith("<|im_start|>user\n") and reward_fn is data.exact_match
+    ids = train[0]["prompt_ids"]
+    assert tokenizer.convert_ids_to_tokens(ids[0]) == "<|im_start|>"
+
+
+def test_sampler_is_seeded_epoch_shuffled_and_resumable():
+    rows = list(range(10))
+    s = data.PromptSampler(rows, seed=1)
+    first = s.next_batch(10)
+    assert sorted(first) == rows and first != rows
+    s2 = data.PromptSampler(rows, seed=1)
+    s2.position = 4
+    assert s2.next_batch(10) == first[4:] + data.PromptSampler(rows, seed=1).next_batch(20)[10:14]
