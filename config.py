@@ -38,7 +38,7 @@ class Config:
     top_p: float = 1.0  # nucleus sampling for training rollouts
     vllm_server_urls: list[str] = field(default_factory=list)  # servers you run yourself (comma separated); empty = launch one
     vllm_port: int = 8011  # port of the server we launch
-    vllm_dtype: str = "auto"  # dtype of the server we launch (auto, float32, bfloat16)
+    vllm_dtype: str = "auto"  # dtype of the server we launch; auto = the trainer's (float32 on CPU, bfloat16 on GPU)
     vllm_max_model_len: Optional[int] = None  # context of the server we launch; None = max_prompt_length + response_length
     vllm_kv_cache_space_gb: int = 1  # KV cache size of a CPU server we launch (VLLM_CPU_KVCACHE_SPACE)
     vllm_gpu_memory_utilization: float = 0.9  # memory fraction of a GPU server we launch
@@ -46,6 +46,8 @@ class Config:
     vllm_request_timeout: float = 120.0  # seconds for one HTTP request to a server
     vllm_max_retries: int = 3  # retries (with backoff) of a failed request before the run stops
     weight_sync_transport: str = "filesystem"  # filesystem (safetensors + reload_weights, CPU and GPU) or nccl (GPU servers)
+    weight_sync_master_address: str = "127.0.0.1"  # nccl: address of trainer rank 0 as the vLLM server sees it
+    weight_sync_master_port: int = 29555  # nccl: port of the weight-transfer rendezvous on trainer rank 0
     vllm_logp_tolerance: float = 1e-2  # max |trainer - vLLM| logprob after a sync before it counts as failed
     # --- batch
     num_unique_prompts_rollout: int = 16  # prompts per step
@@ -123,6 +125,9 @@ class Config:
             refuse(f"ref_policy_update_freq={self.ref_policy_update_freq} must be a positive number of steps, or None")
         if not 0.0 < self.alpha <= 1.0:
             refuse(f"alpha={self.alpha} must be in (0, 1]: ref = alpha * policy + (1 - alpha) * ref")
+        if self.weight_sync_transport == "nccl" and len(self.vllm_server_urls) > 1:
+            refuse("weight_sync_transport='nccl' supports one vLLM server; give one vllm_server_urls entry "
+                   "or use weight_sync_transport='filesystem'")
         if self.sequence_parallel_size != 1:
             refuse(f"sequence_parallel_size={self.sequence_parallel_size}: sequence parallelism is not implemented "
                    "in this FSDP2 trainer (every rank holds whole sequences); set it to 1")

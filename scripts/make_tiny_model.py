@@ -5,9 +5,10 @@
     python scripts/make_tiny_model.py --out models/24m --hidden-size 512 --layers 8 --heads 8 --kv-heads 2
 
 The directory loads with AutoModelForCausalLM, AutoTokenizer and the vLLM server. head_dim
-is fixed at 64: vLLM's CPU attention kernels refuse 16. The tokenizer maps one character
+is hidden-size / heads, 64 by default: vLLM's CPU attention kernels refuse 16. The tokenizer maps one character
 to one token (lower-case letters, digits, punctuation, space, newline) plus ChatML-style
 special tokens, and carries a chat template so the chat path can be exercised.
+Characters outside that set (upper case, for one) are dropped by the tokenizer.
 """
 
 import argparse
@@ -22,14 +23,20 @@ CHAT_TEMPLATE = (
 
 
 def build_tokenizer():
-    from tokenizers import Tokenizer, decoders, models
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
-    # BPE without merges splits every string into single characters; Fuse joins them back.
+    # Byte-level, like GPT-2 and Qwen2 (space is stored as "Ġ", newline as "Ċ"), so that
+    # AutoTokenizer's Qwen2Tokenizer, which re-applies its own byte-level pre-tokenizer,
+    # reads the file as the same tokenizer. BPE without merges splits into characters.
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    for c in CHARS:
+        vocab[byte_level.pre_tokenize_str(c)[0][0]] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.add_special_tokens(SPECIALS)
-    tok.decoder = decoders.Fuse()
+    tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
                                    eos_token="<eos>", chat_template=CHAT_TEMPLATE)
 

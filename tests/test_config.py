@@ -36,6 +36,7 @@ RULES = [
     (dict(num_epochs=0), "num_epochs", dict(num_epochs=2)),
     (dict(num_mini_batches=3), "divisible", dict(num_mini_batches=4)),
     (dict(vllm_max_model_len=32), "vllm_max_model_len", dict(vllm_max_model_len=80)),
+    (dict(weight_sync_transport="nccl", vllm_server_urls=["a", "b"]), "one vLLM server", dict(vllm_server_urls=["a", "b"])),
     (dict(truncated_importance_sampling_ratio_cap=-1.0), "truncated_importance", dict(truncated_importance_sampling_ratio_cap=2.0)),
 ]
 

@@ -1,0 +1,156 @@
+"""Rollouts against a real vLLM CPU server: generation, weight sync, failures."""
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import rollout
+from config import Config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CFG = Config(max_prompt_length=48, response_length=16, vllm_startup_timeout=400, vllm_request_timeout=60,
+             vllm_max_retries=1)
+
+
+def serve(model_dir, tmp, port):
+    """Launch a server on the untied serving copy of model_dir, as the trainer does."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    serving = os.path.join(tmp, "serving")
+    rollout.write_serving_dir(rollout.full_state_dict(model), model.config, AutoTokenizer.from_pretrained(model_dir),
+                              serving)
+    proc, url = rollout.launch_server(serving, CFG, os.path.join(tmp, "vllm.log"), port=port)
+    return model, rollout.VLLMClient([url], serving, timeout=60, max_retries=1, proc=proc,
+                                     log_path=os.path.join(tmp, "vllm.log"))
+
+
+@pytest.fixture(scope="module")
+def untied(tiny_model_dir, tmp_path_factory):
+    model, client = serve(tiny_model_dir, str(tmp_path_factory.mktemp("untied")), 8021)
+    yield model, client
+    rollout.stop_server(client.proc)
+
+
+@pytest.fixture(scope="module")
+def tied(tied_model_dir, tmp_path_factory):
+    model, client = serve(tied_model_dir, str(tmp_path_factory.mktemp("tied")), 8022)
+    yield model, client
+    rollout.stop_server(client.proc)
+
+
+SEQS = [[7, 8, 9, 10, 11, 12, 13, 14], [20, 21, 22, 5, 6], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41]]
+
+
+@pytest.mark.slow
+def test_generate_shape_ids_and_seed(untied):
+    _, client = untied
+    prompts = [[7, 8, 9], [20, 21], [30, 31, 32, 33]]
+    out = client.generate(prompts, n=4, max_tokens=12, temperature=1.0, seed=5)
+    assert len(out) == 3 and all(len(group) == 4 for group in out)
+    for group in out:
+        for s in group:
+            assert 1 <= len(s["token_ids"]) <= 12 and all(0 <= t < 64 for t in s["token_ids"])
+            assert len(s["logprobs"]) == len(s["token_ids"]) and all(lp <= 0 for lp in s["logprobs"])
+            assert s["finish_reason"] in ("stop", "length")
+            assert (s["finish_reason"] == "stop") == (s["token_ids"][-1] == 2)  # eos
+        assert len({tuple(s["token_ids"]) for s in group}) > 1  # n samples differ
+    assert client.generate(prompts, n=4, max_tokens=12, seed=5) == out
+    assert client.generate(prompts, n=4, max_tokens=12, seed=6) != out
+
+
+@pytest.mark.slow
+def test_sampling_logprobs_match_trainer(untied):
+    model, client = untied
+    s = client.generate([[7, 8, 9]], n=2, max_tokens=10, temperature=0.7, seed=1)[0][0]
+    seq = [7, 8, 9] + s["token_ids"]
+    trainer = rollout.trainer_logprobs(model, [seq], temperature=0.7)[0][2:]
+    assert max(abs(a - b) for a, b in zip(trainer, s["logprobs"])) < 1e-4  # vLLM reports tempered logprobs
+
+
+def perturb_sync_check(model, client, tmp, seed):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p) * p.abs().mean())
+    before = rollout.logprob_diff(rollout.trainer_logprobs(model, SEQS), client.score(SEQS))
+    rollout.sync_weights_filesystem(model, client, tmp, rank=0)
+    after = rollout.logprob_diff(rollout.trainer_logprobs(model, SEQS), client.score(SEQS))
+    return before, after
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["untied", "tied"])
+def test_sync_of_perturbed_weights_matches_transformers(which, request, tmp_path):
+    model, client = request.getfixturevalue(which)
+    for seed in (0, 1):  # twice: the second sync must replace the first
+        before, after = perturb_sync_check(model, client, str(tmp_path), seed)
+        assert before[1] > 1e-3, "the perturbation did not change the logprobs; the test would prove nothing"
+        assert after[1] < 1e-4, f"{which}: server disagrees with transformers after sync: {after}"
+    if which == "tied":
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.slow
+def test_fsdp2_sharded_sync_on_two_ranks(untied, tiny_model_dir, tmp_path):
+    """Two gloo ranks shard the model with FSDP2, perturb it identically, and sync;
+    rank 0 then finds the server equal to the full model."""
+    _, client = untied
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29601",
+           os.path.join(ROOT, "tests", "dist_sync_worker.py"), tiny_model_dir, client.urls[0], client.model,
+           str(tmp_path)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "SYNC OK" in out.stdout, out.stdout[-2000:]
+
+
+def test_unreachable_server_fails_with_name_and_reason():
+    client = rollout.VLLMClient(["http://127.0.0.1:9"], "m", timeout=2, max_retries=2)
+    t = time.monotonic()
+    with pytest.raises(rollout.VLLMError, match=r"http://127.0.0.1:9 failed /v1/completions after 3 attempt\(s\)"):
+        client.generate([[1, 2]], n=2, max_tokens=4)
+    assert time.monotonic() - t < 20
+
+
+def test_request_timeout_is_bounded():
+    """A server that accepts and never answers: the client gives up after its retries."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    conns = []
+    threading.Thread(target=lambda: [conns.append(sock.accept()) for _ in range(8)], daemon=True).start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    client = rollout.VLLMClient([url], "m", timeout=0.5, max_retries=1)
+    t = time.monotonic()
+    with pytest.raises(rollout.VLLMError, match="timed out"):
+        client.score([[1, 2, 3]])
+    assert time.monotonic() - t < 10
+    sock.close()
+
+
+@pytest.mark.slow
+def test_server_that_cannot_start_quotes_its_log(tmp_path):
+    bad = tmp_path / "not_a_model"
+    bad.mkdir()
+    (bad / "config.json").write_text("{}")
+    cfg = Config(vllm_startup_timeout=120)
+    with pytest.raises(rollout.VLLMError, match="exited with code") as e:
+        rollout.launch_server(str(bad), cfg, str(tmp_path / "log"), port=8023)
+    assert "log " in str(e.value) and len(str(e.value).splitlines()) > 2
+
+
+@pytest.mark.slow
+def test_killed_server_gives_clear_error(untied):  # last: it kills the module's server
+    _, client = untied
+    client.proc.kill()
+    client.proc.wait()
+    t = time.monotonic()
+    with pytest.raises(rollout.VLLMError, match="died"):
+        client.generate([[7, 8]], n=2, max_tokens=4)
+    assert time.monotonic() - t < 5
