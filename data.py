@@ -232,3 +232,44 @@ class PromptSampler:
             batch.append(self.rows[self._order[i]])
             self.position += 1
         return batch
+
+
+# --- rollouts to tensors
+
+
+def split_for_ranks(samples, num_mini_batches, world_size, rank):
+    """Cut a rollout batch into mini-batches (consecutive, so groups stay together) and give
+    each rank every world_size-th sample of each. Ranks must run the same number of
+    forward passes, so a rank that comes up short gets padding samples that carry no
+    tokens (valid=False)."""
+    out, n = [], len(samples)
+    bounds = [round(i * n / num_mini_batches) for i in range(num_mini_batches + 1)]
+    for lo, hi in zip(bounds, bounds[1:]):
+        mini = samples[lo:hi]
+        mine = mini[rank::world_size]
+        per_rank = -(-len(mini) // world_size)
+        mine += [dict(prompt_ids=[0], token_ids=[0], logprobs=[0.0], adv=0.0, valid=False)] * (per_rank - len(mine))
+        out.append((mine, sum(len(s["token_ids"]) for s in mini), len(mini)))
+    return out  # [(this rank's samples, tokens in the whole mini-batch, sequences in it)]
+
+
+def collate(samples, pad_id):
+    """Right-padded input_ids and attention_mask (B, T), the completion mask over next-token
+    targets (B, T-1), and per-token vllm_logp and adv (N,) in the mask's row-major order."""
+    import torch
+
+    width = max(len(s["prompt_ids"]) + len(s["token_ids"]) for s in samples)
+    input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(samples), width), dtype=torch.long)
+    mask = torch.zeros((len(samples), width - 1), dtype=torch.bool)
+    vllm_logp, adv = [], []
+    for i, s in enumerate(samples):
+        p, c = len(s["prompt_ids"]), len(s["token_ids"])
+        input_ids[i, :p + c] = torch.tensor(s["prompt_ids"] + s["token_ids"])
+        attention_mask[i, :p + c] = 1
+        if s.get("valid", True):
+            mask[i, p - 1:p + c - 1] = True  # the hidden state at p-1 predicts the first completion token
+            vllm_logp += s["logprobs"]
+            adv += [s["adv"]] * c
+    return dict(input_ids=input_ids, attention_mask=attention_mask, mask=mask,
+                vllm_logp=torch.tensor(vllm_logp, dtype=torch.float32), adv=torch.tensor(adv, dtype=torch.float32))

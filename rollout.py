@@ -103,9 +103,17 @@ class VLLMClient:
     """HTTP client over one or more servers: bounded retries with backoff, concurrent
     requests spread round-robin, errors that name the server and quote what it said."""
 
-    def __init__(self, urls, model, timeout=120.0, max_retries=3, proc=None, log_path=None):
-        self.urls, self.model, self.timeout, self.max_retries = list(urls), model, timeout, max_retries
+    def __init__(self, urls, model=None, timeout=120.0, max_retries=3, proc=None, log_path=None):
+        self.urls, self.timeout, self.max_retries = list(urls), timeout, max_retries
         self.proc, self.log_path = proc, log_path  # set when we launched the (single) server
+        self.model = model or self.get(self.urls[0], "/v1/models")["data"][0]["id"]  # the name it serves
+
+    def get(self, url, route):
+        try:
+            with urllib.request.urlopen(url + route, timeout=self.timeout) as r:
+                return json.loads(r.read())
+        except (urllib.error.URLError, OSError) as e:
+            raise VLLMError(f"vLLM server {url} did not answer {route}: {getattr(e, 'reason', e)}") from None
 
     def post(self, url, route, payload=None, params=""):
         data = json.dumps(payload or {}).encode()

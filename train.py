@@ -1,19 +1,185 @@
 """GRPO on PyTorch FSDP2 with rollouts from a vLLM server and an EMA reference policy.
 
-    python train.py --help                                   # every config field
-    python scripts/make_tiny_model.py --out models/tiny      # a random 0.3 M model
-    torchrun --nproc_per_node 2 train.py --dataset copy --output_dir output/demo
+    python scripts/make_tiny_model.py --out models/tiny          # a random 0.3 M model
+    python train.py --num_training_steps 20                      # one process (breakpoint() works)
+    torchrun --nproc_per_node 2 train.py --output_dir output/demo  # 2 CPU ranks (gloo)
+    torchrun --nproc_per_node 8 train.py --model_name_or_path Qwen/Qwen2.5-0.5B --dataset my.jsonl \
+        --vllm_server_urls http://gpu-node:8000                  # 8 GPUs (nccl), your vLLM server
+    python train.py --help                                       # every config field
 
-This version carries the foundation: config, tokenizer, prompts and rewards. It checks
-the run's inputs and batch arithmetic, prints them, and stops before training (the
-FSDP2 step loop is the next piece).
+One step: rank 0 asks vLLM for completions, scores them and computes group advantages;
+every rank gets the batch, computes old/reference logprobs, and trains on its share
+(FSDP2, one fully_shard per decoder layer then the root); the reference moves toward
+the policy (one foreach lerp on local shards); the weights go back into vLLM.
+
+Where this differs from the papers:
+- Advantages use the group std with Bessel's correction (like TRL), eps 1e-6.
+- The "token" denominator counts the valid tokens of the whole optimizer step over all
+  ranks and micro-batches (not a per-micro-batch mean, which overweights short answers).
+- Logprobs, old and new, are taken at the sampling temperature (vLLM reports
+  temperature-processed logprobs too), so the ratio compares the policies that sampled.
+- With one mini-batch and one epoch, old_logp is the detached new logp (ratio 1, one
+  forward pass saved); vLLM's logprobs are compared against it every step.
 """
 
+import json
 import os
+import platform
+import resource
+import socket
+import subprocess
 import sys
+import time
+import types
+from dataclasses import asdict
+from datetime import timedelta
 
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from tqdm import tqdm
+
+import rollout
 from config import Config, parse_args
-from data import load_prompts
+from data import PromptSampler, collate, load_prompts, score, split_for_ranks
+from loss import grpo_loss, group_advantages, step_denominator, token_logprobs
+from reference import EMAReference
+
+
+def setup_distributed(cfg):
+    """gloo on CPU, nccl on CUDA; under torchrun or as a plain process (a world of one)."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=cfg.backend_timeout))
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    return dist.get_rank(), dist.get_world_size(), device, mesh
+
+
+def sequence_logprobs(self, input_ids, attention_mask, mask, temperature):
+    """logp and entropy (N,) of the completion tokens selected by mask (B, T-1). A forward
+    method of the model, so FSDP2 gathers the LM head for it as for forward()."""
+    hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, H)
+    return token_logprobs(hidden[:, :-1][mask], self.lm_head.weight, input_ids[:, 1:][mask], temperature)
+
+
+def load_model(cfg, device, mesh):
+    """The HF model, sharded with FSDP2: each decoder layer, then the root."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" \
+        else MixedPrecisionPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    model.sequence_logprobs = types.MethodType(sequence_logprobs, model)
+    register_fsdp_forward_method(model, "sequence_logprobs")
+    return model
+
+
+def train_on_rollouts(cfg, policy, ref_model, optimizer, scheduler, samples, rank, world_size, device, pad_id):
+    """Mini-batches x epochs of GRPO updates on one rollout batch. Returns summed metrics."""
+    minis = split_for_ranks(samples, cfg.num_mini_batches, world_size, rank)
+    micro = [[collate(mine[i:i + cfg.per_device_train_batch_size], pad_id) for i in
+              range(0, len(mine), cfg.per_device_train_batch_size)] for mine, _, _ in minis]
+    fwd = lambda model, b: model.sequence_logprobs(b["input_ids"].to(device), b["attention_mask"].to(device),  # noqa: E731
+                                                   b["mask"].to(device), cfg.temperature)
+    reuse_old = cfg.num_mini_batches == 1 and cfg.num_epochs == 1 and not cfg.use_vllm_logprobs
+    with torch.no_grad():  # --- old and reference logprobs, before any update
+        for b in (b for mbs in micro for b in mbs):
+            b["vllm_logp"], b["adv"] = b["vllm_logp"].to(device), b["adv"].to(device)
+            if cfg.use_vllm_logprobs:
+                b["old_logp"] = b["vllm_logp"]
+            elif not reuse_old:
+                b["old_logp"] = fwd(policy, b)[0]
+            if cfg.beta > 0:
+                b["ref_logp"] = fwd(ref_model, b)[0]
+    sums = torch.zeros(9, dtype=torch.float64, device=device)
+    for _ in range(cfg.num_epochs):
+        for (_, n_tokens, n_seqs), mbs in zip(minis, micro):
+            denom = step_denominator(cfg.loss_denominator, n_tokens, n_seqs)
+            for i, b in enumerate(mbs):
+                policy.set_requires_gradient_sync(i == len(mbs) - 1)  # reduce-scatter once per step
+                logp, entropy = fwd(policy, b)  # --- loss
+                old_logp = logp.detach() if reuse_old else b["old_logp"]
+                tis = None
+                if cfg.truncated_importance_sampling_ratio_cap > 0:
+                    tis = torch.exp(old_logp - b["vllm_logp"]).clamp(max=cfg.truncated_importance_sampling_ratio_cap)
+                loss, s = grpo_loss(logp, old_logp, b["adv"], denom, loss_fn=cfg.loss_fn, clip_lower=cfg.clip_lower,
+                                    clip_higher=cfg.clip_higher, ref_logp=b.get("ref_logp"), beta=cfg.beta,
+                                    kl_estimator=cfg.kl_estimator, tis_weight=tis)
+                loss.backward()
+                diff = (old_logp - b["vllm_logp"]).abs()
+                sums[:8] += torch.stack([loss.detach() * denom, s["pg_loss"], s["kl"], s["clip_frac"], entropy.sum(),
+                                         diff.sum(), torch.tensor(float(logp.numel()), device=device),
+                                         torch.tensor(0.0, device=device)]).double()
+                sums[8] = torch.maximum(sums[8], diff.max().double() if diff.numel() else sums[8])
+            # --- optimizer
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm or float("inf"))
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            if torch.isfinite(grad_norm):
+                optimizer.step()
+            else:
+                sums[7] += 1  # non-finite gradient: the step is skipped
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+    sum_part, max_part = sums[:8].clone(), sums[8:].clone()
+    dist.all_reduce(sum_part)
+    dist.all_reduce(max_part, op=dist.ReduceOp.MAX)
+    n = max(sum_part[6].item(), 1.0)
+    return dict(loss=sum_part[0].item() / n, pg_loss=sum_part[1].item() / n, kl=sum_part[2].item() / n,
+                clip_frac=sum_part[3].item() / n, entropy=sum_part[4].item() / n,
+                vllm_logp_diff_mean=sum_part[5].item() / n, vllm_logp_diff_max=max_part[0].item(),
+                skipped_steps=int(sum_part[7].item()), grad_norm=grad_norm.item(), trained_tokens=int(n))
+
+
+def evaluate(cfg, client, eval_rows, reward_fn):
+    """Greedy decoding on held-out prompts; the task's mean reward."""
+    if not eval_rows:
+        return None
+    out = client.generate([r["prompt_ids"] for r in eval_rows], n=1, max_tokens=cfg.response_length, temperature=0.0)
+    rewards, _, _ = score(reward_fn, [r["prompt_text"] for r in eval_rows], [g[0]["text"] for g in out], eval_rows)
+    return sum(rewards) / len(rewards)
+
+
+def run_info(cfg, world_size):
+    """What reproduces the run: config, git SHA, versions, world size."""
+    import transformers
+
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    versions = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+    try:
+        import vllm
+        versions["vllm"] = vllm.__version__
+    except ImportError:
+        pass
+    return dict(config=asdict(cfg), git_sha=sha, versions=versions, world_size=world_size)
+
+
+def open_tracker(cfg):
+    """A log(metrics, step) function for Weights & Biases or TensorBoard, whichever is installed."""
+    if not cfg.with_tracking:
+        return None
+    try:
+        import wandb
+        run = wandb.init(project="flatgrpo", config=asdict(cfg), dir=cfg.output_dir)
+        return lambda m, step: run.log(m, step=step)
+    except ImportError:
+        pass
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ValueError("with_tracking=True needs wandb or tensorboard installed (pip install tensorboard)") from None
+    writer = SummaryWriter(os.path.join(cfg.output_dir, "tensorboard"))
+    return lambda m, step: [writer.add_scalar(k, v, step) for k, v in m.items() if isinstance(v, (int, float))]
 
 
 def load_tokenizer(cfg: Config):
@@ -33,24 +199,147 @@ def load_tokenizer(cfg: Config):
 
 
 def main(cfg: Config):
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    try:  # bad input: one line naming the fix, before any process group, model or server
+        cfg.batch_plan(int(os.environ.get("WORLD_SIZE", 1)))
+        tokenizer = load_tokenizer(cfg)
+        train_rows, eval_rows, skipped, reward_fn = load_prompts(cfg, tokenizer)
+        tracker = open_tracker(cfg) if int(os.environ.get("RANK", 0)) == 0 else None
+    except ValueError as e:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    rank, world_size, device, mesh = setup_distributed(cfg)
     plan = cfg.batch_plan(world_size)
-    tokenizer = load_tokenizer(cfg)
-    train_rows, eval_rows, skipped, reward_fn = load_prompts(cfg, tokenizer)
+    torch.manual_seed(cfg.seed)
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    policy = load_model(cfg, device, mesh)
+    ref = EMAReference(load_model(cfg, device, mesh), policy, cfg.alpha) if cfg.load_ref_policy else None
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                                  **({"fused": True} if device.type == "cuda" else {"foreach": True}))
+    from transformers import get_scheduler
+
+    total_updates = cfg.num_training_steps * plan["optimizer_steps"]
+    scheduler = get_scheduler("constant_with_warmup" if cfg.lr_scheduler_type == "constant" else cfg.lr_scheduler_type,
+                              optimizer, num_warmup_steps=cfg.warm_up_steps, num_training_steps=total_updates)
+    sampler = PromptSampler(train_rows, cfg.seed)
+    client, server, sync_dir = None, None, None
     if rank == 0:
+        info = run_info(cfg, world_size)
+        with open(os.path.join(cfg.output_dir, "run_info.json"), "w") as f:
+            json.dump(info, f, indent=2)
+        print(f"run: {json.dumps(info['versions'])}, git {info['git_sha']}, world size {world_size}, device {device}")
         print(f"batch: {cfg.num_unique_prompts_rollout} prompts x {cfg.num_samples_per_prompt_rollout} samples = "
               f"{plan['sequences']} sequences -> {plan['mini_batches']} mini-batch(es) of {plan['per_mini_batch']} -> "
               f"{plan['per_rank']} per rank -> {plan['accumulation_steps']} micro-batch(es) of "
               f"{cfg.per_device_train_batch_size}; {plan['optimizer_steps']} optimizer step(s) per rollout")
-        print(f"data: {len(train_rows)} train prompts, {len(eval_rows)} eval prompts from {cfg.dataset!r}, "
-              f"skipped {skipped}; reward {reward_fn.__name__}; example: {train_rows[0]['prompt_text']!r}")
-        print("stopping here: this version has the config, model, data and rewards but not yet the trainer.")
+        print(f"data: {len(train_rows)} train / {len(eval_rows)} eval prompts from {cfg.dataset!r}, skipped {skipped}; "
+              f"reward {reward_fn.__name__}")
+    try:
+        # --- the vLLM server: ours, started on an untied copy of the policy, or the user's, given our weights
+        full = rollout.full_state_dict(policy)  # a collective: every rank takes part
+        if rank == 0:
+            sync_dir = rollout.sync_dir_for(cfg.output_dir)
+            log_path = os.path.join(cfg.output_dir, "vllm.log")
+            if cfg.vllm_server_urls:
+                client = rollout.VLLMClient(cfg.vllm_server_urls, None, cfg.vllm_request_timeout, cfg.vllm_max_retries)
+                rollout.write_weights(full, sync_dir)
+                client.reload_weights(sync_dir)
+            else:
+                served = os.path.join(cfg.output_dir, "vllm_model")
+                rollout.write_serving_dir(full, policy.config, tokenizer, served)
+                server, url = rollout.launch_server(served, cfg, log_path)
+                client = rollout.VLLMClient([url], served, cfg.vllm_request_timeout, cfg.vllm_max_retries,
+                                            proc=server, log_path=log_path)
+        del full
+        dist.barrier()
+        metrics_file = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "a") if rank == 0 else None
+        if rank == 0 and cfg.eval_freq > 0:
+            acc = evaluate(cfg, client, eval_rows, reward_fn)
+            metrics_file.write(json.dumps({"step": 0, "eval_accuracy": acc}) + "\n")
+            print(f"step 0: eval_accuracy={acc:.4g}")
+        bar = tqdm(range(1, cfg.num_training_steps + 1), disable=rank != 0, desc="grpo")
+        for step in bar:
+            t0 = time.perf_counter()
+            m = {"step": step}
+            # --- rollout (rank 0 talks to vLLM; the batch is broadcast to every rank)
+            payload = [None]
+            if rank == 0:
+                rows = sampler.next_batch(cfg.num_unique_prompts_rollout)
+                groups = client.generate([r["prompt_ids"] for r in rows], n=cfg.num_samples_per_prompt_rollout,
+                                         max_tokens=cfg.response_length, temperature=cfg.temperature, top_p=cfg.top_p,
+                                         seed=cfg.seed * 1_000_003 + step * 1_000)
+                m["time_generate"] = time.perf_counter() - t0
+                # --- reward and advantages
+                t1 = time.perf_counter()
+                flat = [(row, s) for row, g in zip(rows, groups) for s in g]
+                rewards, errors, first_error = score(reward_fn, [r["prompt_text"] for r, _ in flat],
+                                                     [s["text"] for _, s in flat], [r for r, _ in flat])
+                if first_error:
+                    tqdm.write(f"step {step}: {errors} reward error(s) scored 0, first: {first_error}")
+                rewards = torch.tensor(rewards)
+                adv, std = group_advantages(rewards, cfg.num_samples_per_prompt_rollout,
+                                            cfg.advantage_normalization_type)
+                keep = (std > 0) if cfg.filter_zero_std_samples else torch.ones_like(std, dtype=torch.bool)
+                samples = [dict(prompt_ids=r["prompt_ids"], token_ids=s["token_ids"], logprobs=s["logprobs"],
+                                adv=a) for (r, s), a, k in zip(flat, adv.tolist(), keep.tolist()) if k]
+                lengths = torch.tensor([len(s["token_ids"]) for _, s in flat], dtype=torch.float)
+                m.update(reward_mean=rewards.mean().item(), reward_std=rewards.std().item(),
+                         response_length=lengths.mean().item(), reward_errors=errors,
+                         stop_frac=sum(s["finish_reason"] == "stop" for _, s in flat) / len(flat),
+                         filtered_groups=int((~keep).sum().item()) // cfg.num_samples_per_prompt_rollout,
+                         time_score=time.perf_counter() - t1, prompts_seen=sampler.position)
+                payload = [samples]
+            dist.broadcast_object_list(payload, src=0)
+            samples = payload[0]
+            # --- train: old/ref logprobs, mini-batches x epochs, optimizer steps
+            t2 = time.perf_counter()
+            if samples:
+                m.update(train_on_rollouts(cfg, policy, ref.model if ref else None, optimizer, scheduler, samples,
+                                           rank, world_size, device, tokenizer.pad_token_id))
+                if m["vllm_logp_diff_mean"] > cfg.vllm_logp_tolerance:
+                    raise RuntimeError(f"step {step}: trainer and vLLM logprobs differ by {m['vllm_logp_diff_mean']:.3g} "
+                                       f"on average (> vllm_logp_tolerance={cfg.vllm_logp_tolerance}): the last weight "
+                                       f"sync did not take, or the server runs another dtype (vllm_dtype)")
+            else:
+                for _ in range(plan["optimizer_steps"]):
+                    scheduler.step()
+            m["time_train"] = time.perf_counter() - t2
+            m["lr"] = scheduler.get_last_lr()[0]
+            # --- EMA reference
+            if ref is not None and cfg.ref_policy_update_freq and step % cfg.ref_policy_update_freq == 0:
+                ref.update()
+            # --- weight sync into vLLM
+            t3 = time.perf_counter()
+            if samples:
+                rollout.sync_weights_filesystem(policy, client, sync_dir, rank)
+            m["time_sync"] = time.perf_counter() - t3
+            # --- evaluation and log
+            if rank == 0:
+                if cfg.eval_freq > 0 and (step % cfg.eval_freq == 0 or step == cfg.num_training_steps):
+                    m["eval_accuracy"] = evaluate(cfg, client, eval_rows, reward_fn)
+                m["time_step"] = time.perf_counter() - t0
+                m["tokens_per_s"] = lengths.sum().item() / m["time_step"]
+                m["peak_memory_gb"] = (torch.cuda.max_memory_allocated() if device.type == "cuda" else
+                                       resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30
+                metrics_file.write(json.dumps(m) + "\n")
+                metrics_file.flush()
+                if tracker:
+                    tracker(m, step)
+                tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items()
+                                    if k in ("step", "reward_mean", "eval_accuracy", "response_length", "loss", "kl",
+                                             "clip_frac", "entropy", "grad_norm", "vllm_logp_diff_max", "time_step")))
+    finally:
+        if rank == 0:
+            rollout.stop_server(server)
+            if sync_dir:
+                rollout.remove_sync_dir(sync_dir)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     try:
         cfg = parse_args()
-        main(cfg)
-    except ValueError as e:
+    except ValueError as e:  # a contradiction between fields: one line, before anything starts
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    main(cfg)

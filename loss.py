@@ -1,0 +1,141 @@
+"""Pure functions: per-token logprobs, advantages, the GRPO objectives and KL estimators.
+
+Tokens are handled flat: every function takes the N valid (completion) tokens of a
+micro-batch as 1-D tensors, so padding never enters a sum. Each loss returns the *sum*
+over its tokens divided by the denominator of the whole optimizer step, so gradients
+accumulated over micro-batches and summed over ranks (FSDP's divide factor is set to 1)
+equal the gradient of one loss over the whole step.
+"""
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+# --- logprobs
+
+
+def _chunk_logprobs(hidden, weight, targets, temperature):
+    logits = (hidden @ weight.t()).float() / temperature  # (n, V), float32 only for this chunk
+    logz = torch.logsumexp(logits, -1)
+    logp = logits.gather(-1, targets[:, None])[:, 0] - logz
+    with torch.no_grad():  # entropy is logged, never differentiated
+        entropy = logz - (logits.softmax(-1) * logits).sum(-1)
+    return logp, entropy
+
+
+def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024):
+    """log pi(target) and the entropy of pi at each of N positions.
+
+    hidden (N, H) final hidden states, weight (V, H) the LM head, targets (N,).
+    Logits are built chunk by chunk and recomputed in backward (activation
+    checkpointing), so at most (chunk_size, V) float32 logits exist at once instead of
+    (N, V): at vocabulary 151,936 and 2,048 tokens that is 0.6 GB instead of 1.2 GB.
+    """
+    logps, entropies = [], []
+    for i in range(0, hidden.shape[0], chunk_size):
+        args = (hidden[i:i + chunk_size], weight, targets[i:i + chunk_size], temperature)
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            logp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+        else:
+            logp, ent = _chunk_logprobs(*args)
+        logps.append(logp)
+        entropies.append(ent)
+    return torch.cat(logps), torch.cat(entropies)  # (N,), (N,)
+
+
+# --- advantages
+
+
+def group_advantages(rewards, group_size, normalization="standard", eps=1e-6):
+    """GRPO advantages of rewards (G * group_size,) laid out group after group.
+    standard: (r - mean) / (std + eps); centered: r - mean (Dr GRPO drops the std).
+    Also returns the per-sequence std of its group (0 marks a group with no signal)."""
+    r = rewards.view(-1, group_size)  # (G, S)
+    mean, std = r.mean(-1, keepdim=True), r.std(-1, keepdim=True)
+    adv = r - mean if normalization == "centered" else (r - mean) / (std + eps)
+    return adv.reshape(-1), std.expand_as(r).reshape(-1)
+
+
+# --- KL estimators of KL(pi || pi_ref), per token, d = logp - ref_logp
+
+
+def kl_k1(logp, ref_logp, rho=None):
+    """d. Unbiased value on-policy; its expected gradient is zero (E[grad log pi] = 0),
+    so as a loss it does not pull toward the reference."""
+    return logp - ref_logp
+
+
+def kl_k2(logp, ref_logp, rho=None):
+    """d^2 / 2. Biased value; on-policy its gradient equals the reverse-KL gradient."""
+    return 0.5 * (logp - ref_logp) ** 2
+
+
+def kl_k3(logp, ref_logp, rho=None):
+    """exp(-d) - 1 + d >= 0. Unbiased, low-variance value; its gradient is that of the
+    forward KL(pi_ref || pi), not the reverse KL it estimates."""
+    d = logp - ref_logp
+    return torch.exp(-d) - 1 + d
+
+
+def kl_k4(logp, ref_logp, rho):
+    """rho * d with rho = pi/pi_old carrying the gradient (ratio-weighted k1). Unbiased value
+    and unbiased reverse-KL gradient even when the tokens came from an older policy."""
+    return rho * (logp - ref_logp)
+
+
+KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3, "k4": kl_k4}
+
+
+# --- objectives, per token (all (N,) tensors)
+
+
+def dapo_loss(logp, old_logp, adv, clip_lower, clip_higher):
+    """PPO's clipped surrogate with DAPO's asymmetric range [1 - clip_lower, 1 + clip_higher]:
+    max(-A rho, -A clip(rho)). Returns (per-token loss, per-token clipped flag)."""
+    rho = torch.exp(logp - old_logp)
+    unclipped, clipped = -adv * rho, -adv * rho.clamp(1 - clip_lower, 1 + clip_higher)
+    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+
+
+def cispo_loss(logp, old_logp, adv, clip_higher):
+    """CISPO (MiniMax-M1): -sg(min(rho, 1 + clip_higher)) A logp. Every token keeps a
+    gradient; only the weight is capped. Returns (per-token loss, capped flag)."""
+    rho = torch.exp(logp - old_logp).detach()
+    return -rho.clamp(max=1 + clip_higher) * adv * logp, (rho > 1 + clip_higher).float()
+
+
+def grpo_loss(logp, old_logp, adv, denominator, *, loss_fn="dapo", clip_lower=0.2, clip_higher=0.28,
+              ref_logp=None, beta=0.0, kl_estimator="k3", tis_weight=None):
+    """The loss of one micro-batch: (sum over its tokens of policy term + beta * KL) / denominator.
+
+    tis_weight (N,), truncated importance sampling min(pi_old/pi_vllm, cap), multiplies the
+    policy term only. Returns (loss, sums) where sums holds per-micro-batch totals for
+    logging (they are summed over micro-batches and ranks, then divided by the tokens).
+    """
+    if loss_fn == "dapo":
+        pg, clipped = dapo_loss(logp, old_logp, adv, clip_lower, clip_higher)
+    elif loss_fn == "cispo":
+        pg, clipped = cispo_loss(logp, old_logp, adv, clip_higher)
+    else:
+        raise ValueError(f"loss_fn={loss_fn!r} is not implemented")
+    if tis_weight is not None:
+        pg = pg * tis_weight
+    per_token = pg
+    kl = torch.zeros_like(logp)
+    if ref_logp is not None:
+        kl = KL_ESTIMATORS[kl_estimator](logp, ref_logp, torch.exp(logp - old_logp))
+        per_token = pg + beta * kl
+    loss = per_token.sum() / denominator
+    sums = dict(pg_loss=pg.detach().sum(), kl=kl.detach().sum(), clip_frac=clipped.sum(),
+                ratio=torch.exp(logp - old_logp).detach().sum())
+    return loss, sums
+
+
+def step_denominator(loss_denominator, n_tokens, n_sequences):
+    """What the summed per-token loss of an optimizer step is divided by.
+    "token": the valid tokens of the whole step, all ranks and micro-batches together.
+    A number c: c x the sequences of the step (Dr GRPO's constant normaliser, c = the
+    generation budget), so a token's weight does not depend on the lengths of others."""
+    if loss_denominator == "token":
+        return max(float(n_tokens), 1.0)
+    return float(loss_denominator) * n_sequences

@@ -1,0 +1,53 @@
+"""The reference (anchor) policy: a sharded exponential moving average of the policy.
+
+    ref <- lerp(ref, policy, alpha) = (1 - alpha) * ref + alpha * policy
+
+every `ref_policy_update_freq` steps (open-instruct's Polyak update, alpha = 0.6 by
+default). Seed 003's EMA anchor theta_ema <- eta * theta_ema + (1 - eta) * theta is the
+same update with alpha = 1 - eta; TRL's sync_ref_model / ref_model_sync_steps /
+ref_model_mixup_alpha map to load_ref_policy / ref_policy_update_freq / alpha.
+
+The reference has the policy's architecture and the same FSDP2 sharding, so each of its
+shards lives on the rank that owns the matching policy shard: the update is one
+`torch._foreach_lerp_` over the local shards, with no gather and no collective, and
+memory O(parameters / world size). The anchors we know loop over parameters with
+mul_/add_ and, under ZeRO-3, gather full parameters to do it.
+
+When the parameters are stored in a low precision (bf16), small increments
+alpha * (policy - ref) round away; the EMA then runs on an fp32 master copy of the local
+shards and the bf16 shards are copied from it.
+"""
+
+import torch
+
+
+def local(t):
+    """The local shard of a DTensor parameter (a view: writing it writes the parameter)."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t.data
+
+
+class EMAReference:
+    def __init__(self, ref_model, policy_model, alpha):
+        ref_params, pol_params = list(ref_model.parameters()), list(policy_model.parameters())
+        assert len(ref_params) == len(pol_params), "reference and policy must have the same parameters"
+        for r, p in zip(ref_params, pol_params):
+            assert r.shape == p.shape and getattr(r, "placements", None) == getattr(p, "placements", None), \
+                "reference and policy must be sharded the same way"
+            r.requires_grad_(False)
+        self.model, self.policy, self.alpha, self.updates = ref_model, policy_model, alpha, 0
+        low = any(local(r).dtype != torch.float32 for r in ref_params)
+        self.master = [local(r).float().clone() for r in ref_params] if low else None
+
+    @torch.no_grad()
+    def update(self):
+        """One Polyak step on this rank's shards. Issues no collective."""
+        # Shard views are taken anew each time: FSDP2 may re-point a parameter's local tensor.
+        ref = [local(r) for r in self.model.parameters()]
+        policy = [local(p) for p in self.policy.parameters()]
+        if self.master is None:
+            torch._foreach_lerp_(ref, policy, self.alpha)
+        else:
+            policy = [t.float() for t in policy] if policy[0].dtype != torch.float32 else policy
+            torch._foreach_lerp_(self.master, policy, self.alpha)
+            torch._foreach_copy_(ref, self.master)
+        self.updates += 1
