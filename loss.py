@@ -3,7 +3,7 @@
 Tokens are handled flat: every function takes the N valid (completion) tokens of a
 micro-batch as 1-D tensors, so padding never enters a sum. Each loss returns the *sum*
 over its tokens divided by the denominator of the whole optimizer step, so gradients
-accumulated over micro-batches and summed over ranks (FSDP's divide factor is set to 1)
+accumulated over micro-batches and summed over ranks (train.py undoes FSDP's averaging)
 equal the gradient of one loss over the whole step.
 """
 
@@ -15,7 +15,8 @@ from torch.utils.checkpoint import checkpoint
 
 
 def _chunk_logprobs(hidden, weight, targets, temperature):
-    logits = (hidden @ weight.t()).float() / temperature  # (n, V), float32 only for this chunk
+    logits = hidden @ weight.t()  # (n, V): float32 (at least) only for this chunk
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     logz = torch.logsumexp(logits, -1)
     logp = logits.gather(-1, targets[:, None])[:, 0] - logz
     with torch.no_grad():  # entropy is logged, never differentiated
@@ -32,7 +33,7 @@ def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024):
     (N, V): at vocabulary 151,936 and 2,048 tokens that is 0.6 GB instead of 1.2 GB.
     """
     logps, entropies = [], []
-    for i in range(0, hidden.shape[0], chunk_size):
+    for i in range(0, max(hidden.shape[0], 1), chunk_size):  # an empty selection still builds a graph
         args = (hidden[i:i + chunk_size], weight, targets[i:i + chunk_size], temperature)
         if torch.is_grad_enabled() and hidden.requires_grad:
             logp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False)

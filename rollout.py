@@ -188,7 +188,8 @@ class VLLMClient:
 
 def full_state_dict(model):
     """The full, unsharded state dict, on CPU, on rank 0 (empty on other ranks).
-    Every rank must call it: it gathers FSDP2/DTensor shards with collectives."""
+    Every rank must call it: it gathers FSDP2/DTensor shards with collectives. In a world
+    of one the tensors may alias the live parameters: copy them to keep a snapshot."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

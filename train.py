@@ -78,10 +78,24 @@ def load_model(cfg, device, mesh):
         else MixedPrecisionPolicy()
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    # reshard_after_forward=True on the root too: by default FSDP2 keeps the root's parameters
+    # (embeddings, LM head) gathered after forward, and the reference, which runs forward
+    # only, would stay gathered, unlike its policy twin, which the EMA update needs sharded.
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
     model.sequence_logprobs = types.MethodType(sequence_logprobs, model)
     register_fsdp_forward_method(model, "sequence_logprobs")
     return model
+
+
+def make_optimizer(cfg, policy, total_updates, device):
+    """AdamW (fused on CUDA, foreach on CPU) and the warm-up + schedule, in optimizer steps."""
+    from transformers import get_scheduler
+
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                                  **({"fused": True} if device.type == "cuda" else {"foreach": True}))
+    name = "constant_with_warmup" if cfg.lr_scheduler_type == "constant" else cfg.lr_scheduler_type
+    return optimizer, get_scheduler(name, optimizer, num_warmup_steps=cfg.warm_up_steps,
+                                    num_training_steps=total_updates)
 
 
 def train_on_rollouts(cfg, policy, ref_model, optimizer, scheduler, samples, rank, world_size, device, pad_id):
@@ -115,7 +129,9 @@ def train_on_rollouts(cfg, policy, ref_model, optimizer, scheduler, samples, ran
                 loss, s = grpo_loss(logp, old_logp, b["adv"], denom, loss_fn=cfg.loss_fn, clip_lower=cfg.clip_lower,
                                     clip_higher=cfg.clip_higher, ref_logp=b.get("ref_logp"), beta=cfg.beta,
                                     kl_estimator=cfg.kl_estimator, tis_weight=tis)
-                loss.backward()
+                # The loss is already divided by the step's global count; FSDP averages gradients
+                # over ranks, so scale by the world size to get their sum (gloo has no premul-sum).
+                (loss * world_size).backward()
                 diff = (old_logp - b["vllm_logp"]).abs()
                 sums[:8] += torch.stack([loss.detach() * denom, s["pg_loss"], s["kl"], s["clip_frac"], entropy.sum(),
                                          diff.sum(), torch.tensor(float(logp.numel()), device=device),
@@ -214,13 +230,7 @@ def main(cfg: Config):
     os.makedirs(cfg.output_dir, exist_ok=True)
     policy = load_model(cfg, device, mesh)
     ref = EMAReference(load_model(cfg, device, mesh), policy, cfg.alpha) if cfg.load_ref_policy else None
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                  **({"fused": True} if device.type == "cuda" else {"foreach": True}))
-    from transformers import get_scheduler
-
-    total_updates = cfg.num_training_steps * plan["optimizer_steps"]
-    scheduler = get_scheduler("constant_with_warmup" if cfg.lr_scheduler_type == "constant" else cfg.lr_scheduler_type,
-                              optimizer, num_warmup_steps=cfg.warm_up_steps, num_training_steps=total_updates)
+    optimizer, scheduler = make_optimizer(cfg, policy, cfg.num_training_steps * plan["optimizer_steps"], device)
     sampler = PromptSampler(train_rows, cfg.seed)
     client, server, sync_dir = None, None, None
     if rank == 0:

@@ -1,0 +1,92 @@
+"""FSDP2 on 2 gloo ranks against its single-process twin, and the shard-local EMA."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "dist_worker.py")
+
+
+def run(mode, model_dir, out, nproc, port):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [sys.executable, WORKER, mode, model_dir, str(out)] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port),
+         WORKER, mode, model_dir, str(out)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def train_runs(tiny_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp")
+    return run("train", tiny_model_dir, tmp / "one.pt", 1, 0), run("train", tiny_model_dir, tmp / "two.pt", 2, 29611)
+
+
+def test_two_ranks_match_one_process_after_three_steps(train_runs):
+    """Same seed and rollouts (16 uneven sequences, 2 mini-batches -> 6 optimizer steps,
+    beta 0.1 with k3, EMA each step). The ranks split every mini-batch differently from
+    the single process, so sums run in another order: tolerance 1e-5 on losses and 2e-5
+    on parameters (AdamW with lr 1e-3 turns float32 rounding in tiny gradients into at
+    most that much)."""
+    one, two = train_runs
+    assert torch.allclose(torch.tensor(one["losses"]), torch.tensor(two["losses"]), rtol=1e-5, atol=1e-6)
+    for name in ("policy", "ref"):
+        assert one[name].keys() == two[name].keys()
+        for k in one[name]:
+            assert torch.allclose(one[name][k], two[name][k], atol=2e-5, rtol=0), (name, k)
+
+
+def test_training_moved_the_weights(train_runs, tiny_model_dir):
+    """Guards the test above against proving nothing: the policy moved, the EMA followed."""
+    from transformers import AutoModelForCausalLM
+
+    init = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    one, _ = train_runs
+    k = "model.layers.0.mlp.up_proj.weight"
+    moved = (one["policy"][k] - init[k]).abs().max()
+    assert moved > 1e-3 and (one["ref"][k] - init[k]).abs().max() > 0.1 * moved
+    assert all(abs(loss[2]) <= 1 for loss in one["losses"])  # clip_frac is a fraction
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_ema_equals_closed_form_without_collectives(tiny_model_dir, tmp_path, nproc):
+    r = run("ema", tiny_model_dir, tmp_path / "ema.pt", nproc, 29612)
+    assert r["calls"] == [] and r["comm"] == 0, f"the EMA update issued collectives: {r['calls']} {r['comm']}"
+    a, K = 0.3, 3
+    for k, ref0 in r["ref0"].items():
+        pol = r["pol0"][k] + 0.1
+        expected = (1 - a) ** K * ref0
+        for j in range(1, K + 1):
+            pol = 1.1 * pol + 0.01
+            expected = expected + a * (1 - a) ** (K - j) * pol
+        assert torch.allclose(r["ref_k"][k], expected, atol=1e-6), k
+
+
+def test_bf16_reference_uses_an_fp32_master_and_does_not_stall():
+    """Increments alpha * (policy - ref) far below bf16's resolution at 1.0 (2^-7):
+    a bf16 EMA never moves; the fp32 master accumulates them."""
+    from reference import EMAReference
+
+    policy = torch.nn.Linear(4, 4, bias=False).to(torch.bfloat16)
+    ref = torch.nn.Linear(4, 4, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        policy.weight.fill_(1.0078125)  # 1 + 2^-7, the next bf16 number after 1
+        ref.weight.fill_(1.0)
+    ema = EMAReference(ref, policy, alpha=0.01)
+    assert ema.master is not None
+    for _ in range(300):
+        ema.update()
+    expected = 1 + 2 ** -7 * (1 - 0.99 ** 300)
+    assert torch.allclose(ema.master[0], torch.full((4, 4), expected), atol=1e-6)
+    assert ref.weight.float().sub(1.0).abs().min() > 0  # the bf16 shards moved off 1.0
+    naive = torch.ones(4, 4, dtype=torch.bfloat16)
+    for _ in range(300):
+        naive.lerp_(policy.weight.detach(), 0.01)
+    assert torch.equal(naive, torch.ones(4, 4, dtype=torch.bfloat16))  # without the master: stuck
