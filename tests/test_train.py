@@ -27,7 +27,7 @@ def train(args, nproc=1, timeout=120):
 def test_bad_input_is_one_line_before_anything_starts(args, fragment, nproc, tiny_model_dir, tmp_path):
     base = ["--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path / "out")]
     out = train(base + args, nproc=nproc)
-    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.returncode == (2 if nproc == 1 else 1), out.stderr[-2000:]  # torchrun reports a failed rank as 1
     lines = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
     assert len(lines) >= 1 and fragment in lines[0], out.stderr[-2000:]
     assert not os.path.exists(tmp_path / "out" / "vllm.log")  # no server was started
