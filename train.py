@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -234,6 +235,9 @@ def main(cfg: Config):
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    # SIGTERM (a scheduler, torchrun stopping a failed job) unwinds like an exception, so the
+    # finally below stops the vLLM server we started instead of leaving it orphaned.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     rank, world_size, device, mesh = setup_distributed(cfg)
     plan = cfg.batch_plan(world_size)
     torch.manual_seed(cfg.seed)

@@ -49,3 +49,28 @@ def test_two_cpu_ranks_learn_the_copy_task(tiny_model_dir, tmp_path):
     assert all(r["vllm_logp_diff_max"] < 1e-3 for r in steps)  # every sync took
     assert {"eval_accuracy", "tokens_per_s", "time_generate", "time_train", "time_sync", "grad_norm", "lr",
             "entropy", "clip_frac", "kl", "loss", "response_length", "reward_std"} <= set(steps[-1])
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_server_we_started(tiny_model_dir, tmp_path):
+    import signal
+    import time
+
+    out_dir = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), "--model_name_or_path", tiny_model_dir,
+                             "--output_dir", str(out_dir), "--num_training_steps", "1000", "--eval_freq", "0",
+                             "--vllm_port", "8042"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    metrics = out_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
+        assert proc.poll() is None, "train.py exited early"
+        time.sleep(1)
+    served = str(out_dir / "vllm_model")
+    running = lambda: subprocess.run(["pgrep", "-f", served], capture_output=True).returncode == 0  # noqa: E731
+    assert running(), "the server should be up while training"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    time.sleep(2)
+    assert not running(), "the vLLM server outlived the trainer"
