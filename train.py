@@ -19,7 +19,8 @@ Where this differs from the papers:
 - Logprobs, old and new, are taken at the sampling temperature (vLLM reports
   temperature-processed logprobs too), so the ratio compares the policies that sampled.
 - With one mini-batch and one epoch, old_logp is the detached new logp (ratio 1, one
-  forward pass saved); vLLM's logprobs are compared against it every step.
+  forward pass saved). Every step compares vLLM's sampling logprobs with the trainer's
+  on the first mini-batch, before any update: a sync that did not take stops the run.
 """
 
 import json
@@ -116,9 +117,10 @@ def train_on_rollouts(cfg, policy, ref_model, optimizer, scheduler, samples, ran
                 b["old_logp"] = fwd(policy, b)[0]
             if cfg.beta > 0:
                 b["ref_logp"] = fwd(ref_model, b)[0]
-    sums = torch.zeros(9, dtype=torch.float64, device=device)
-    for _ in range(cfg.num_epochs):
-        for (_, n_tokens, n_seqs), mbs in zip(minis, micro):
+    # local sums: loss x denom, pg_loss, kl, clipped, entropy, tokens, |logp - vllm_logp|, its tokens; then its max
+    sums, diff_max, skipped = torch.zeros(8, dtype=torch.float64, device=device), torch.zeros(1, device=device), 0
+    for epoch in range(cfg.num_epochs):
+        for k, ((_, n_tokens, n_seqs), mbs) in enumerate(zip(minis, micro)):
             denom = step_denominator(cfg.loss_denominator, n_tokens, n_seqs)
             for i, b in enumerate(mbs):
                 policy.set_requires_gradient_sync(i == len(mbs) - 1)  # reduce-scatter once per step
@@ -133,28 +135,29 @@ def train_on_rollouts(cfg, policy, ref_model, optimizer, scheduler, samples, ran
                 # The loss is already divided by the step's global count; FSDP averages gradients
                 # over ranks, so scale by the world size to get their sum (gloo has no premul-sum).
                 (loss * world_size).backward()
-                diff = (old_logp - b["vllm_logp"]).abs()
-                sums[:8] += torch.stack([loss.detach() * denom, s["pg_loss"], s["kl"], s["clip_frac"], entropy.sum(),
-                                         diff.sum(), torch.tensor(float(logp.numel()), device=device),
-                                         torch.tensor(0.0, device=device)]).double()
-                sums[8] = torch.maximum(sums[8], diff.max().double() if diff.numel() else sums[8])
+                zero = torch.zeros((), dtype=torch.float64, device=device)
+                diff = (logp.detach() - b["vllm_logp"]).abs() if epoch == 0 and k == 0 else None  # before any update
+                sums += torch.stack([loss.detach().double() * denom, s["pg_loss"].double(), s["kl"].double(),
+                                     s["clip_frac"].double(), entropy.sum().double(), zero + logp.numel(),
+                                     diff.sum().double() if diff is not None else zero,
+                                     zero + (diff.numel() if diff is not None else 0)])
+                if diff is not None and diff.numel():
+                    diff_max = torch.maximum(diff_max, diff.max())
             # --- optimizer
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm or float("inf"))
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
             if torch.isfinite(grad_norm):
                 optimizer.step()
             else:
-                sums[7] += 1  # non-finite gradient: the step is skipped
+                skipped += 1  # a non-finite gradient norm (the same on every rank): skip the step
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-    sum_part, max_part = sums[:8].clone(), sums[8:].clone()
-    dist.all_reduce(sum_part)
-    dist.all_reduce(max_part, op=dist.ReduceOp.MAX)
-    n = max(sum_part[6].item(), 1.0)
-    return dict(loss=sum_part[0].item() / n, pg_loss=sum_part[1].item() / n, kl=sum_part[2].item() / n,
-                clip_frac=sum_part[3].item() / n, entropy=sum_part[4].item() / n,
-                vllm_logp_diff_mean=sum_part[5].item() / n, vllm_logp_diff_max=max_part[0].item(),
-                skipped_steps=int(sum_part[7].item()), grad_norm=grad_norm.item(), trained_tokens=int(n))
+    dist.all_reduce(sums)
+    dist.all_reduce(diff_max, op=dist.ReduceOp.MAX)
+    (loss, pg_loss, kl, clip_frac, entropy), n = (sums[:5] / max(sums[5].item(), 1.0)).tolist(), int(sums[5].item())
+    return dict(loss=loss, pg_loss=pg_loss, kl=kl, clip_frac=clip_frac, entropy=entropy, grad_norm=grad_norm.item(),
+                vllm_logp_diff_mean=sums[6].item() / max(sums[7].item(), 1.0), vllm_logp_diff_max=diff_max.item(),
+                skipped_steps=skipped, trained_tokens=n)
 
 
 def completion_text(tokenizer, sample):
