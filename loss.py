@@ -14,34 +14,37 @@ from torch.utils.checkpoint import checkpoint
 # --- logprobs
 
 
-def _chunk_logprobs(hidden, weight, targets, temperature):
+def _chunk_logprobs(hidden, weight, targets, temperature, head_ids, k):
     logits = hidden @ weight.t()  # (n, V): float32 (at least) only for this chunk
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     logz = torch.logsumexp(logits, -1)
     logp = logits.gather(-1, targets[:, None])[:, 0] - logz
-    with torch.no_grad():  # entropy is logged, never differentiated
+    with torch.no_grad():  # entropy is logged, never differentiated; the top-k set is a choice, not a function
         entropy = logz - (logits.softmax(-1) * logits).sum(-1)
-    return logp, entropy
+        if head_ids is None:
+            head_ids = logits.topk(k, -1).indices  # (n, k)
+    return logp, entropy, logits.gather(-1, head_ids) - logz[:, None], head_ids
 
 
-def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024):
-    """log pi(target) and the entropy of pi at each of N positions.
+def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024, head_ids=None, topk=0):
+    """log pi(target) and the entropy of pi at each of N positions, and log pi at k more
+    tokens per position: the given head_ids (N, k), or else this policy's top-k.
 
     hidden (N, H) final hidden states, weight (V, H) the LM head, targets (N,).
     Logits are built chunk by chunk and recomputed in backward (activation
     checkpointing), so at most (chunk_size, V) float32 logits exist at once instead of
     (N, V): at vocabulary 151,936 and 2,048 tokens that is 0.6 GB instead of 1.2 GB.
+    Returns logp (N,), entropy (N,), head_logp (N, k), head_ids (N, k).
     """
-    logps, entropies = [], []
+    outs = []
     for i in range(0, max(hidden.shape[0], 1), chunk_size):  # an empty selection still builds a graph
-        args = (hidden[i:i + chunk_size], weight, targets[i:i + chunk_size], temperature)
+        ids = None if head_ids is None else head_ids[i:i + chunk_size]
+        args = (hidden[i:i + chunk_size], weight, targets[i:i + chunk_size], temperature, ids, topk)
         if torch.is_grad_enabled() and hidden.requires_grad:
-            logp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+            outs.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
         else:
-            logp, ent = _chunk_logprobs(*args)
-        logps.append(logp)
-        entropies.append(ent)
-    return torch.cat(logps), torch.cat(entropies)  # (N,), (N,)
+            outs.append(_chunk_logprobs(*args))
+    return tuple(torch.cat(parts) for parts in zip(*outs))
 
 
 # --- advantages
@@ -87,6 +90,48 @@ def kl_k4(logp, ref_logp, rho):
 KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3, "k4": kl_k4}
 
 
+def kl_topk(logp, ref_logp, old_logp, head_logp, ref_head_logp, in_head, corrected=True):
+    """Top-k KL (seed 003, EMA-PG) per position: the exact head over q, the k most likely
+    tokens of the sampling policy, plus a sampled tail when the sampled token p is not in q:
+
+        sum_{j in q} pi(j) (log pi(j) - log ref(j))  +  1[p not in q] (rho sg(d_p) + rho - sg(rho))
+
+    with d_p = log pi(p) - log ref(p) and rho = pi(p)/pi_old(p) carrying the gradient
+    (the sampling-policy correction of the tail; rho = r = pi/sg(pi) on-policy). The value
+    is unbiased for KL(pi || ref) for every k. As published (without `rho - sg(rho)`, zero
+    in value) the expected gradient carries an extra grad pi(q); the added term's expected
+    gradient is -grad pi(q), so the corrected gradient is unbiased for the reverse KL.
+    k = 0 is the sampled k4; k = |V| is the exact KL. head_logp, ref_head_logp (N, k)
+    are log-probabilities normalised over the full vocabulary; in_head (N,) bool."""
+    head = (head_logp.exp() * (head_logp - ref_head_logp)).sum(-1)
+    rho = torch.exp(logp - old_logp)
+    tail = rho * (logp - ref_logp).detach() + ((rho - rho.detach()) if corrected else 0.0)
+    return head + torch.where(in_head, torch.zeros_like(tail), tail)
+
+
+def ess(rho, group=None):
+    """Normalised effective sample size of the ratios, (sum rho)^2 / (n sum rho^2) in [1/n, 1],
+    with the three sums in float64 and, when a process group is given, over all its ranks."""
+    import torch.distributed as dist
+
+    sums = torch.stack([rho.double().sum(), (rho.double() ** 2).sum(),
+                        torch.tensor(float(rho.numel()), dtype=torch.float64, device=rho.device)])
+    if group is not None or (dist.is_available() and dist.is_initialized()):
+        dist.all_reduce(sums, group=group)
+    return (sums[0] ** 2 / (sums[2] * sums[1]).clamp(min=1e-300)).item()
+
+
+def ess_loss(logp, old_logp, adv, e):
+    """The batch-adaptive objective (seed 004, "Trust the Batch", after P3O): with e = sg(ESS),
+    -sg(min(rho, e)) A logp + (1 - e) k3(pi || pi_old). Nearly uniform ratios (e ~ 1) give the
+    plain on-policy score-function update; concentrated ratios (stale or mismatched data)
+    cap the weight lower and pull harder toward the behaviour policy. No clip constants.
+    Returns (per-token loss, flag of tokens whose weight was capped)."""
+    rho = torch.exp(logp - old_logp)
+    capped = (rho.detach() > e).float()
+    return -rho.detach().clamp(max=e) * adv * logp + (1 - e) * kl_k3(logp, old_logp), capped
+
+
 # --- objectives, per token (all (N,) tensors)
 
 
@@ -106,17 +151,20 @@ def cispo_loss(logp, old_logp, adv, clip_higher):
 
 
 def grpo_loss(logp, old_logp, adv, denominator, *, loss_fn="dapo", clip_lower=0.2, clip_higher=0.28,
-              ref_logp=None, beta=0.0, kl_estimator="k3", tis_weight=None):
+              ref_logp=None, beta=0.0, kl_estimator="k3", tis_weight=None, ess_value=1.0, topk=None):
     """The loss of one micro-batch: (sum over its tokens of policy term + beta * KL) / denominator.
 
     tis_weight (N,), truncated importance sampling min(pi_old/pi_vllm, cap), multiplies the
-    policy term only. Returns (loss, sums) where sums holds per-micro-batch totals for
+    policy term only. ess_value is sg(ESS) for loss_fn="ess"; topk is the tuple
+    (head_logp, ref_head_logp, in_head) for kl_estimator="topk". Returns (loss, sums) where sums holds per-micro-batch totals for
     logging (they are summed over micro-batches and ranks, then divided by the tokens).
     """
     if loss_fn == "dapo":
         pg, clipped = dapo_loss(logp, old_logp, adv, clip_lower, clip_higher)
     elif loss_fn == "cispo":
         pg, clipped = cispo_loss(logp, old_logp, adv, clip_higher)
+    elif loss_fn == "ess":
+        pg, clipped = ess_loss(logp, old_logp, adv, ess_value)
     else:
         raise ValueError(f"loss_fn={loss_fn!r} is not implemented")
     if tis_weight is not None:
@@ -124,7 +172,8 @@ def grpo_loss(logp, old_logp, adv, denominator, *, loss_fn="dapo", clip_lower=0.
     per_token = pg
     kl = torch.zeros_like(logp)
     if ref_logp is not None:
-        kl = KL_ESTIMATORS[kl_estimator](logp, ref_logp, torch.exp(logp - old_logp))
+        kl = kl_topk(logp, ref_logp, old_logp, *topk) if kl_estimator == "topk" else \
+            KL_ESTIMATORS[kl_estimator](logp, ref_logp, torch.exp(logp - old_logp))
         per_token = pg + beta * kl
     loss = per_token.sum() / denominator
     sums = dict(pg_loss=pg.detach().sum(), kl=kl.detach().sum(), clip_frac=clipped.sum(),

@@ -12,12 +12,16 @@ def test_chunked_logprobs_equal_naive_values_and_gradients():
     hidden = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 50, (37,))
-    logp, ent = token_logprobs(hidden, weight, targets, temperature=0.7, chunk_size=8)  # 5 chunks, last partial
+    logp, ent, head, ids = token_logprobs(hidden, weight, targets, temperature=0.7, chunk_size=8, topk=3)  # 5 chunks
     logits = hidden @ weight.t() / 0.7
     ref = torch.log_softmax(logits, -1)
     ref_logp = ref.gather(-1, targets[:, None])[:, 0]
     assert torch.allclose(logp, ref_logp, atol=1e-12)
     assert torch.allclose(ent, -(ref.exp() * ref).sum(-1), atol=1e-12) and not ent.requires_grad
+    assert torch.equal(ids, ref.topk(3, -1).indices) and torch.allclose(head, ref.topk(3, -1).values, atol=1e-12)
+    given = torch.randint(0, 50, (37, 2))
+    _, _, head2, ids2 = token_logprobs(hidden, weight, targets, temperature=0.7, chunk_size=8, head_ids=given)
+    assert torch.equal(ids2, given) and torch.allclose(head2, ref.gather(-1, given), atol=1e-12)
     g = torch.randn(37, dtype=torch.float64)
     gh, gw = torch.autograd.grad((logp * g).sum(), (hidden, weight))
     rh, rw = torch.autograd.grad((ref_logp * g).sum(), (hidden, weight))
@@ -28,7 +32,7 @@ def test_logprobs_of_no_tokens_keep_the_graph():
     """A rank whose micro-batch is all padding must still run backward (FSDP hooks)."""
     hidden = torch.randn(0, 16, requires_grad=True)
     weight = torch.randn(50, 16, requires_grad=True)
-    logp, _ = token_logprobs(hidden, weight, torch.zeros(0, dtype=torch.long))
+    logp, _, _, _ = token_logprobs(hidden, weight, torch.zeros(0, dtype=torch.long))
     logp.sum().backward()
     assert weight.grad is not None and weight.grad.abs().sum() == 0
 
@@ -127,4 +131,4 @@ def test_tis_weight_multiplies_policy_term_only():
 
 def test_unknown_loss_fn():
     with pytest.raises(ValueError, match="not implemented"):
-        grpo_loss(torch.zeros(1), torch.zeros(1), torch.zeros(1), 1.0, loss_fn="ess")
+        grpo_loss(torch.zeros(1), torch.zeros(1), torch.zeros(1), 1.0, loss_fn="ppo")
