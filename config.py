@@ -63,12 +63,13 @@ class Config:
     weight_decay: float = 0.0  # AdamW weight decay
     max_grad_norm: float = 1.0  # gradient clipping; 0 disables
     # --- objective
-    loss_fn: str = "dapo"  # dapo (asymmetric clip), cispo (capped weight x logp) or ess (batch-adaptive, seed 004)
+    loss_fn: str = "dapo"  # dapo (asymmetric clip), cispo (capped weight x logp) or ess (batch-adaptive, seed 004; no clip constants)
     clip_lower: float = 0.2  # dapo: ratio clipped below at 1 - clip_lower
     clip_higher: float = 0.28  # dapo: ratio clipped above at 1 + clip_higher; cispo: weight capped at 1 + clip_higher
     beta: float = 0.0  # KL coefficient toward the reference; 0 = no KL term
     kl_estimator: str = "k3"  # k1, k2, k3, k4 or topk
     kl_topk: int = 0  # topk: tokens of the sampling policy summed exactly per position (0 = sampled k4)
+    ess_scope: str = "step"  # ess: ESS over the optimizer step's tokens (one extra forward) or per micro_batch
     loss_denominator: str = "token"  # "token" (valid tokens of the whole optimizer step) or a positive number (Dr GRPO)
     advantage_normalization_type: str = "standard"  # standard (r - mean)/(std + eps) or centered (r - mean)
     filter_zero_std_samples: bool = True  # drop groups whose rewards all agree (no learning signal)
@@ -99,6 +100,7 @@ class Config:
             "advantage_normalization_type": ("standard", "centered"),
             "lr_scheduler_type": ("constant", "linear", "cosine"),
             "weight_sync_transport": ("filesystem", "nccl"),
+            "ess_scope": ("step", "micro_batch"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -45,7 +45,7 @@ from tqdm import tqdm
 import rollout
 from config import Config, parse_args
 from data import PromptSampler, collate, load_prompts, score, split_for_ranks
-from loss import grpo_loss, group_advantages, step_denominator, token_logprobs
+from loss import ess, grpo_loss, group_advantages, step_denominator, token_logprobs
 from reference import EMAReference
 
 
@@ -64,11 +64,13 @@ def setup_distributed(cfg):
     return dist.get_rank(), dist.get_world_size(), device, mesh
 
 
-def sequence_logprobs(self, input_ids, attention_mask, mask, temperature):
-    """logp and entropy (N,) of the completion tokens selected by mask (B, T-1). A forward
-    method of the model, so FSDP2 gathers the LM head for it as for forward()."""
+def sequence_logprobs(self, input_ids, attention_mask, mask, temperature, head_ids=None, topk=0):
+    """logp and entropy (N,) of the completion tokens selected by mask (B, T-1), and logp at
+    head_ids (or this policy's top-k) (N, k). A forward method of the model, so FSDP2
+    gathers the LM head for it as for forward()."""
     hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, H)
-    return token_logprobs(hidden[:, :-1][mask], self.lm_head.weight, input_ids[:, 1:][mask], temperature)
+    return token_logprobs(hidden[:, :-1][mask], self.lm_head.weight, input_ids[:, 1:][mask], temperature,
+                          head_ids=head_ids, topk=topk)
 
 
 def load_model(cfg, device, mesh):
@@ -105,33 +107,47 @@ def train_on_rollouts(cfg, policy, ref_model, optimizer, scheduler, samples, ran
     minis = split_for_ranks(samples, cfg.num_mini_batches, world_size, rank)
     micro = [[collate(mine[i:i + cfg.per_device_train_batch_size], pad_id) for i in
               range(0, len(mine), cfg.per_device_train_batch_size)] for mine, _, _ in minis]
-    fwd = lambda model, b: model.sequence_logprobs(b["input_ids"].to(device), b["attention_mask"].to(device),  # noqa: E731
-                                                   b["mask"].to(device), cfg.temperature)
-    reuse_old = cfg.num_mini_batches == 1 and cfg.num_epochs == 1 and not cfg.use_vllm_logprobs
+    fwd = lambda model, b, **kw: model.sequence_logprobs(b["input_ids"].to(device), b["attention_mask"].to(device),  # noqa: E731
+                                                         b["mask"].to(device), cfg.temperature, **kw)
+    topk = cfg.kl_estimator == "topk" and cfg.beta > 0
+    reuse_old = cfg.num_mini_batches == 1 and cfg.num_epochs == 1 and not cfg.use_vllm_logprobs and not topk
     with torch.no_grad():  # --- old and reference logprobs, before any update
         for b in (b for mbs in micro for b in mbs):
             b["vllm_logp"], b["adv"] = b["vllm_logp"].to(device), b["adv"].to(device)
+            if (not reuse_old and not cfg.use_vllm_logprobs) or topk:
+                b["old_logp"], _, _, b["head_ids"] = fwd(policy, b, topk=cfg.kl_topk if topk else 0)
             if cfg.use_vllm_logprobs:
                 b["old_logp"] = b["vllm_logp"]
-            elif not reuse_old:
-                b["old_logp"] = fwd(policy, b)[0]
-            if cfg.beta > 0:
-                b["ref_logp"] = fwd(ref_model, b)[0]
+            if cfg.beta > 0:  # the reference's values at the sampling policy's top-k: O(k) per token
+                b["ref_logp"], _, b["ref_head_logp"], _ = fwd(ref_model, b, head_ids=b.get("head_ids"))
+            if topk:
+                targets = b["input_ids"][:, 1:][b["mask"]].to(device)
+                b["in_head"] = (b["head_ids"] == targets[:, None]).any(-1)
+    ess_values = []
     # local sums: loss x denom, pg_loss, kl, clipped, entropy, tokens, |logp - vllm_logp|, its tokens; then its max
     sums, diff_max, skipped = torch.zeros(8, dtype=torch.float64, device=device), torch.zeros(1, device=device), 0
     for epoch in range(cfg.num_epochs):
         for k, ((_, n_tokens, n_seqs), mbs) in enumerate(zip(minis, micro)):
             denom = step_denominator(cfg.loss_denominator, n_tokens, n_seqs)
+            e = 1.0
+            if cfg.loss_fn == "ess" and cfg.ess_scope == "step" and not reuse_old:
+                with torch.no_grad():  # ESS of the whole optimizer step's ratios: one extra forward
+                    e = ess(torch.cat([torch.exp(fwd(policy, b, head_ids=b.get("head_ids"))[0] - b["old_logp"])
+                                       for b in mbs]))
             for i, b in enumerate(mbs):
                 policy.set_requires_gradient_sync(i == len(mbs) - 1)  # reduce-scatter once per step
-                logp, entropy = fwd(policy, b)  # --- loss
+                logp, entropy, head_logp, _ = fwd(policy, b, head_ids=b.get("head_ids"))  # --- loss
                 old_logp = logp.detach() if reuse_old else b["old_logp"]
+                if cfg.loss_fn == "ess" and cfg.ess_scope == "micro_batch":
+                    e = ess(torch.exp(logp.detach() - old_logp))  # over this micro-batch on every rank
+                ess_values.append(e)
                 tis = None
                 if cfg.truncated_importance_sampling_ratio_cap > 0:
                     tis = torch.exp(old_logp - b["vllm_logp"]).clamp(max=cfg.truncated_importance_sampling_ratio_cap)
                 loss, s = grpo_loss(logp, old_logp, b["adv"], denom, loss_fn=cfg.loss_fn, clip_lower=cfg.clip_lower,
                                     clip_higher=cfg.clip_higher, ref_logp=b.get("ref_logp"), beta=cfg.beta,
-                                    kl_estimator=cfg.kl_estimator, tis_weight=tis)
+                                    kl_estimator=cfg.kl_estimator, tis_weight=tis, ess_value=e,
+                                    topk=(head_logp, b["ref_head_logp"], b["in_head"]) if topk else None)
                 # The loss is already divided by the step's global count; FSDP averages gradients
                 # over ranks, so scale by the world size to get their sum (gloo has no premul-sum).
                 (loss * world_size).backward()
@@ -157,7 +173,8 @@ def train_on_rollouts(cfg, policy, ref_model, optimizer, scheduler, samples, ran
     (loss, pg_loss, kl, clip_frac, entropy), n = (sums[:5] / max(sums[5].item(), 1.0)).tolist(), int(sums[5].item())
     return dict(loss=loss, pg_loss=pg_loss, kl=kl, clip_frac=clip_frac, entropy=entropy, grad_norm=grad_norm.item(),
                 vllm_logp_diff_mean=sums[6].item() / max(sums[7].item(), 1.0), vllm_logp_diff_max=diff_max.item(),
-                skipped_steps=skipped, trained_tokens=n)
+                skipped_steps=skipped, trained_tokens=n, **({"ess": sum(ess_values) / len(ess_values)}
+                                                            if cfg.loss_fn == "ess" else {}))
 
 
 def completion_text(tokenizer, sample):

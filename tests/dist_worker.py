@@ -1,7 +1,8 @@
 """Run by the distributed tests, under torchrun (2 gloo ranks) or as one plain process.
 
-    python tests/dist_worker.py train MODEL_DIR OUT   # 3 GRPO steps on fixed rollouts + EMA
+    python tests/dist_worker.py train MODEL_DIR OUT [LOSS_FN KL_ESTIMATOR]  # 3 GRPO steps on fixed rollouts + EMA
     python tests/dist_worker.py ema MODEL_DIR OUT     # K EMA updates, collectives counted
+    python tests/dist_worker.py ess MODEL_DIR OUT     # ESS of fixed ratios split over the ranks
 """
 
 import sys
@@ -16,9 +17,10 @@ from config import Config
 from reference import EMAReference, local
 
 mode, model_dir, out = sys.argv[1:4]
+loss_fn, kl_estimator = (sys.argv[4:6] + ["dapo", "k3"][len(sys.argv[4:6]):])
 cfg = Config(model_name_or_path=model_dir, num_unique_prompts_rollout=4, num_samples_per_prompt_rollout=4,
-             per_device_train_batch_size=2, beta=0.1, kl_estimator="k3", learning_rate=1e-3, alpha=0.3,
-             num_mini_batches=2, ref_policy_update_freq=1)
+             per_device_train_batch_size=2, beta=0.1, kl_estimator=kl_estimator, learning_rate=1e-3, alpha=0.3,
+             num_mini_batches=2, ref_policy_update_freq=1, loss_fn=loss_fn, kl_topk=4 if kl_estimator == "topk" else 0)
 rank, world_size, device, mesh = train.setup_distributed(cfg)
 torch.manual_seed(0)
 policy = train.load_model(cfg, device, mesh)
@@ -45,7 +47,7 @@ if mode == "train":
         m = train.train_on_rollouts(cfg, policy, ref.model, optimizer, scheduler, fixed_rollouts(step), rank,
                                     world_size, device, pad_id=0)
         ref.update()
-        losses.append([m["loss"], m["kl"], m["clip_frac"], m["grad_norm"]])
+        losses.append([m["loss"], m["kl"], m["clip_frac"], m["grad_norm"], m.get("ess", 1.0)])
     policy_sd, ref_sd = rollout.full_state_dict(policy), rollout.full_state_dict(ref.model)
     if rank == 0:
         torch.save(dict(losses=losses, policy=policy_sd, ref=ref_sd), out)
@@ -69,4 +71,12 @@ elif mode == "ema":
     ref_k = rollout.full_state_dict(ref.model)
     if rank == 0:
         torch.save(dict(ref0=ref0, pol0=pol0, ref_k=ref_k, calls=calls, comm=comm.get_total_counts()), out)
+elif mode == "ess":
+    from loss import ess
+
+    rho = torch.exp(torch.randn(1001, generator=torch.Generator().manual_seed(0)))  # odd: the ranks hold unequal parts
+    if rank == 0:
+        torch.save(dict(ess=ess(rho[rank::world_size])), out)
+    else:
+        ess(rho[rank::world_size])
 dist.destroy_process_group()

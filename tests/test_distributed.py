@@ -11,30 +11,31 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "dist_worker.py")
 
 
-def run(mode, model_dir, out, nproc, port):
+def run(mode, model_dir, out, nproc, port, *extra):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    cmd = [sys.executable, WORKER, mode, model_dir, str(out)] if nproc == 1 else \
+    cmd = [sys.executable, WORKER, mode, model_dir, str(out), *extra] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port),
-         WORKER, mode, model_dir, str(out)]
+         WORKER, mode, model_dir, str(out), *extra]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     return torch.load(out)
 
 
-@pytest.fixture(scope="module")
-def train_runs(tiny_model_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=[("dapo", "k3"), ("ess", "topk")], ids=["dapo-k3", "ess-topk4"])
+def train_runs(tiny_model_dir, tmp_path_factory, request):
     tmp = tmp_path_factory.mktemp("fsdp")
-    return run("train", tiny_model_dir, tmp / "one.pt", 1, 0), run("train", tiny_model_dir, tmp / "two.pt", 2, 29611)
+    return (run("train", tiny_model_dir, tmp / "one.pt", 1, 0, *request.param),
+            run("train", tiny_model_dir, tmp / "two.pt", 2, 29611, *request.param))
 
 
 def test_two_ranks_match_one_process_after_three_steps(train_runs):
     """Same seed and rollouts (16 uneven sequences, 2 mini-batches -> 6 optimizer steps,
-    beta 0.1 with k3, EMA each step). The ranks split every mini-batch differently from
-    the single process, so sums run in another order: tolerance 1e-5 on losses and 2e-5
-    on parameters (AdamW with lr 1e-3 turns float32 rounding in tiny gradients into at
-    most that much)."""
+    beta 0.1, EMA each step), for DAPO with k3 and for ESS with the top-4 KL. The ranks
+    split every mini-batch differently from the single process, so sums run in another
+    order: tolerance 1e-5 on losses (and ESS) and 2e-5 on parameters (AdamW with lr 1e-3
+    turns float32 rounding in tiny gradients into at most that much)."""
     one, two = train_runs
     assert torch.allclose(torch.tensor(one["losses"]), torch.tensor(two["losses"]), rtol=1e-5, atol=1e-6)
     for name in ("policy", "ref"):
@@ -53,6 +54,17 @@ def test_training_moved_the_weights(train_runs, tiny_model_dir):
     moved = (one["policy"][k] - init[k]).abs().max()
     assert moved > 1e-3 and (one["ref"][k] - init[k]).abs().max() > 0.1 * moved
     assert all(abs(loss[2]) <= 1 for loss in one["losses"])  # clip_frac is a fraction
+    assert all(0 < loss[4] <= 1 for loss in one["losses"])  # ESS in (0, 1]
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_ess_is_the_same_on_two_ranks_and_one_process(tiny_model_dir, tmp_path, nproc):
+    from loss import ess
+
+    rho = torch.exp(torch.randn(1001, generator=torch.Generator().manual_seed(0)))
+    expected = (rho.double().sum() ** 2 / (1001 * (rho.double() ** 2).sum())).item()
+    assert ess(rho) == pytest.approx(expected, rel=1e-12)
+    assert run("ess", tiny_model_dir, tmp_path / "ess.pt", nproc, 29613)["ess"] == pytest.approx(expected, rel=1e-12)
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
