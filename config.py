@@ -135,6 +135,16 @@ class Config:
                    "in this FSDP2 trainer (every rank holds whole sequences); set it to 1")
         if self.kl_topk != 0 and self.kl_estimator != "topk":
             refuse(f"kl_topk={self.kl_topk} only applies to kl_estimator='topk' (got {self.kl_estimator!r})")
+        if self.kl_topk > 0 and self.beta == 0:
+            refuse(f"kl_topk={self.kl_topk} has no effect with beta=0 (no KL term); set beta > 0 or kl_topk=0")
+        defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+        if self.loss_fn == "ess" and (self.clip_lower, self.clip_higher) != (defaults["clip_lower"], defaults["clip_higher"]):
+            refuse("loss_fn='ess' has no clip constants (the batch's ESS sets the cap); leave clip_lower and "
+                   "clip_higher at their defaults or pick loss_fn='dapo'")
+        if self.loss_fn == "cispo" and self.clip_lower != defaults["clip_lower"]:
+            refuse("loss_fn='cispo' caps the weight above only (clip_higher); clip_lower has no effect, leave it")
+        if self.loss_fn != "ess" and self.ess_scope != defaults["ess_scope"]:
+            refuse(f"ess_scope={self.ess_scope!r} only applies to loss_fn='ess'")
         if self.kl_topk < 0:
             refuse(f"kl_topk={self.kl_topk} must be >= 0")
         if self.clip_lower < 0 or self.clip_lower >= 1 or self.clip_higher < 0:
