@@ -42,7 +42,7 @@ class Config:
     vllm_max_model_len: Optional[int] = None  # context of the server we launch; None = max_prompt_length + response_length
     vllm_kv_cache_space_gb: int = 1  # KV cache size of a CPU server we launch (VLLM_CPU_KVCACHE_SPACE)
     vllm_gpu_memory_utilization: float = 0.9  # memory fraction of a GPU server we launch
-    vllm_startup_timeout: float = 300.0  # seconds to wait for a launched server's /health
+    vllm_startup_timeout: float = 600.0  # seconds to wait for a launched server's /health
     vllm_request_timeout: float = 120.0  # seconds for one HTTP request to a server
     vllm_max_retries: int = 3  # retries (with backoff) of a failed request before the run stops
     weight_sync_transport: str = "filesystem"  # filesystem (safetensors + reload_weights, CPU and GPU) or nccl (GPU servers)

@@ -234,6 +234,22 @@ class PromptSampler:
         return batch
 
 
+def load_tokenizer(cfg):
+    """The tokenizer of model_name_or_path, with a one-line error naming the fix."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model_name_or_path)
+    except (OSError, ValueError) as e:
+        where = "is not a local model directory" if not os.path.isdir(cfg.model_name_or_path) else "is unreadable"
+        raise ValueError(f"model_name_or_path={cfg.model_name_or_path!r} {where} and could not be loaded "
+                         f"({type(e).__name__}); build a tiny model with "
+                         f"python scripts/make_tiny_model.py --out {cfg.model_name_or_path}") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 # --- rollouts to tensors
 
 

@@ -1,4 +1,4 @@
-"""Everything between the trainer and vLLM: the server, generation, weight sync, the check.
+"""The vLLM side of a rollout: the server we launch and the HTTP client that talks to it.
 
 The server is a real vLLM OpenAI-compatible server spoken to over HTTP. Without
 `vllm_server_urls` we launch one as a subprocess (`python -m vllm.entrypoints.openai.
@@ -6,19 +6,14 @@ api_server`; the `vllm` console script of the CPU build is broken) and stop it, 
 it, when training ends. With URLs, requests are spread over the servers the user runs
 (started with VLLM_SERVER_DEV_MODE=1 for the weight routes).
 
-Tied embeddings: the CPU server's `reload_weights` does not refresh a tied LM head
-("ParallelLMHead: Failed to load weights"), so the server always gets an untied copy:
-config.json says tie_word_embeddings=false and every weight file carries lm_head.weight
-equal to the input embedding. It costs the server one vocab x hidden matrix.
+Pushing the trainer's weights into the server is weight_sync.py.
 """
 
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -181,157 +176,3 @@ class VLLMClient:
 
     def resume(self):
         self.broadcast("/resume")
-
-
-# --- weight sync
-
-
-def full_state_dict(model):
-    """The full, unsharded state dict, on CPU, on rank 0 (empty on other ranks).
-    Every rank must call it: it gathers FSDP2/DTensor shards with collectives. In a world
-    of one the tensors may alias the live parameters: copy them to keep a snapshot."""
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    if not dist.is_initialized():
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def untie(state_dict):
-    """The serving copy of a state dict: lm_head.weight present (equal to the embedding for a
-    tied model) and no tensor stored twice."""
-    sd = {k: v.contiguous() for k, v in state_dict.items()}
-    if "lm_head.weight" not in sd and "model.embed_tokens.weight" in sd:
-        sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
-    elif "lm_head.weight" in sd and sd["lm_head.weight"].data_ptr() == sd["model.embed_tokens.weight"].data_ptr():
-        sd["lm_head.weight"] = sd["lm_head.weight"].clone()
-    return sd
-
-
-def write_weights(state_dict, out_dir, dtype=None):
-    """Write the serving copy as one safetensors file; atomically replaces the last one."""
-    from safetensors.torch import save_file
-
-    sd = untie(state_dict)
-    if dtype is not None:
-        sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
-    os.makedirs(out_dir, exist_ok=True)
-    tmp = os.path.join(out_dir, ".model.safetensors.tmp")
-    save_file(sd, tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
-    return sum(v.numel() * v.element_size() for v in sd.values())
-
-
-def write_serving_dir(state_dict, hf_config, tokenizer, out_dir):
-    """A model directory the server can start from: untied config, tokenizer, weights."""
-    os.makedirs(out_dir, exist_ok=True)
-    cfg = hf_config.to_dict()
-    cfg["tie_word_embeddings"] = False
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
-    tokenizer.save_pretrained(out_dir)
-    write_weights(state_dict, out_dir)
-
-
-def sync_dir_for(output_dir):
-    """Where synced weights go: memory-backed /dev/shm when there is one."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else output_dir
-    return tempfile.mkdtemp(prefix="weight_sync_", dir=base)
-
-
-def sync_weights_filesystem(model, client, sync_dir, rank):
-    """Gather on every rank, then rank 0 writes safetensors and asks each server to reload.
-    Returns the bytes written (rank 0) or 0."""
-    import torch.distributed as dist
-
-    sd = full_state_dict(model)
-    nbytes = 0
-    if rank == 0:
-        nbytes = write_weights(sd, sync_dir)
-        client.reload_weights(sync_dir)
-    if dist.is_initialized():
-        dist.barrier()
-    return nbytes
-
-
-class NCCLWeightSync:
-    """GPU servers: vLLM's native weight-transfer API over NCCL (server launched with
-    --weight-transfer-config '{"backend": "nccl"}'). Untested on the CPU machines this
-    project is developed on. Every rank gathers every full_tensor() first; only then
-    does rank 0 broadcast: interleaving the FSDP gathers with the NCCL broadcast lets
-    rank 0 wait in the broadcast while the others wait in a gather (deadlock).
-    Supports one server with one worker (tensor parallel size 1)."""
-
-    def __init__(self, client, rank, master_address, master_port, device):
-        self.client, self.rank, self.device, self.engine = client, rank, device, None
-        self.master_address, self.master_port = master_address, master_port  # this trainer's rendezvous
-
-    # the four calls vLLM's trainer engine makes on its client (VLLMWeightSyncClient)
-    def init_weight_transfer_engine(self, init_info):
-        self.client.broadcast("/init_weight_transfer_engine", {"init_info": init_info})
-
-    def start_weight_update(self):
-        self.client.broadcast("/start_weight_update")
-
-    def update_weights(self, update_info):
-        self.client.broadcast("/update_weights", {"update_info": update_info})
-
-    def finish_weight_update(self, weight_version=None):
-        self.client.broadcast("/finish_weight_update", {"weight_version": weight_version})
-
-    def sync(self, model):
-        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-        from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerInitInfo,
-                                                                   NCCLTrainerWeightTransferEngine)
-
-        full = {}
-        for name, t in model.state_dict().items():  # every rank, every gather, before any send
-            full[name] = t.full_tensor() if hasattr(t, "full_tensor") else t
-        if self.rank != 0:
-            return 0
-        full = {k: v.to(self.device) for k, v in untie(full).items()}
-
-        class Gathered(WeightSource):
-            def metadata(self):
-                return [ParamMeta(k, v.dtype, tuple(v.shape)) for k, v in full.items()]
-
-            def __iter__(self):
-                return iter(full.items())
-
-        if self.engine is None:
-            info = NCCLTrainerInitInfo(master_address=self.master_address, master_port=self.master_port,
-                                       world_size=2, rank=0)
-            self.engine = NCCLTrainerWeightTransferEngine.trainer_init(info, client=self, source=Gathered())
-        self.engine.source = Gathered()
-        self.client.pause()
-        try:
-            self.engine.send_weights()
-        finally:
-            self.client.resume()
-        self.client.broadcast("/reset_prefix_cache")
-        return sum(v.numel() * v.element_size() for v in full.values())
-
-
-def remove_sync_dir(sync_dir):
-    shutil.rmtree(sync_dir, ignore_errors=True)
-
-
-# --- the check
-
-
-@torch.no_grad()
-def trainer_logprobs(model, sequences, temperature=1.0):
-    """Per-token logprobs of each sequence under `model` (same layout as VLLMClient.score)."""
-    out = []
-    for seq in sequences:
-        ids = torch.tensor([seq], device=next(model.parameters()).device)
-        logits = model(input_ids=ids).logits[0, :-1].float() / temperature
-        out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].cpu().tolist())
-    return out
-
-
-def logprob_diff(trainer_lp, server_lp):
-    """(mean, max) of |trainer - server| over all tokens."""
-    diffs = torch.tensor([abs(a - b) for t, s in zip(trainer_lp, server_lp) for a, b in zip(t, s)])
-    return diffs.mean().item(), diffs.max().item()

@@ -43,8 +43,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 from tqdm import tqdm
 
 import rollout
+from weight_sync import full_state_dict, make_weight_sync, write_serving_dir
 from config import Config, parse_args
-from data import PromptSampler, collate, load_prompts, score, split_for_ranks
+from data import PromptSampler, collate, load_prompts, load_tokenizer, score, split_for_ranks
 from loss import ess, grpo_loss, group_advantages, step_denominator, token_logprobs
 from reference import EMAReference
 
@@ -229,22 +230,6 @@ def open_tracker(cfg):
     return lambda m, step: [writer.add_scalar(k, v, step) for k, v in m.items() if isinstance(v, (int, float))]
 
 
-def load_tokenizer(cfg: Config):
-    """The tokenizer of model_name_or_path, with a one-line error naming the fix."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model_name_or_path)
-    except (OSError, ValueError) as e:
-        where = "is not a local model directory" if not os.path.isdir(cfg.model_name_or_path) else "is unreadable"
-        raise ValueError(f"model_name_or_path={cfg.model_name_or_path!r} {where} and could not be loaded "
-                         f"({type(e).__name__}); build a tiny model with "
-                         f"python scripts/make_tiny_model.py --out {cfg.model_name_or_path}") from None
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
 def main(cfg: Config):
     try:  # bad input: one line naming the fix, before any process group, model or server
         cfg.batch_plan(int(os.environ.get("WORLD_SIZE", 1)))
@@ -266,7 +251,7 @@ def main(cfg: Config):
     ref = EMAReference(load_model(cfg, device, mesh), policy, cfg.alpha) if cfg.load_ref_policy else None
     optimizer, scheduler = make_optimizer(cfg, policy, cfg.num_training_steps * plan["optimizer_steps"], device)
     sampler = PromptSampler(train_rows, cfg.seed)
-    client, server, sync_dir = None, None, None
+    client, server, weights = None, None, None
     if rank == 0:
         info = run_info(cfg, world_size)
         with open(os.path.join(cfg.output_dir, "run_info.json"), "w") as f:
@@ -280,23 +265,22 @@ def main(cfg: Config):
               f"reward {reward_fn.__name__}")
     try:
         # --- the vLLM server: ours, started on an untied copy of the policy, or the user's, given our weights
-        full = rollout.full_state_dict(policy)  # a collective: every rank takes part
         if rank == 0:
-            sync_dir = rollout.sync_dir_for(cfg.output_dir)
             log_path = os.path.join(cfg.output_dir, "vllm.log")
             if cfg.vllm_server_urls:
                 client = rollout.VLLMClient(cfg.vllm_server_urls, None, cfg.vllm_request_timeout, cfg.vllm_max_retries)
-                rollout.write_weights(full, sync_dir)
-                client.reload_weights(sync_dir)
-            else:
-                served = os.path.join(cfg.output_dir, "vllm_model")
-                rollout.write_serving_dir(full, policy.config, tokenizer, served)
-                server, url = rollout.launch_server(served, cfg, log_path)
-                client = rollout.VLLMClient([url], served, cfg.vllm_request_timeout, cfg.vllm_max_retries,
-                                            proc=server, log_path=log_path)
+        full = full_state_dict(policy)  # a collective: every rank takes part
+        if rank == 0 and not cfg.vllm_server_urls:
+            served = os.path.join(cfg.output_dir, "vllm_model")
+            write_serving_dir(full, policy.config, tokenizer, served)
+            server, url = rollout.launch_server(served, cfg, log_path)
+            client = rollout.VLLMClient([url], served, cfg.vllm_request_timeout, cfg.vllm_max_retries,
+                                        proc=server, log_path=log_path)
         del full
-        dist.barrier()
-        metrics_file = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "a") if rank == 0 else None
+        weights = make_weight_sync(cfg, client, rank, device)
+        if cfg.vllm_server_urls:  # the user's server starts from our weights
+            weights.sync(policy)
+        metrics_file = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "w") if rank == 0 else None
         if rank == 0 and cfg.eval_freq > 0:
             acc = evaluate(cfg, client, eval_rows, reward_fn, tokenizer)
             metrics_file.write(json.dumps({"step": 0, "eval_accuracy": acc}) + "\n")
@@ -356,7 +340,7 @@ def main(cfg: Config):
             # --- weight sync into vLLM
             t3 = time.perf_counter()
             if samples:
-                rollout.sync_weights_filesystem(policy, client, sync_dir, rank)
+                weights.sync(policy)
             m["time_sync"] = time.perf_counter() - t3
             # --- evaluation and log
             if rank == 0:
@@ -374,10 +358,10 @@ def main(cfg: Config):
                                     if k in ("step", "reward_mean", "eval_accuracy", "response_length", "loss", "kl",
                                              "clip_frac", "entropy", "grad_norm", "vllm_logp_diff_max", "time_step")))
     finally:
+        if weights:
+            weights.close()
         if rank == 0:
             rollout.stop_server(server)
-            if sync_dir:
-                rollout.remove_sync_dir(sync_dir)
     dist.destroy_process_group()
 
 

@@ -1,4 +1,4 @@
-"""Benchmark the filesystem weight sync (rollout.write_weights + VLLMClient.reload_weights)
+"""Benchmark the filesystem weight sync (weight_sync.write_weights + VLLMClient.reload_weights)
 against model size, next to a plain memory copy of the same bytes, on a real vLLM CPU server.
 
     .venv/bin/python scripts/bench_sync.py                       # tiny (0.3 M) and Qwen2.5-0.5B shape
@@ -51,7 +51,7 @@ def perturb(model, seed):
 
 
 def max_diff(model, client):
-    return rollout.logprob_diff(rollout.trainer_logprobs(model, SEQS), client.score(SEQS))[1]
+    return weight_sync.logprob_diff(weight_sync.trainer_logprobs(model, SEQS), client.score(SEQS))[1]
 
 
 def copy_gbps(nbytes, tries=5):
@@ -69,10 +69,11 @@ def bench(name, port, repeats, workdir):
     model = make_tiny_model.build_model(**MODELS[name]).eval()
     params = sum(p.numel() for p in model.parameters())  # a tied matrix counts once
     serving = os.path.join(workdir, name)  # on disk: the server only reads it at start
-    rollout.write_serving_dir(rollout.full_state_dict(model), model.config, make_tiny_model.build_tokenizer(), serving)
+    weight_sync.write_serving_dir(weight_sync.full_state_dict(model), model.config, make_tiny_model.build_tokenizer(), serving)
     cfg = Config(max_prompt_length=32, response_length=16, vllm_startup_timeout=900)
     log = os.path.join(workdir, f"vllm_{name}.log")
-    sync_dir = rollout.sync_dir_for(workdir)  # /dev/shm, as in training
+    sync = weight_sync.FilesystemSync(None, 0, workdir)  # its directory: /dev/shm, as in training
+    sync_dir = sync.dir
     t = time.perf_counter()
     proc, url = rollout.launch_server(serving, cfg, log, port=port)
     print(f"[{name}] {params / 1e6:.1f} M params, server up in {time.perf_counter() - t:.0f}s (log {log})", flush=True)
@@ -82,9 +83,9 @@ def bench(name, port, repeats, workdir):
         writes, reloads = [], []
         for i in range(repeats + 1):  # i == 0 is the warm-up (first-touch page faults, first reload)
             perturb(model, seed=i)
-            sd = rollout.full_state_dict(model)  # on CPU without FSDP: detached views, no copy
+            sd = weight_sync.full_state_dict(model)  # on CPU without FSDP: detached views, no copy
             t0 = time.perf_counter()
-            nbytes = rollout.write_weights(sd, sync_dir)
+            nbytes = weight_sync.write_weights(sd, sync_dir)
             t1 = time.perf_counter()
             client.reload_weights(sync_dir)
             t2 = time.perf_counter()
@@ -99,7 +100,7 @@ def bench(name, port, repeats, workdir):
         print(f"[{name}] max |trainer - vLLM| logprob: {synced:.2e} after sync, {stale:.2e} unsynced", flush=True)
     finally:
         rollout.stop_server(proc)
-        rollout.remove_sync_dir(sync_dir)
+        sync.close()
     del model, sd  # free the trainer copy before the baseline allocates 2 x nbytes
     write, reload = statistics.median(writes), statistics.median(reloads)
     total = statistics.median([w + r for w, r in zip(writes, reloads)])

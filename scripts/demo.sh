@@ -7,5 +7,6 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 [ -f models/tiny/config.json ] || .venv/bin/python scripts/make_tiny_model.py --out models/tiny
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec .venv/bin/torchrun --nproc_per_node 2 train.py --model_name_or_path models/tiny --dataset copy \
+.venv/bin/torchrun --nproc_per_node 2 train.py --model_name_or_path models/tiny --dataset copy \
     --output_dir output/demo "$@"
+.venv/bin/python scripts/plot_metrics.py output/demo/metrics.jsonl

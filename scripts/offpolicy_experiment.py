@@ -53,6 +53,7 @@ def main():
 
     import make_tiny_model
     import rollout
+    import weight_sync
     from config import Config
 
     if not os.path.isfile(os.path.join(args.model, "config.json")):
@@ -60,7 +61,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     served = os.path.join(args.out, "vllm_model")
-    rollout.write_serving_dir(rollout.full_state_dict(model), model.config, AutoTokenizer.from_pretrained(args.model),
+    weight_sync.write_serving_dir(weight_sync.full_state_dict(model), model.config, AutoTokenizer.from_pretrained(args.model),
                               served)
     server, url = rollout.launch_server(served, Config(vllm_startup_timeout=900), os.path.join(args.out, "vllm.log"),
                                         port=args.port)

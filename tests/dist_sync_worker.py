@@ -8,6 +8,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
 import rollout
+import weight_sync
 
 model_dir, url, served, tmp = sys.argv[1:5]
 dist.init_process_group("gloo")
@@ -25,10 +26,10 @@ for layer in model.model.layers:
 fully_shard(model, mesh=mesh)
 assert type(model.model.layers[0].mlp.up_proj.weight).__name__ == "DTensor"
 client = rollout.VLLMClient([url], served, timeout=60, max_retries=1)
-rollout.sync_weights_filesystem(model, client, tmp, rank)
+weight_sync.FilesystemSync(client, rank, tmp).sync(model)
 if rank == 0:
     seqs = [[7, 8, 9, 10, 11, 12], [20, 21, 22, 23]]
-    mean, mx = rollout.logprob_diff(rollout.trainer_logprobs(full, seqs), client.score(seqs))
+    mean, mx = weight_sync.logprob_diff(weight_sync.trainer_logprobs(full, seqs), client.score(seqs))
     assert mx < 1e-4, (mean, mx)
     print("SYNC OK", mean, mx)
 dist.destroy_process_group()

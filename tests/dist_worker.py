@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
-import rollout
 import train
 from config import Config
 from reference import EMAReference, local
+from weight_sync import full_state_dict
 
 mode, model_dir, out = sys.argv[1:4]
 loss_fn, kl_estimator = (sys.argv[4:6] + ["dapo", "k3"][len(sys.argv[4:6]):])
@@ -48,12 +48,12 @@ if mode == "train":
                                     world_size, device, pad_id=0)
         ref.update()
         losses.append([m["loss"], m["kl"], m["clip_frac"], m["grad_norm"], m.get("ess", 1.0)])
-    policy_sd, ref_sd = rollout.full_state_dict(policy), rollout.full_state_dict(ref.model)
+    policy_sd, ref_sd = full_state_dict(policy), full_state_dict(ref.model)
     if rank == 0:
         torch.save(dict(losses=losses, policy=policy_sd, ref=ref_sd), out)
 elif mode == "ema":
     # clone: in a world of one the "gathered" tensors may be the live parameters themselves
-    ref0, pol0 = [{k: v.clone() for k, v in rollout.full_state_dict(m).items()} for m in (ref.model, policy)]
+    ref0, pol0 = [{k: v.clone() for k, v in full_state_dict(m).items()} for m in (ref.model, policy)]
     calls = []
     originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "all_gather_into_tensor",
                                                         "reduce_scatter_tensor", "broadcast", "send", "recv")}
@@ -68,7 +68,7 @@ elif mode == "ema":
             ref.update()
     for name, fn in originals.items():
         setattr(dist, name, fn)
-    ref_k = rollout.full_state_dict(ref.model)
+    ref_k = full_state_dict(ref.model)
     if rank == 0:
         torch.save(dict(ref0=ref0, pol0=pol0, ref_k=ref_k, calls=calls, comm=comm.get_total_counts()), out)
 elif mode == "ess":

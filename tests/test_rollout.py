@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import rollout
+import weight_sync
 from config import Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,7 +24,7 @@ def serve(model_dir, tmp, port):
     """Launch a server on the untied serving copy of model_dir, as the trainer does."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     serving = os.path.join(tmp, "serving")
-    rollout.write_serving_dir(rollout.full_state_dict(model), model.config, AutoTokenizer.from_pretrained(model_dir),
+    weight_sync.write_serving_dir(weight_sync.full_state_dict(model), model.config, AutoTokenizer.from_pretrained(model_dir),
                               serving)
     proc, url = rollout.launch_server(serving, CFG, os.path.join(tmp, "vllm.log"), port=port)
     return model, rollout.VLLMClient([url], serving, timeout=60, max_retries=1, proc=proc,
@@ -69,7 +70,7 @@ def test_sampling_logprobs_match_trainer(untied):
     model, client = untied
     s = client.generate([[7, 8, 9]], n=2, max_tokens=10, temperature=0.7, seed=1)[0][0]
     seq = [7, 8, 9] + s["token_ids"]
-    trainer = rollout.trainer_logprobs(model, [seq], temperature=0.7)[0][2:]
+    trainer = weight_sync.trainer_logprobs(model, [seq], temperature=0.7)[0][2:]
     assert max(abs(a - b) for a, b in zip(trainer, s["logprobs"])) < 1e-4  # vLLM reports tempered logprobs
 
 
@@ -78,9 +79,11 @@ def perturb_sync_check(model, client, tmp, seed):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p) * p.abs().mean())
-    before = rollout.logprob_diff(rollout.trainer_logprobs(model, SEQS), client.score(SEQS))
-    rollout.sync_weights_filesystem(model, client, tmp, rank=0)
-    after = rollout.logprob_diff(rollout.trainer_logprobs(model, SEQS), client.score(SEQS))
+    before = weight_sync.logprob_diff(weight_sync.trainer_logprobs(model, SEQS), client.score(SEQS))
+    sync = weight_sync.FilesystemSync(client, 0, tmp)
+    sync.sync(model)
+    sync.close()
+    after = weight_sync.logprob_diff(weight_sync.trainer_logprobs(model, SEQS), client.score(SEQS))
     return before, after
 
 

@@ -1,0 +1,185 @@
+"""Weight sync: the trainer's sharded weights into the vLLM server, and the proof it took.
+
+Two transports behind one call, `make_weight_sync(cfg, ...).sync(model)`, made on every
+rank and called on every rank (the gathers are collectives):
+
+- filesystem (default, CPU and GPU): gather the full state dict, rank 0 writes
+  safetensors to memory-backed /dev/shm, asks each server to `reload_weights` through
+  /collective_rpc and resets its prefix cache.
+- nccl (GPU servers started with --weight-transfer-config '{"backend": "nccl"}'): vLLM's
+  native weight-transfer API. Untested on the CPU machines this project is built on.
+
+Tied embeddings: the CPU server's `reload_weights` does not refresh a tied LM head
+("ParallelLMHead: Failed to load weights"), so the server always gets an untied copy:
+config.json says tie_word_embeddings=false and every weight file carries lm_head.weight
+equal to the input embedding. It costs the server one vocab x hidden matrix.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+
+import torch
+
+def full_state_dict(model):
+    """The full, unsharded state dict, on CPU, on rank 0 (empty on other ranks).
+    Every rank must call it: it gathers FSDP2/DTensor shards with collectives. In a world
+    of one the tensors may alias the live parameters: copy them to keep a snapshot."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not dist.is_initialized():
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def untie(state_dict):
+    """The serving copy of a state dict: lm_head.weight present (equal to the embedding for a
+    tied model) and no tensor stored twice."""
+    sd = {k: v.contiguous() for k, v in state_dict.items()}
+    if "lm_head.weight" not in sd and "model.embed_tokens.weight" in sd:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
+    elif "lm_head.weight" in sd and sd["lm_head.weight"].data_ptr() == sd["model.embed_tokens.weight"].data_ptr():
+        sd["lm_head.weight"] = sd["lm_head.weight"].clone()
+    return sd
+
+
+def write_weights(state_dict, out_dir):
+    """Write the serving copy as one safetensors file; atomically replaces the last one.
+    Returns the bytes written."""
+    from safetensors.torch import save_file
+
+    sd = untie(state_dict)
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = os.path.join(out_dir, ".model.safetensors.tmp")
+    save_file(sd, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
+    return sum(v.numel() * v.element_size() for v in sd.values())
+
+
+def write_serving_dir(state_dict, hf_config, tokenizer, out_dir):
+    """A model directory the server can start from: untied config, tokenizer, weights."""
+    os.makedirs(out_dir, exist_ok=True)
+    cfg = hf_config.to_dict()
+    cfg["tie_word_embeddings"] = False
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    tokenizer.save_pretrained(out_dir)
+    write_weights(state_dict, out_dir)
+
+
+class FilesystemSync:
+    """Gather on every rank, then rank 0 writes safetensors and asks each server to reload."""
+
+    def __init__(self, client, rank, output_dir):
+        self.client, self.rank, self.dir = client, rank, None
+        if rank == 0:  # memory-backed /dev/shm when there is one
+            base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else output_dir
+            self.dir = tempfile.mkdtemp(prefix="weight_sync_", dir=base)
+
+    def sync(self, model):
+        """Returns the bytes written (rank 0) or 0."""
+        import torch.distributed as dist
+
+        sd = full_state_dict(model)
+        nbytes = 0
+        if self.rank == 0:
+            nbytes = write_weights(sd, self.dir)
+            self.client.reload_weights(self.dir)
+        if dist.is_initialized():
+            dist.barrier()
+        return nbytes
+
+    def close(self):
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class NCCLSync:
+    """GPU servers: vLLM's native weight-transfer API over NCCL (server launched with
+    --weight-transfer-config '{"backend": "nccl"}'). Untested on the CPU machines this
+    project is developed on. Every rank gathers every full_tensor() first; only then
+    does rank 0 broadcast: interleaving the FSDP gathers with the NCCL broadcast lets
+    rank 0 wait in the broadcast while the others wait in a gather (deadlock).
+    Supports one server with one worker (tensor parallel size 1)."""
+
+    def __init__(self, client, rank, master_address, master_port, device):
+        self.client, self.rank, self.device, self.engine = client, rank, device, None
+        self.master_address, self.master_port = master_address, master_port  # this trainer's rendezvous
+
+    # the four calls vLLM's trainer engine makes on its client (VLLMWeightSyncClient)
+    def init_weight_transfer_engine(self, init_info):
+        self.client.broadcast("/init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self):
+        self.client.broadcast("/start_weight_update")
+
+    def update_weights(self, update_info):
+        self.client.broadcast("/update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version=None):
+        self.client.broadcast("/finish_weight_update", {"weight_version": weight_version})
+
+    def sync(self, model):
+        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+        from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerInitInfo,
+                                                                   NCCLTrainerWeightTransferEngine)
+
+        full = {}
+        for name, t in model.state_dict().items():  # every rank, every gather, before any send
+            full[name] = t.full_tensor() if hasattr(t, "full_tensor") else t
+        if self.rank != 0:
+            return 0
+        full = {k: v.to(self.device) for k, v in untie(full).items()}
+
+        class Gathered(WeightSource):
+            def metadata(self):
+                return [ParamMeta(k, v.dtype, tuple(v.shape)) for k, v in full.items()]
+
+            def __iter__(self):
+                return iter(full.items())
+
+        if self.engine is None:
+            info = NCCLTrainerInitInfo(master_address=self.master_address, master_port=self.master_port,
+                                       world_size=2, rank=0)
+            self.engine = NCCLTrainerWeightTransferEngine.trainer_init(info, client=self, source=Gathered())
+        self.engine.source = Gathered()
+        self.client.pause()
+        try:
+            self.engine.send_weights()
+        finally:
+            self.client.resume()
+        self.client.broadcast("/reset_prefix_cache")
+        return sum(v.numel() * v.element_size() for v in full.values())
+
+    def close(self):
+        if self.engine is not None:
+            self.engine.shutdown()
+
+
+def make_weight_sync(cfg, client, rank, device):
+    """The configured transport; `.sync(model)` on every rank after each step."""
+    if cfg.weight_sync_transport == "nccl":
+        return NCCLSync(client, rank, cfg.weight_sync_master_address, cfg.weight_sync_master_port, device)
+    return FilesystemSync(client, rank, cfg.output_dir)
+
+
+# --- the check
+
+
+@torch.no_grad()
+def trainer_logprobs(model, sequences, temperature=1.0):
+    """Per-token logprobs of each sequence under `model` (same layout as VLLMClient.score)."""
+    out = []
+    for seq in sequences:
+        ids = torch.tensor([seq], device=next(model.parameters()).device)
+        logits = model(input_ids=ids).logits[0, :-1].float() / temperature
+        out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].cpu().tolist())
+    return out
+
+
+def logprob_diff(trainer_lp, server_lp):
+    """(mean, max) of |trainer - server| over all tokens."""
+    diffs = torch.tensor([abs(a - b) for t, s in zip(trainer_lp, server_lp) for a, b in zip(t, s)])
+    return diffs.mean().item(), diffs.max().item()
