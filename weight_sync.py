@@ -40,7 +40,8 @@ def untie(state_dict):
     sd = {k: v.contiguous() for k, v in state_dict.items()}
     if "lm_head.weight" not in sd and "model.embed_tokens.weight" in sd:
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
-    elif "lm_head.weight" in sd and sd["lm_head.weight"].data_ptr() == sd["model.embed_tokens.weight"].data_ptr():
+    elif "lm_head.weight" in sd and "model.embed_tokens.weight" in sd and \
+            sd["lm_head.weight"].data_ptr() == sd["model.embed_tokens.weight"].data_ptr():
         sd["lm_head.weight"] = sd["lm_head.weight"].clone()
     return sd
 

@@ -32,6 +32,7 @@ SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [SCRIPTS, os.path.dirname(SCRIPTS)]  # make_tiny_model, and rollout / config without PYTHONPATH
 import make_tiny_model  # noqa: E402
 import rollout  # noqa: E402
+import weight_sync  # noqa: E402
 from config import Config  # noqa: E402
 
 MODELS = {

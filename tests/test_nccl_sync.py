@@ -3,7 +3,6 @@ the machines this project is developed on have neither a GPU nor a GPU build of 
 so this test has never run here."""
 
 import importlib.util
-import os
 
 import pytest
 import torch
