@@ -281,7 +281,7 @@ def main(cfg: Config):
         if cfg.vllm_server_urls:  # the user's server starts from our weights
             weights.sync(policy)
         metrics_file = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "w") if rank == 0 else None
-        if rank == 0 and cfg.eval_freq > 0:
+        if rank == 0 and cfg.eval_freq > 0 and eval_rows:
             acc = evaluate(cfg, client, eval_rows, reward_fn, tokenizer)
             metrics_file.write(json.dumps({"step": 0, "eval_accuracy": acc}) + "\n")
             print(f"step 0: eval_accuracy={acc:.4g}")
