@@ -39,3 +39,17 @@ def test_refuses_head_dim_16(tmp_path, capsys):
     with pytest.raises(SystemExit):
         make_tiny_model.main(["--out", str(tmp_path), "--hidden-size", "32", "--heads", "2"])
     assert "head dim" in capsys.readouterr().err
+
+
+def test_serving_copy_of_a_tied_model_is_untied_and_equal(tied_model_dir, tmp_path):
+    import make_serving_copy
+
+    make_serving_copy.main(["--model", tied_model_dir, "--out", str(tmp_path / "serve")])
+    tied = AutoModelForCausalLM.from_pretrained(tied_model_dir)
+    copy = AutoModelForCausalLM.from_pretrained(tmp_path / "serve")
+    assert not copy.config.tie_word_embeddings
+    assert copy.lm_head.weight.data_ptr() != copy.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(copy.lm_head.weight, tied.model.embed_tokens.weight)
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(copy(ids).logits, tied(ids).logits)
