@@ -26,8 +26,13 @@ def main(argv=None):
 
     from weight_sync import write_serving_dir
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    write_serving_dir(model.state_dict(), model.config, AutoTokenizer.from_pretrained(args.model), args.out)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    except (OSError, ValueError) as e:
+        p.error(f"--model {args.model!r} could not be loaded ({type(e).__name__}); give a local model "
+                f"directory or a hub name this machine can reach")
+    write_serving_dir(model.state_dict(), model.config, tokenizer, args.out)
     print(f"wrote {args.out} (tie_word_embeddings=false)")
 
 
