@@ -18,7 +18,9 @@ def expected_topk(k, theta, ref_logits, old_logits, corrected=True):
     logpi, logref, logold = (torch.log_softmax(x, -1) for x in (theta, ref_logits, old_logits))
     q = logold.topk(k).indices  # the sampling policy's top-k
     in_head = torch.isin(torch.arange(V), q)  # (V,): is token p in q
-    est = kl_topk(logpi, logref, logold, logpi[q].expand(V, k), logref[q].expand(V, k), in_head, corrected)
+    # the default is what grpo_loss uses in training: only the published form is asked for by name
+    kwargs = {} if corrected else {"corrected": False}
+    est = kl_topk(logpi, logref, logold, logpi[q].expand(V, k), logref[q].expand(V, k), in_head, **kwargs)
     weights = logold.exp().detach()
     value = (weights * est).sum()
     (grad,) = torch.autograd.grad(value, theta)
