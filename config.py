@@ -45,6 +45,7 @@ class Config:
     vllm_startup_timeout: float = 600.0  # seconds to wait for a launched server's /health
     vllm_request_timeout: float = 120.0  # seconds for one HTTP request to a server
     vllm_max_retries: int = 3  # retries (with backoff) of a failed request before the run stops
+    vllm_max_restarts: int = 3  # times a server we launched is restarted after it dies; a server you run is never restarted
     weight_sync_transport: str = "filesystem"  # filesystem (safetensors + reload_weights, CPU and GPU) or nccl (GPU servers)
     weight_sync_master_address: str = "127.0.0.1"  # nccl: address of trainer rank 0 as the vLLM server sees it
     weight_sync_master_port: int = 29555  # nccl: port of the weight-transfer rendezvous on trainer rank 0
@@ -85,8 +86,10 @@ class Config:
     # --- checkpoints, output, logging
     output_dir: str = "output"  # metrics.jsonl, exported models and plots go here
     checkpoint_state_dir: Optional[str] = None  # resumable sharded checkpoints (needs checkpoint_state_freq > 0)
-    checkpoint_state_freq: int = -1  # steps between resumable checkpoints; -1 = none
-    save_freq: int = -1  # steps between Hugging Face model exports; -1 = final export only
+    checkpoint_state_freq: int = -1  # steps between resumable checkpoints; -1 = none (also written at the end and on SIGTERM)
+    keep_last_n_checkpoints: int = 3  # complete checkpoints kept; older ones are removed once a newer one is complete
+    save_freq: int = -1  # steps between Hugging Face model exports (output_dir/step_N); -1 = only the final one (output_dir/final)
+    max_consecutive_skipped_steps: int = 3  # stop when this many steps in a row skip an update for a non-finite loss or gradient norm
     with_tracking: bool = False  # also log to Weights & Biases or TensorBoard (offline modes work)
     seed: int = 1  # seeds data order, sampling and initialisation
 
@@ -119,6 +122,13 @@ class Config:
         if (self.checkpoint_state_dir is None) != (self.checkpoint_state_freq <= 0):
             refuse("checkpoint_state_dir and checkpoint_state_freq go together: set both "
                    "(a directory and a frequency > 0) or neither")
+        for name in ("keep_last_n_checkpoints", "max_consecutive_skipped_steps"):
+            if getattr(self, name) < 1:
+                refuse(f"{name}={getattr(self, name)} must be >= 1")
+        if self.vllm_max_restarts < 0:
+            refuse(f"vllm_max_restarts={self.vllm_max_restarts} must be >= 0 (0: never restart the server)")
+        if self.save_freq == 0 or self.save_freq < -1:
+            refuse(f"save_freq={self.save_freq} must be a positive number of steps, or -1 for only the final export")
         if not self.load_ref_policy and self.beta != 0:
             refuse(f"load_ref_policy=False needs beta=0 (got beta={self.beta}): the KL term needs a reference")
         if not self.load_ref_policy and self.ref_policy_update_freq is not None:

@@ -37,6 +37,17 @@ def log_tail(path, n=20):
 # --- the server we launch
 
 
+def die_with_parent():
+    """In the child before exec: SIGKILL when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # not Linux: stop_server and the finally in train.py still stop it on a clean exit
+
+
 def launch_server(model_dir, cfg, log_path, port=None):
     """Start a vLLM server on `model_dir` and return (process, url) once /health answers.
     A server that exits or stays unhealthy past vllm_startup_timeout is stopped and the
@@ -56,7 +67,9 @@ def launch_server(model_dir, cfg, log_path, port=None):
     env.setdefault("OMP_NUM_THREADS", "1")
     log = open(log_path, "w")
     # A new session: the server and its engine processes form one group we can stop together.
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    # It also dies with the trainer if the trainer is killed (SIGKILL, OOM) and cannot stop it.
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                            preexec_fn=die_with_parent)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + cfg.vllm_startup_timeout
     while time.monotonic() < deadline:

@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from tqdm import tqdm
 
+import checkpoint
 import rollout
 from weight_sync import full_state_dict, make_weight_sync, write_serving_dir
 from config import Config, parse_args
@@ -127,6 +128,7 @@ def train_on_rollouts(cfg, policy, ref_model, optimizer, scheduler, samples, ran
     ess_values = []
     # local sums: loss x denom, pg_loss, kl, clipped, entropy, tokens, |logp - vllm_logp|, its tokens; then its max
     sums, diff_max, skipped = torch.zeros(8, dtype=torch.float64, device=device), torch.zeros(1, device=device), 0
+    step_loss = torch.zeros((), device=device)  # this rank's loss over the optimizer step's micro-batches
     for epoch in range(cfg.num_epochs):
         for k, ((_, n_tokens, n_seqs), mbs) in enumerate(zip(minis, micro)):
             denom = step_denominator(cfg.loss_denominator, n_tokens, n_seqs)
@@ -152,6 +154,7 @@ def train_on_rollouts(cfg, policy, ref_model, optimizer, scheduler, samples, ran
                 # The loss is already divided by the step's global count; FSDP averages gradients
                 # over ranks, so scale by the world size to get their sum (gloo has no premul-sum).
                 (loss * world_size).backward()
+                step_loss += loss.detach()
                 zero = torch.zeros((), dtype=torch.float64, device=device)
                 diff = (logp.detach() - b["vllm_logp"]).abs() if epoch == 0 and k == 0 else None  # before any update
                 sums += torch.stack([loss.detach().double() * denom, s["pg_loss"].double(), s["kl"].double(),
@@ -163,12 +166,15 @@ def train_on_rollouts(cfg, policy, ref_model, optimizer, scheduler, samples, ran
             # --- optimizer
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm or float("inf"))
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            if torch.isfinite(grad_norm):
+            finite = (torch.isfinite(grad_norm) & torch.isfinite(step_loss)).float()
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank takes the same decision
+            if finite.item():
                 optimizer.step()
             else:
-                skipped += 1  # a non-finite gradient norm (the same on every rank): skip the step
+                skipped += 1  # a non-finite loss or gradient norm on some rank: skip the update, keep the weights
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+            step_loss.zero_()
     dist.all_reduce(sums)
     dist.all_reduce(diff_max, op=dist.ReduceOp.MAX)
     (loss, pg_loss, kl, clip_frac, entropy), n = (sums[:5] / max(sums[5].item(), 1.0)).tolist(), int(sums[5].item())
@@ -230,6 +236,34 @@ def open_tracker(cfg):
     return lambda m, step: [writer.add_scalar(k, v, step) for k, v in m.items() if isinstance(v, (int, float))]
 
 
+def rollout_batch(cfg, client, sampler, step, reward_fn, tokenizer):
+    """Rank 0: prompts -> vLLM completions -> rewards -> group advantages.
+    Returns the samples to train on and the step's rollout metrics."""
+    t0 = time.perf_counter()
+    rows = sampler.next_batch(cfg.num_unique_prompts_rollout)
+    groups = client.generate([r["prompt_ids"] for r in rows], n=cfg.num_samples_per_prompt_rollout,
+                             max_tokens=cfg.response_length, temperature=cfg.temperature, top_p=cfg.top_p,
+                             seed=cfg.seed * 1_000_003 + step * 1_000)
+    m = {"time_generate": time.perf_counter() - t0}
+    t1 = time.perf_counter()
+    flat = [(row, s) for row, g in zip(rows, groups) for s in g]
+    texts = [completion_text(tokenizer, s) for _, s in flat]
+    rewards, errors, first_error = score(reward_fn, [r["prompt_text"] for r, _ in flat], texts, [r for r, _ in flat])
+    if first_error:
+        tqdm.write(f"step {step}: {errors} reward error(s) scored 0, first: {first_error}")
+    rewards = torch.tensor(rewards)
+    adv, std = group_advantages(rewards, cfg.num_samples_per_prompt_rollout, cfg.advantage_normalization_type)
+    keep = (std > 0) if cfg.filter_zero_std_samples else torch.ones_like(std, dtype=torch.bool)
+    samples = [dict(prompt_ids=r["prompt_ids"], token_ids=s["token_ids"], logprobs=s["logprobs"], adv=a)
+               for (r, s), a, k in zip(flat, adv.tolist(), keep.tolist()) if k]
+    lengths = torch.tensor([len(s["token_ids"]) for _, s in flat], dtype=torch.float)
+    m.update(reward_mean=rewards.mean().item(), reward_std=rewards.std().item(), response_length=lengths.mean().item(),
+             reward_errors=errors, stop_frac=sum(s["finish_reason"] == "stop" for _, s in flat) / len(flat),
+             filtered_groups=int((~keep).sum().item()) // cfg.num_samples_per_prompt_rollout,
+             time_score=time.perf_counter() - t1, prompts_seen=sampler.position, response_tokens=lengths.sum().item())
+    return samples, m
+
+
 def main(cfg: Config):
     try:  # bad input: one line naming the fix, before any process group, model or server
         cfg.batch_plan(int(os.environ.get("WORLD_SIZE", 1)))
@@ -240,9 +274,17 @@ def main(cfg: Config):
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    # SIGTERM (a scheduler, torchrun stopping a failed job) unwinds like an exception, so the
-    # finally below stops the vLLM server we started instead of leaving it orphaned.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    # SIGTERM (a scheduler, torchrun stopping the job): before the loop it unwinds like an
+    # exception, so the finally below stops the vLLM server we started; inside the loop the
+    # current step finishes, a checkpoint is written, and then the run exits.
+    stop = {"in_loop": False, "requested": False}
+
+    def on_sigterm(*_):
+        if not stop["in_loop"]:
+            sys.exit(128 + signal.SIGTERM)
+        stop["requested"] = True
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     rank, world_size, device, mesh = setup_distributed(cfg)
     plan = cfg.batch_plan(world_size)
     torch.manual_seed(cfg.seed)
@@ -251,11 +293,18 @@ def main(cfg: Config):
     ref = EMAReference(load_model(cfg, device, mesh), policy, cfg.alpha) if cfg.load_ref_policy else None
     optimizer, scheduler = make_optimizer(cfg, policy, cfg.num_training_steps * plan["optimizer_steps"], device)
     sampler = PromptSampler(train_rows, cfg.seed)
+    # --- resume from the newest complete checkpoint, if there is one
+    resume = [None]
+    if rank == 0 and cfg.checkpoint_state_dir:
+        checkpoint.remove_partials(cfg.checkpoint_state_dir)
+        resume = [checkpoint.latest(cfg.checkpoint_state_dir)]
+    dist.broadcast_object_list(resume, src=0)
+    start = checkpoint.load(resume[0], policy, ref, optimizer, scheduler, sampler)["step"] if resume[0] else 0
     client, server, weights = None, None, None
     if rank == 0:
         info = run_info(cfg, world_size)
         with open(os.path.join(cfg.output_dir, "run_info.json"), "w") as f:
-            json.dump(info, f, indent=2)
+            json.dump(dict(info, skipped_rows=skipped, resumed_from=resume[0]), f, indent=2)
         print(f"run: {json.dumps(info['versions'])}, git {info['git_sha']}, world size {world_size}, device {device}")
         print(f"batch: {cfg.num_unique_prompts_rollout} prompts x {cfg.num_samples_per_prompt_rollout} samples = "
               f"{plan['sequences']} sequences -> {plan['mini_batches']} mini-batch(es) of {plan['per_mini_batch']} -> "
@@ -263,15 +312,15 @@ def main(cfg: Config):
               f"{cfg.per_device_train_batch_size}; {plan['optimizer_steps']} optimizer step(s) per rollout")
         print(f"data: {len(train_rows)} train / {len(eval_rows)} eval prompts from {cfg.dataset!r}, skipped {skipped}; "
               f"reward {reward_fn.__name__}")
+        if resume[0]:
+            print(f"resumed from {resume[0]} (step {start})")
     try:
         # --- the vLLM server: ours, started on an untied copy of the policy, or the user's, given our weights
-        if rank == 0:
-            log_path = os.path.join(cfg.output_dir, "vllm.log")
-            if cfg.vllm_server_urls:
-                client = rollout.VLLMClient(cfg.vllm_server_urls, None, cfg.vllm_request_timeout, cfg.vllm_max_retries)
+        log_path, served = os.path.join(cfg.output_dir, "vllm.log"), os.path.join(cfg.output_dir, "vllm_model")
+        if rank == 0 and cfg.vllm_server_urls:
+            client = rollout.VLLMClient(cfg.vllm_server_urls, None, cfg.vllm_request_timeout, cfg.vllm_max_retries)
         full = full_state_dict(policy)  # a collective: every rank takes part
         if rank == 0 and not cfg.vllm_server_urls:
-            served = os.path.join(cfg.output_dir, "vllm_model")
             write_serving_dir(full, policy.config, tokenizer, served)
             server, url = rollout.launch_server(served, cfg, log_path)
             client = rollout.VLLMClient([url], served, cfg.vllm_request_timeout, cfg.vllm_max_retries,
@@ -280,46 +329,55 @@ def main(cfg: Config):
         weights = make_weight_sync(cfg, client, rank, device)
         if cfg.vllm_server_urls:  # the user's server starts from our weights
             weights.sync(policy)
-        metrics_file = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "w") if rank == 0 else None
-        if rank == 0 and cfg.eval_freq > 0 and eval_rows:
+        metrics_file = None
+        if rank == 0:  # a resumed run keeps the lines up to its checkpoint and rewrites the rest
+            path = os.path.join(cfg.output_dir, "metrics.jsonl")
+            kept = [line for line in open(path) if json.loads(line)["step"] <= start] \
+                if start and os.path.exists(path) else []
+            metrics_file = open(path, "w")
+            metrics_file.writelines(kept)
+        if rank == 0 and cfg.eval_freq > 0 and eval_rows and not start:
             acc = evaluate(cfg, client, eval_rows, reward_fn, tokenizer)
-            metrics_file.write(json.dumps({"step": 0, "eval_accuracy": acc}) + "\n")
+            metrics_file.write(json.dumps({"step": 0, "eval_accuracy": acc, "skipped_rows": skipped}) + "\n")
             print(f"step 0: eval_accuracy={acc:.4g}")
-        bar = tqdm(range(1, cfg.num_training_steps + 1), disable=rank != 0, desc="grpo")
+        restarts, skipped_in_a_row, saved = 0, 0, start
+        stop["in_loop"] = True
+        bar = tqdm(range(start + 1, cfg.num_training_steps + 1), disable=rank != 0, desc="grpo", initial=start,
+                   total=cfg.num_training_steps)
         for step in bar:
             t0 = time.perf_counter()
             m = {"step": step}
-            # --- rollout (rank 0 talks to vLLM; the batch is broadcast to every rank)
-            payload = [None]
+            # --- rollout and reward (rank 0 talks to vLLM; the batch is broadcast to every rank)
+            while True:
+                payload = [None]
+                if rank == 0:
+                    position = sampler.position
+                    try:
+                        payload = [rollout_batch(cfg, client, sampler, step, reward_fn, tokenizer)]
+                    except rollout.VLLMError as e:  # restart a server we launched that died; else stop
+                        sampler.position = position  # the same prompts again
+                        died = server is not None and server.poll() is not None
+                        payload = [dict(error=str(e), restart=died and restarts < cfg.vllm_max_restarts)]
+                dist.broadcast_object_list(payload, src=0)
+                if isinstance(payload[0], tuple):
+                    samples, rollout_metrics = payload[0]
+                    break
+                if not payload[0]["restart"]:
+                    if cfg.checkpoint_state_dir and saved < step - 1:  # keep what was trained
+                        checkpoint.save(cfg.checkpoint_state_dir, step - 1, policy, ref, optimizer, scheduler,
+                                        sampler, cfg, cfg.keep_last_n_checkpoints)
+                    raise rollout.VLLMError(payload[0]["error"])
+                restarts += 1
+                if rank == 0:
+                    tqdm.write(f"step {step}: the vLLM server died; restart {restarts} of {cfg.vllm_max_restarts}")
+                    rollout.stop_server(server)
+                    server, _ = rollout.launch_server(served, cfg, log_path)
+                    client.proc = server
+                weights.close()
+                weights = make_weight_sync(cfg, client, rank, device)
+                weights.sync(policy)  # the restarted server gets the current weights
             if rank == 0:
-                rows = sampler.next_batch(cfg.num_unique_prompts_rollout)
-                groups = client.generate([r["prompt_ids"] for r in rows], n=cfg.num_samples_per_prompt_rollout,
-                                         max_tokens=cfg.response_length, temperature=cfg.temperature, top_p=cfg.top_p,
-                                         seed=cfg.seed * 1_000_003 + step * 1_000)
-                m["time_generate"] = time.perf_counter() - t0
-                # --- reward and advantages
-                t1 = time.perf_counter()
-                flat = [(row, s) for row, g in zip(rows, groups) for s in g]
-                texts = [completion_text(tokenizer, s) for _, s in flat]
-                rewards, errors, first_error = score(reward_fn, [r["prompt_text"] for r, _ in flat], texts,
-                                                     [r for r, _ in flat])
-                if first_error:
-                    tqdm.write(f"step {step}: {errors} reward error(s) scored 0, first: {first_error}")
-                rewards = torch.tensor(rewards)
-                adv, std = group_advantages(rewards, cfg.num_samples_per_prompt_rollout,
-                                            cfg.advantage_normalization_type)
-                keep = (std > 0) if cfg.filter_zero_std_samples else torch.ones_like(std, dtype=torch.bool)
-                samples = [dict(prompt_ids=r["prompt_ids"], token_ids=s["token_ids"], logprobs=s["logprobs"],
-                                adv=a) for (r, s), a, k in zip(flat, adv.tolist(), keep.tolist()) if k]
-                lengths = torch.tensor([len(s["token_ids"]) for _, s in flat], dtype=torch.float)
-                m.update(reward_mean=rewards.mean().item(), reward_std=rewards.std().item(),
-                         response_length=lengths.mean().item(), reward_errors=errors,
-                         stop_frac=sum(s["finish_reason"] == "stop" for _, s in flat) / len(flat),
-                         filtered_groups=int((~keep).sum().item()) // cfg.num_samples_per_prompt_rollout,
-                         time_score=time.perf_counter() - t1, prompts_seen=sampler.position)
-                payload = [samples]
-            dist.broadcast_object_list(payload, src=0)
-            samples = payload[0]
+                m.update(rollout_metrics, vllm_restarts=restarts)
             # --- train: old/ref logprobs, mini-batches x epochs, optimizer steps
             t2 = time.perf_counter()
             if samples:
@@ -329,6 +387,11 @@ def main(cfg: Config):
                     raise RuntimeError(f"step {step}: trainer and vLLM logprobs differ by {m['vllm_logp_diff_mean']:.3g} "
                                        f"on average (> vllm_logp_tolerance={cfg.vllm_logp_tolerance}): the last weight "
                                        f"sync did not take, or the server runs another dtype (vllm_dtype)")
+                skipped_in_a_row = skipped_in_a_row + 1 if m["skipped_steps"] else 0
+                if skipped_in_a_row >= cfg.max_consecutive_skipped_steps:
+                    raise RuntimeError(f"step {step}: {skipped_in_a_row} steps in a row had a non-finite loss or "
+                                       f"gradient norm (max_consecutive_skipped_steps): the run diverged; lower "
+                                       f"learning_rate or resume from an earlier checkpoint")
             else:
                 for _ in range(plan["optimizer_steps"]):
                     scheduler.step()
@@ -342,12 +405,26 @@ def main(cfg: Config):
             if samples:
                 weights.sync(policy)
             m["time_sync"] = time.perf_counter() - t3
+            # --- checkpoint and export (a SIGTERM on any rank stops every rank after this step's checkpoint)
+            stopping = torch.tensor([float(stop["requested"])], device=device)
+            dist.all_reduce(stopping, op=dist.ReduceOp.MAX)
+            last = step == cfg.num_training_steps
+            if cfg.checkpoint_state_dir and (step % cfg.checkpoint_state_freq == 0 or last or stopping.item()):
+                checkpoint.save(cfg.checkpoint_state_dir, step, policy, ref, optimizer, scheduler, sampler, cfg,
+                                cfg.keep_last_n_checkpoints)
+                saved = step
+            if last or (cfg.save_freq > 0 and step % cfg.save_freq == 0):
+                full = full_state_dict(policy)
+                if rank == 0:
+                    checkpoint.export(full, policy.config, tokenizer,
+                                      os.path.join(cfg.output_dir, "final" if last else f"step_{step}"))
+                del full
             # --- evaluation and log
             if rank == 0:
-                if cfg.eval_freq > 0 and (step % cfg.eval_freq == 0 or step == cfg.num_training_steps):
+                if cfg.eval_freq > 0 and (step % cfg.eval_freq == 0 or last):
                     m["eval_accuracy"] = evaluate(cfg, client, eval_rows, reward_fn, tokenizer)
                 m["time_step"] = time.perf_counter() - t0
-                m["tokens_per_s"] = lengths.sum().item() / m["time_step"]
+                m["tokens_per_s"] = m.pop("response_tokens") / m["time_step"]
                 m["peak_memory_gb"] = (torch.cuda.max_memory_allocated() if device.type == "cuda" else
                                        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30
                 metrics_file.write(json.dumps(m) + "\n")
@@ -357,6 +434,11 @@ def main(cfg: Config):
                 tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items()
                                     if k in ("step", "reward_mean", "eval_accuracy", "response_length", "loss", "kl",
                                              "clip_frac", "entropy", "grad_norm", "vllm_logp_diff_max", "time_step")))
+            if stopping.item():
+                if rank == 0:
+                    print(f"SIGTERM: stopped after step {step}" + (f", checkpoint in {cfg.checkpoint_state_dir}"
+                                                                    if cfg.checkpoint_state_dir else ""))
+                sys.exit(128 + signal.SIGTERM)
     finally:
         if weights:
             weights.close()

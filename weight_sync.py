@@ -22,6 +22,8 @@ import tempfile
 
 import torch
 
+from rollout import VLLMError
+
 def full_state_dict(model):
     """The full, unsharded state dict, on CPU, on rank 0 (empty on other ranks).
     Every rank must call it: it gathers FSDP2/DTensor shards with collectives. In a world
@@ -87,7 +89,10 @@ class FilesystemSync:
         nbytes = 0
         if self.rank == 0:
             nbytes = write_weights(sd, self.dir)
-            self.client.reload_weights(self.dir)
+            try:
+                self.client.reload_weights(self.dir)
+            except VLLMError as e:  # not fatal here: the next rollout restarts a dead server we launched or
+                print(f"weight sync failed: {e}", flush=True)  # stops the run; the logprob check catches the rest
         if dist.is_initialized():
             dist.barrier()
         return nbytes

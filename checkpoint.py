@@ -1,0 +1,161 @@
+"""Resumable checkpoints (torch.distributed.checkpoint, sharded) and Hugging Face exports.
+
+    checkpoint_state_dir/
+        step_00000040/           a complete checkpoint: resumed from automatically
+            .metadata, *.distcp  policy, reference (+ its fp32 master), optimizer: each rank writes its shards
+            trainer_state.pt     step, scheduler, sampler position, config (rank 0)
+            rng_0.pt, rng_1.pt   each rank's RNG states
+        step_00000050.partial/   being written, or killed while being written: never resumed from
+
+A checkpoint is written under the `.partial` name, every file is fsynced, and rank 0
+renames it only when every rank has finished: the rename is the commit. Only the newest
+`keep_last_n_checkpoints` complete ones are kept, and an older one is removed only after
+a newer one is complete, so a checkpoint that was reported saved is never lost.
+
+Exports (`save_freq`, and always at the end) are plain Hugging Face directories:
+safetensors, config, tokenizer. `AutoModelForCausalLM.from_pretrained` and a vLLM server
+load them as they are.
+"""
+
+import os
+import random
+import re
+import shutil
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.tensor import DTensor
+
+COMPLETE = re.compile(r"^step_(\d{8})$")
+
+
+def fsync(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_state():
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state):
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def sharded_state(policy, ref, optimizer):
+    """What DCP writes and reads in place: every tensor a DTensor shard on its own rank.
+    For a fresh optimizer this initialises its state (a step at lr 0), so it can be loaded."""
+    state = {"policy": get_model_state_dict(policy), "optimizer": get_optimizer_state_dict(policy, optimizer)}
+    if ref is not None:
+        state["ref"] = get_model_state_dict(ref.model)
+        if ref.master is not None:  # the fp32 master shards, wrapped with their parameter's sharding
+            state["ref_master"] = {
+                name: DTensor.from_local(m, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                if isinstance(p, DTensor) else m
+                for (name, p), m in zip(ref.model.named_parameters(), ref.master)}
+    return state
+
+
+def save(root, step, policy, ref, optimizer, scheduler, sampler, cfg, keep):
+    """Write checkpoint `step` (every rank calls it) and prune old ones. Returns its path."""
+    rank = dist.get_rank()
+    final = os.path.join(root, f"step_{step:08d}")
+    partial = final + ".partial"
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    dist.barrier()
+    dcp.save(sharded_state(policy, ref, optimizer), checkpoint_id=partial)  # fsyncs its files
+    files = [(os.path.join(partial, f"rng_{rank}.pt"), rng_state())]
+    if rank == 0:
+        files.append((os.path.join(partial, "trainer_state.pt"),
+                      dict(step=step, scheduler=scheduler.state_dict(), sampler_position=sampler.position,
+                           config=asdict(cfg), world_size=dist.get_world_size())))
+    for path, obj in files:
+        torch.save(obj, path)
+        fsync(path)
+    dist.barrier()  # every rank's shards are on disk
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)  # a re-run of the same step replaces it
+        os.rename(partial, final)
+        fsync(root)
+        for old in complete(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def complete(root):
+    """Complete checkpoints under root, oldest first."""
+    if not root or not os.path.isdir(root):
+        return []
+    names = sorted(n for n in os.listdir(root) if COMPLETE.match(n))
+    paths = [os.path.join(root, n) for n in names]
+    return [p for p in paths if os.path.exists(os.path.join(p, ".metadata"))
+            and os.path.exists(os.path.join(p, "trainer_state.pt"))]
+
+
+def latest(root):
+    found = complete(root)
+    return found[-1] if found else None
+
+
+def load(path, policy, ref, optimizer, scheduler, sampler):
+    """Restore everything `save` wrote, in place, on every rank. Returns the trainer state
+    (step, config, ...). A world size other than the saved one reshards; RNG states then
+    come only for the ranks that existed."""
+    state = sharded_state(policy, ref, optimizer)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(policy, state["policy"])
+    set_optimizer_state_dict(policy, optimizer, state["optimizer"])
+    if ref is not None:
+        set_model_state_dict(ref.model, state["ref"])
+        if ref.master is not None:
+            for m, t in zip(ref.master, state["ref_master"].values()):
+                m.copy_(t.to_local() if isinstance(t, DTensor) else t)
+    trainer = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+    scheduler.load_state_dict(trainer["scheduler"])
+    sampler.position = trainer["sampler_position"]
+    rng = os.path.join(path, f"rng_{dist.get_rank()}.pt")
+    if os.path.exists(rng):
+        set_rng_state(torch.load(rng, weights_only=False))
+    return trainer
+
+
+def remove_partials(root):
+    """Checkpoints that were being written when a run died (rank 0, at start)."""
+    if root and os.path.isdir(root):
+        for n in os.listdir(root):
+            if n.endswith(".partial"):
+                shutil.rmtree(os.path.join(root, n), ignore_errors=True)
+
+
+def export(full_sd, hf_config, tokenizer, out_dir):
+    """A Hugging Face model directory from a full state dict (rank 0), replaced atomically."""
+    from safetensors.torch import save_file
+
+    sd = {k: v.contiguous() for k, v in full_sd.items()}
+    if getattr(hf_config, "tie_word_embeddings", False):
+        sd.pop("lm_head.weight", None)  # stored once; from_pretrained ties it back
+    tmp = out_dir.rstrip("/") + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    hf_config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.rename(tmp, out_dir)
+    return out_dir

@@ -1,0 +1,78 @@
+"""Run by tests/test_checkpoint.py, as one process or under torchrun (2 gloo ranks).
+
+    python tests/ckpt_worker.py save MODEL_DIR DIR    # 3 steps, a checkpoint after each; then load it into fresh objects
+    python tests/ckpt_worker.py load MODEL_DIR DIR    # load DIR/ckpt (written by any world size) into fresh objects
+
+Writes DIR/saved.pt (state after the last save) and DIR/loaded_<world size>.pt (state after
+loading), both as full tensors, for the test to compare bit for bit.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+import checkpoint
+import train
+from config import Config
+from data import PromptSampler
+from reference import EMAReference
+from weight_sync import full_state_dict
+
+mode, model_dir, out = sys.argv[1:4]
+root = os.path.join(out, "ckpt")
+cfg = Config(model_name_or_path=model_dir, num_unique_prompts_rollout=4, num_samples_per_prompt_rollout=4,
+             per_device_train_batch_size=2, beta=0.1, num_mini_batches=2, ref_policy_update_freq=1, alpha=0.3,
+             lr_scheduler_type="cosine", warm_up_steps=2)
+rank, world_size, device, mesh = train.setup_distributed(cfg)
+
+
+def rollouts(step):
+    """16 sequences of uneven lengths with fixed advantages."""
+    g = torch.Generator().manual_seed(100 + step)
+    return [dict(prompt_ids=[5 + i % 7, 9, 11], token_ids=torch.randint(3, 64, (1 + i % 9,), generator=g).tolist(),
+                 logprobs=[-3.0] * (1 + i % 9), adv=i % 4 - 1.5) for i in range(16)]
+
+
+def fresh():
+    """Policy, a bf16 reference (so the EMA keeps an fp32 master), optimizer, scheduler, sampler."""
+    policy = train.load_model(cfg, device, mesh)
+    ref = EMAReference(train.load_model(cfg, device, mesh).to(torch.bfloat16), policy, cfg.alpha)
+    optimizer, scheduler = train.make_optimizer(cfg, policy, 20, device)
+    return policy, ref, optimizer, scheduler, PromptSampler(list(range(10)), cfg.seed)
+
+
+def snapshot(policy, ref, optimizer, scheduler, sampler):
+    masters = checkpoint.sharded_state(policy, ref, optimizer)["ref_master"]
+    opt = get_optimizer_state_dict(policy, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return dict(policy=full_state_dict(policy), ref=full_state_dict(ref.model),
+                master={k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in masters.items()},
+                optimizer=opt, scheduler=scheduler.state_dict()["last_epoch"], lr=scheduler.get_last_lr(),
+                position=sampler.position, rng=torch.rand(3))
+
+
+if mode == "save":
+    policy, ref, optimizer, scheduler, sampler = fresh()
+    for step in (1, 2, 3):
+        train.train_on_rollouts(cfg, policy, ref.model, optimizer, scheduler, rollouts(step), rank, world_size,
+                                device, pad_id=0)
+        ref.update()
+        sampler.next_batch(3)
+        checkpoint.save(root, step, policy, ref, optimizer, scheduler, sampler, cfg, keep=2)
+    saved = snapshot(policy, ref, optimizer, scheduler, sampler)  # its rng draw is the first after the save
+    if rank == 0:
+        torch.save(saved, os.path.join(out, "saved.pt"))
+        os.makedirs(os.path.join(root, "step_00000009.partial"))  # a run killed while writing
+        os.makedirs(os.path.join(root, "step_00000010"))  # not a checkpoint: no .metadata
+    dist.barrier()
+policy, ref, optimizer, scheduler, sampler = fresh()
+torch.manual_seed(1234)  # whatever the RNG was, loading restores it
+found = checkpoint.latest(root)
+state = checkpoint.load(found, policy, ref, optimizer, scheduler, sampler)
+loaded = dict(snapshot(policy, ref, optimizer, scheduler, sampler), found=os.path.basename(found), step=state["step"],
+              listing=sorted(os.listdir(root)))
+if rank == 0:
+    torch.save(loaded, os.path.join(out, f"loaded_{world_size}.pt"))
+dist.destroy_process_group()

@@ -1,0 +1,204 @@
+"""Runs that survive: SIGKILL and resume, a kill during a checkpoint write, SIGTERM, NaNs,
+a vLLM server that dies, a rank that dies. Real runs of train.py on 1 and 2 gloo ranks
+with a real vLLM CPU server."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import rollout
+from config import Config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONPATH=ROOT)
+VOLATILE = ("time_", "tokens_per_s", "peak_memory_gb")  # wall-clock figures differ between any two runs
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    """A server "the user runs": the trainer pushes its weights into it at start."""
+    from test_rollout import serve
+
+    _, client = serve(tiny_model_dir, str(tmp_path_factory.mktemp("server")), 8051)
+    yield client
+    rollout.stop_server(client.proc)
+
+
+def command(script, nproc, port=29641):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+                str(port)] if nproc > 1 else [sys.executable]
+    return launcher + [os.path.join(ROOT, script)]
+
+
+def flags(tiny_model_dir, run_dir, steps, *extra, url=None):
+    return ["--model_name_or_path", tiny_model_dir, "--output_dir", str(run_dir / "out"), "--checkpoint_state_dir",
+            str(run_dir / "ckpt"), "--num_training_steps", str(steps), "--eval_freq", "0", "--beta", "0.1",
+            "--ref_policy_update_freq", "1", "--seed", "5"] + (["--vllm_server_urls", url] if url else []) + list(extra)
+
+
+def run(cmd, timeout=600):
+    out = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return out
+
+
+def start(cmd):
+    """A run we will interrupt: its own session, so the whole job can be killed at once."""
+    return subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def kill_job(proc):
+    """SIGKILL torchrun and its workers at once (each worker runs in a session of its own)."""
+    pids, todo = [], [proc.pid]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        todo += [int(c) for c in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
+                                                text=True).stdout.split()]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
+def metrics(run_dir):
+    path = run_dir / "out" / "metrics.jsonl"
+    return [json.loads(line) for line in open(path)] if path.exists() else []
+
+
+def wait_for_step(proc, run_dir, step, timeout=600):
+    deadline = time.monotonic() + timeout
+    while not any(r["step"] >= step for r in metrics(run_dir)):
+        assert proc.poll() is None, f"the run ended early:\n{proc.stdout.read()[-3000:]}"
+        assert time.monotonic() < deadline, "the run did not reach step {step}"
+        time.sleep(0.2)
+
+
+def stable(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
+
+
+def full(ckpt):
+    """A DCP checkpoint read back as one plain state dict."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = str(ckpt) + ".pt"
+    dcp_to_torch_save(str(ckpt), out)
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_equals_the_uninterrupted_run(server, tiny_model_dir, tmp_path):
+    url = server.urls[0]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    out = run(command("train.py", 2) + flags(tiny_model_dir, whole, 8, "--checkpoint_state_freq", "4", url=url))
+    assert out.returncode == 0, out.stderr[-3000:]
+    proc = start(command("train.py", 2) + flags(tiny_model_dir, cut, 8, "--checkpoint_state_freq", "4", url=url))
+    wait_for_step(proc, cut, 5)  # checkpoint 4 is complete, 8 is not begun
+    kill_job(proc)
+    time.sleep(1)
+    assert sorted(os.listdir(cut / "ckpt")) == ["step_00000004"]
+    out = run(command("train.py", 2) + flags(tiny_model_dir, cut, 8, "--checkpoint_state_freq", "4", url=url))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resumed from" in out.stdout and "step_00000004 (step 4)" in out.stdout, out.stdout[-2000:]
+    a, b = metrics(whole), metrics(cut)
+    assert [r["step"] for r in b] == list(range(1, 9))  # the killed run's step 5 was rewritten
+    assert stable(a) == stable(b)  # every metric of every step, exactly (CPU, fixed threads)
+    wa, wb = full(whole / "ckpt" / "step_00000008"), full(cut / "ckpt" / "step_00000008")
+    for part in ("policy", "ref"):
+        assert wa[part].keys() == wb[part].keys()
+        assert all(torch.equal(wa[part][k], wb[part][k]) for k in wa[part]), part  # bit-identical
+    assert not all(torch.equal(wa["ref"][k], wa["policy"][k]) for k in wa["ref"])  # the reference is its own
+
+
+@pytest.mark.slow
+def test_kill_while_writing_a_checkpoint_resumes_from_the_previous_one(server, tiny_model_dir, tmp_path):
+    url = server.urls[0]
+    args = flags(tiny_model_dir, tmp_path, 6, "--checkpoint_state_freq", "2", url=url)
+    out = run(command("tests/fault_worker.py", 2, 29642) + ["kill_in_checkpoint=4"] + args)
+    assert out.returncode != 0
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step_00000002", "step_00000004.partial"]
+    out = run(command("train.py", 2, 29642) + args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "step_00000002 (step 2)" in out.stdout, out.stdout[-2000:]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step_00000002", "step_00000004", "step_00000006"]
+    assert [r["step"] for r in metrics(tmp_path)] == list(range(1, 7))
+
+
+@pytest.mark.slow
+def test_sigterm_writes_a_checkpoint_then_exits(server, tiny_model_dir, tmp_path):
+    args = flags(tiny_model_dir, tmp_path, 1000, "--checkpoint_state_freq", "500", url=server.urls[0])
+    proc = start(command("train.py", 2, 29643) + args)
+    wait_for_step(proc, tmp_path, 3)
+    proc.send_signal(signal.SIGTERM)  # torchrun passes it to both ranks
+    text = proc.communicate(timeout=120)[0]
+    assert proc.returncode != 0
+    last = metrics(tmp_path)[-1]["step"]
+    assert os.listdir(tmp_path / "ckpt") == [f"step_{last:08d}"], text[-2000:]
+    assert f"SIGTERM: stopped after step {last}" in text
+
+
+@pytest.mark.slow
+def test_non_finite_loss_skips_the_step_then_stops_the_run(server, tiny_model_dir, tmp_path):
+    args = flags(tiny_model_dir, tmp_path, 10, "--checkpoint_state_freq", "100", url=server.urls[0])
+    out = run(command("tests/fault_worker.py", 1) + ["nan_loss=2,4,5,6"] + args)
+    assert out.returncode != 0
+    assert "3 steps in a row had a non-finite loss or gradient norm" in out.stderr, out.stderr[-2000:]
+    rows = {r["step"]: r for r in metrics(tmp_path)}
+    assert [rows[s]["skipped_steps"] for s in (1, 2, 3, 4, 5)] == [0, 1, 0, 1, 1]
+    assert 6 not in rows  # the run stopped at step 6 ...
+    assert rows[3]["vllm_logp_diff_max"] < 1e-4  # ... and step 2's NaN never reached the weights
+    assert not any(v != v for v in rows[3].values() if isinstance(v, float))
+
+
+@pytest.mark.slow
+def test_a_server_we_launched_is_restarted_when_it_dies(tiny_model_dir, tmp_path):
+    args = flags(tiny_model_dir, tmp_path, 6, "--checkpoint_state_freq", "100", "--vllm_port", "8052")
+    proc = start(command("train.py", 1) + args)
+    wait_for_step(proc, tmp_path, 2)
+    served = str(tmp_path / "out" / "vllm_model")
+    subprocess.run(["pkill", "-KILL", "-f", served])  # the server and its engine
+    text = proc.communicate(timeout=900)[0]
+    assert proc.returncode == 0, text[-3000:]
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert rows[-1]["vllm_restarts"] == 1 and rows[0]["vllm_restarts"] == 0
+    assert all(r["vllm_logp_diff_max"] < 1e-4 for r in rows)  # the restarted server has the current weights
+    assert "the vLLM server died; restart 1 of 3" in text
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_takes_the_job_and_our_server_down(tiny_model_dir, tmp_path):
+    args = flags(tiny_model_dir, tmp_path, 1000, "--checkpoint_state_freq", "500", "--vllm_port", "8053")
+    proc = start(command("train.py", 2, 29644) + args)
+    wait_for_step(proc, tmp_path, 2)
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    rank1 = [p for p in workers if "LOCAL_RANK=1" in open(f"/proc/{p}/environ").read().split("\0")]
+    os.kill(int(rank1[0]), signal.SIGKILL)
+    t = time.monotonic()
+    proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert time.monotonic() - t < 120, "the surviving rank hung in a collective"
+    time.sleep(2)
+    served = str(tmp_path / "out" / "vllm_model")
+    assert subprocess.run(["pgrep", "-f", served], capture_output=True).returncode == 1, "the server outlived the job"
+
+
+@pytest.mark.slow
+def test_a_server_the_user_runs_is_reported_when_it_dies(server, tiny_model_dir, tmp_path):
+    """Last in this file: it kills the module's server."""
+    url = server.urls[0]
+    proc = start(command("train.py", 1) + flags(tiny_model_dir, tmp_path, 1000, "--checkpoint_state_freq", "500",
+                                                "--vllm_max_retries", "1", url=url))
+    wait_for_step(proc, tmp_path, 2)
+    rollout.stop_server(server.proc)
+    text = proc.communicate(timeout=300)[0]
+    assert proc.returncode != 0
+    assert f"vLLM server {url} failed" in text, text[-2000:]
+    last = metrics(tmp_path)[-1]["step"]
+    assert os.listdir(tmp_path / "ckpt") == [f"step_{last:08d}"]  # what was trained is kept
