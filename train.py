@@ -28,76 +28,30 @@ import os
 import platform
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import time
-import types
 from dataclasses import asdict
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from tqdm import tqdm
 
 import rollout
 from weight_sync import full_state_dict, make_weight_sync, write_serving_dir
 from config import Config, parse_args
 from data import PromptSampler, collate, load_prompts, load_tokenizer, score, split_for_ranks
-from loss import ess, grpo_loss, group_advantages, step_denominator, token_logprobs
+from loss import ess, grpo_loss, group_advantages, step_denominator
+from parallel import load_model, setup_distributed
 from reference import EMAReference
 
 
-def setup_distributed(cfg):
-    """gloo on CPU, nccl on CUDA; under torchrun or as a plain process (a world of one)."""
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=cfg.backend_timeout))
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    return dist.get_rank(), dist.get_world_size(), device, mesh
-
-
-def sequence_logprobs(self, input_ids, attention_mask, mask, temperature, head_ids=None, topk=0):
-    """logp and entropy (N,) of the completion tokens selected by mask (B, T-1), and logp at
-    head_ids (or this policy's top-k) (N, k). A forward method of the model, so FSDP2
-    gathers the LM head for it as for forward()."""
-    hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, H)
-    return token_logprobs(hidden[:, :-1][mask], self.lm_head.weight, input_ids[:, 1:][mask], temperature,
-                          head_ids=head_ids, topk=topk)
-
-
-def load_model(cfg, device, mesh):
-    """The HF model, sharded with FSDP2: each decoder layer, then the root."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=torch.float32)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" \
-        else MixedPrecisionPolicy()
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    # reshard_after_forward=True on the root too: by default FSDP2 keeps the root's parameters
-    # (embeddings, LM head) gathered after forward, and the reference, which runs forward
-    # only, would stay gathered, unlike its policy twin, which the EMA update needs sharded.
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
-    model.sequence_logprobs = types.MethodType(sequence_logprobs, model)
-    register_fsdp_forward_method(model, "sequence_logprobs")
-    return model
-
-
 def make_optimizer(cfg, policy, total_updates, device):
-    """AdamW (fused on CUDA, foreach on CPU) and the warm-up + schedule, in optimizer steps."""
+    """AdamW (fused on CUDA, foreach on CPU or offloaded) and the warm-up + schedule, in optimizer steps."""
     from transformers import get_scheduler
 
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                  **({"fused": True} if device.type == "cuda" else {"foreach": True}))
+                                  **({"fused": True} if device.type == "cuda" and not cfg.offload_params else {"foreach": True}))
     name = "constant_with_warmup" if cfg.lr_scheduler_type == "constant" else cfg.lr_scheduler_type
     return optimizer, get_scheduler(name, optimizer, num_warmup_steps=cfg.warm_up_steps,
                                     num_training_steps=total_updates)
@@ -248,7 +202,7 @@ def main(cfg: Config):
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.output_dir, exist_ok=True)
     policy = load_model(cfg, device, mesh)
-    ref = EMAReference(load_model(cfg, device, mesh), policy, cfg.alpha) if cfg.load_ref_policy else None
+    ref = EMAReference(load_model(cfg, device, mesh, reference=True), policy, cfg.alpha) if cfg.load_ref_policy else None
     optimizer, scheduler = make_optimizer(cfg, policy, cfg.num_training_steps * plan["optimizer_steps"], device)
     sampler = PromptSampler(train_rows, cfg.seed)
     client, server, weights = None, None, None
@@ -322,6 +276,8 @@ def main(cfg: Config):
             samples = payload[0]
             # --- train: old/ref logprobs, mini-batches x epochs, optimizer steps
             t2 = time.perf_counter()
+            if cfg.single_gpu_mode:  # the server frees the GPU for training (its weights go to CPU memory)
+                client.sleep()
             if samples:
                 m.update(train_on_rollouts(cfg, policy, ref.model if ref else None, optimizer, scheduler, samples,
                                            rank, world_size, device, tokenizer.pad_token_id))
@@ -339,6 +295,8 @@ def main(cfg: Config):
                 ref.update()
             # --- weight sync into vLLM
             t3 = time.perf_counter()
+            if cfg.single_gpu_mode:  # awake before its weights are reloaded and it generates again
+                client.wake_up()
             if samples:
                 weights.sync(policy)
             m["time_sync"] = time.perf_counter() - t3
