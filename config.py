@@ -48,6 +48,7 @@ class Config:
     weight_sync_transport: str = "filesystem"  # filesystem (safetensors + reload_weights, CPU and GPU) or nccl (GPU servers)
     weight_sync_master_address: str = "127.0.0.1"  # nccl: address of trainer rank 0 as the vLLM server sees it
     weight_sync_master_port: int = 29555  # nccl: port of the weight-transfer rendezvous on trainer rank 0
+    weight_sync_dir: Optional[str] = None  # filesystem: where rank 0 writes the weights every server reloads; None = /dev/shm (servers on rank 0's node)
     vllm_logp_tolerance: float = 1e-2  # max |trainer - vLLM| logprob after a sync before it counts as failed
     # --- batch
     num_unique_prompts_rollout: int = 16  # prompts per step
@@ -134,6 +135,9 @@ class Config:
             refuse(f"ref_policy_update_freq={self.ref_policy_update_freq} must be a positive number of steps, or None")
         if not 0.0 < self.alpha <= 1.0:
             refuse(f"alpha={self.alpha} must be in (0, 1]: ref = alpha * policy + (1 - alpha) * ref")
+        if self.weight_sync_dir is not None and self.weight_sync_transport != "filesystem":
+            refuse("weight_sync_dir is where the filesystem transport writes; with weight_sync_transport="
+                   f"{self.weight_sync_transport!r} nothing is written there: unset one of them")
         if self.weight_sync_transport == "nccl" and len(self.vllm_server_urls) > 1:
             refuse("weight_sync_transport='nccl' supports one vLLM server; give one vllm_server_urls entry "
                    "or use weight_sync_transport='filesystem'")

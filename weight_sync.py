@@ -4,8 +4,9 @@ Two transports behind one call, `make_weight_sync(cfg, ...).sync(model)`, made o
 rank and called on every rank (the gathers are collectives):
 
 - filesystem (default, CPU and GPU): gather the full state dict, rank 0 writes
-  safetensors to memory-backed /dev/shm, asks each server to `reload_weights` through
-  /collective_rpc and resets its prefix cache.
+  safetensors to memory-backed /dev/shm (or weight_sync_dir, a directory every server can
+  read: servers on other nodes need a shared filesystem), asks each server to
+  `reload_weights` through /collective_rpc and resets its prefix cache.
 - nccl (GPU servers started with --weight-transfer-config '{"backend": "nccl"}'): vLLM's
   native weight-transfer API. Untested on the CPU machines this project is built on.
 
@@ -78,10 +79,12 @@ def write_serving_dir(state_dict, hf_config, tokenizer, out_dir):
 class FilesystemSync:
     """Gather on every rank, then rank 0 writes safetensors and asks each server to reload."""
 
-    def __init__(self, client, rank, output_dir, timeout=None):
+    def __init__(self, client, rank, output_dir, timeout=None, base=None):
         self.client, self.rank, self.dir, self.timeout = client, rank, None, timeout
-        if rank == 0:  # memory-backed /dev/shm when there is one
-            base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else output_dir
+        if rank == 0:  # memory-backed /dev/shm when there is one, unless the servers need a shared directory
+            if base is None:
+                base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else output_dir
+            os.makedirs(base, exist_ok=True)
             self.dir = tempfile.mkdtemp(prefix="weight_sync_", dir=base)
 
     def sync(self, model):
@@ -172,7 +175,7 @@ def make_weight_sync(cfg, client, rank, device):
     if cfg.weight_sync_transport == "nccl":
         return NCCLSync(client, rank, cfg.weight_sync_master_address, cfg.weight_sync_master_port, device,
                         cfg.weight_sync_timeout)
-    return FilesystemSync(client, rank, cfg.output_dir, cfg.weight_sync_timeout)
+    return FilesystemSync(client, rank, cfg.output_dir, cfg.weight_sync_timeout, cfg.weight_sync_dir)
 
 
 def within(seconds, fn, what, device=None):
