@@ -48,7 +48,7 @@ class Config:
     weight_sync_transport: str = "filesystem"  # filesystem (safetensors + reload_weights, CPU and GPU) or nccl (GPU servers)
     weight_sync_master_address: str = "127.0.0.1"  # nccl: address of trainer rank 0 as the vLLM server sees it
     weight_sync_master_port: int = 29555  # nccl: port of the weight-transfer rendezvous on trainer rank 0
-    weight_sync_dir: Optional[str] = None  # filesystem: where rank 0 writes the weights every server reloads; None = /dev/shm (servers on rank 0's node)
+    weight_sync_dir: Optional[str] = None  # filesystem: where rank 0 writes weights for every server to read; None = /dev/shm (servers on its node)
     vllm_logp_tolerance: float = 1e-2  # max |trainer - vLLM| logprob after a sync before it counts as failed
     # --- batch
     num_unique_prompts_rollout: int = 16  # prompts per step
@@ -81,12 +81,12 @@ class Config:
     ref_policy_update_freq: Optional[int] = None  # Polyak-update the reference every N steps; None = fixed reference
     alpha: float = 0.6  # Polyak weight: ref = alpha * policy + (1 - alpha) * ref
     # --- distributed (parallel.py; the README maps seed 002's DeepSpeed knobs to these)
-    fsdp_shard_size: int = 0  # ranks one copy of the weights is sharded over; 0 = all (FSDP), a divisor = hybrid (HSDP: shard in groups, replicate across)
-    reshard_after_forward: bool = True  # free each layer's gathered weights after forward and gather again in backward (ZeRO-3); False keeps them (ZeRO-2 memory, fewer gathers)
+    fsdp_shard_size: int = 0  # ranks one weight copy is sharded over; 0 = all (FSDP), a divisor of the world = hybrid (HSDP)
+    reshard_after_forward: bool = True  # free a layer's gathered weights after forward (ZeRO-3); False keeps them until backward (fewer gathers)
     activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward instead of storing them
-    offload_params: bool = False  # keep the policy's parameter shards, gradients and AdamW state in CPU memory (FSDP2 CPUOffloadPolicy moves all three)
-    offload_ref_policy: bool = False  # keep the reference's parameter shards in CPU memory (copied to the GPU layer by layer for its forward)
-    single_gpu_mode: bool = False  # trainer and the vLLM server we launch share one GPU; the server sleeps while the trainer trains (untested here)
+    offload_params: bool = False  # policy's parameter shards, gradients and AdamW state in CPU memory (FSDP2 CPUOffloadPolicy: all three)
+    offload_ref_policy: bool = False  # the reference's parameter shards in CPU memory (copied to the GPU layer by layer for its forward)
+    single_gpu_mode: bool = False  # trainer and our vLLM server share one GPU; the server sleeps while training (untested here)
     sequence_parallel_size: int = 1  # sequence parallelism is not implemented; values > 1 are refused
     backend_timeout: int = 30  # minutes before a stuck collective fails the process group
     weight_sync_timeout: float = 600.0  # seconds one weight sync into vLLM may take (the reload request, or the NCCL transfer)

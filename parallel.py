@@ -51,7 +51,10 @@ def setup_distributed(cfg):
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=cfg.backend_timeout))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda" and (cfg.offload_params or cfg.offload_ref_policy):
+        backend = "cuda:nccl,cpu:gloo"  # offloaded gradients are CPU tensors: their norm is reduced over gloo
+    dist.init_process_group(backend, timeout=timedelta(minutes=cfg.backend_timeout))
     replicas, shard = cfg.mesh_shape(dist.get_world_size())
     # Consecutive ranks share a shard group: with torchrun they are the GPUs of one node,
     # so the all-gathers stay on the fast links and only the gradient all-reduce crosses nodes.
@@ -66,7 +69,8 @@ def sequence_logprobs(self, input_ids, attention_mask, mask, temperature, head_i
     gathers the LM head for it as for forward()."""
     # use_cache=False: no KV cache is reused here, and a checkpointed layer would append
     # to it a second time when it recomputes in backward.
-    hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state  # (B, T, H)
+    hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    hidden = hidden.last_hidden_state  # (B, T, H)
     return token_logprobs(hidden[:, :-1][mask], self.lm_head.weight, input_ids[:, 1:][mask], temperature,
                           head_ids=head_ids, topk=topk)
 

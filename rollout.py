@@ -187,8 +187,8 @@ class VLLMClient:
             self.broadcast("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": weights_dir}},
                            timeout=timeout)
         except VLLMError as e:
-            raise VLLMError(f"weight sync: {e}\n(each attempt may take weight_sync_timeout={timeout or self.timeout:g}s; "
-                            "raise it if the server is only slow to reload)") from None
+            raise VLLMError(f"weight sync: {e}\n(each attempt may take weight_sync_timeout="
+                            f"{timeout or self.timeout:g}s; raise it if the server is only slow to reload)") from None
         self.broadcast("/reset_prefix_cache")
 
     def sleep(self):

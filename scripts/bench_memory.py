@@ -84,7 +84,8 @@ def main():
     results = {}
     for ac in (False, True):
         torch.manual_seed(0)
-        results[ac] = peak_bytes(Config(model_name_or_path=model_dir, activation_checkpointing=ac), batch, device, mesh)
+        cfg = Config(model_name_or_path=model_dir, activation_checkpointing=ac)
+        results[ac] = peak_bytes(cfg, batch, device, mesh)
     print(f"model: Qwen2 shape, {n_params / 1e6:.1f} M parameters; micro-batch {args.batch} x {args.seq_len} tokens; "
           f"device {device}, peak by {'max_memory_allocated' if device.type == 'cuda' else 'MemTracker'}")
     for ac, (peak, seconds, loss) in results.items():
