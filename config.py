@@ -49,6 +49,7 @@ class Config:
     weight_sync_transport: str = "filesystem"  # filesystem (safetensors + reload_weights, CPU and GPU) or nccl (GPU servers)
     weight_sync_master_address: str = "127.0.0.1"  # nccl: address of trainer rank 0 as the vLLM server sees it
     weight_sync_master_port: int = 29555  # nccl: port of the weight-transfer rendezvous on trainer rank 0
+    weight_sync_dir: Optional[str] = None  # filesystem: where rank 0 writes weights for every server to read; None = /dev/shm (servers on its node)
     vllm_logp_tolerance: float = 1e-2  # max |trainer - vLLM| logprob after a sync before it counts as failed
     # --- batch
     num_unique_prompts_rollout: int = 16  # prompts per step
@@ -80,9 +81,16 @@ class Config:
     load_ref_policy: bool = True  # build a reference policy (needed for beta > 0)
     ref_policy_update_freq: Optional[int] = None  # Polyak-update the reference every N steps; None = fixed reference
     alpha: float = 0.6  # Polyak weight: ref = alpha * policy + (1 - alpha) * ref
-    # --- distributed
+    # --- distributed (parallel.py; the README maps seed 002's DeepSpeed knobs to these)
+    fsdp_shard_size: int = 0  # ranks one weight copy is sharded over; 0 = all (FSDP), a divisor of the world = hybrid (HSDP)
+    reshard_after_forward: bool = True  # free a layer's gathered weights after forward (ZeRO-3); False keeps them until backward (fewer gathers)
+    activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward instead of storing them
+    offload_params: bool = False  # policy's parameter shards, gradients and AdamW state in CPU memory (FSDP2 CPUOffloadPolicy: all three)
+    offload_ref_policy: bool = False  # the reference's parameter shards in CPU memory (copied to the GPU layer by layer for its forward)
+    single_gpu_mode: bool = False  # trainer and our vLLM server share one GPU; the server sleeps while training (untested here)
     sequence_parallel_size: int = 1  # sequence parallelism is not implemented; values > 1 are refused
     backend_timeout: int = 30  # minutes before a stuck collective fails the process group
+    weight_sync_timeout: float = 600.0  # seconds one weight sync into vLLM may take (the reload request, or the NCCL transfer)
     # --- checkpoints, output, logging
     output_dir: str = "output"  # metrics.jsonl, exported models and plots go here
     checkpoint_state_dir: Optional[str] = None  # resumable sharded checkpoints (needs checkpoint_state_freq > 0)
@@ -137,12 +145,40 @@ class Config:
             refuse(f"ref_policy_update_freq={self.ref_policy_update_freq} must be a positive number of steps, or None")
         if not 0.0 < self.alpha <= 1.0:
             refuse(f"alpha={self.alpha} must be in (0, 1]: ref = alpha * policy + (1 - alpha) * ref")
+        if self.weight_sync_dir is not None and self.weight_sync_transport != "filesystem":
+            refuse("weight_sync_dir is where the filesystem transport writes; with weight_sync_transport="
+                   f"{self.weight_sync_transport!r} nothing is written there: unset one of them")
         if self.weight_sync_transport == "nccl" and len(self.vllm_server_urls) > 1:
             refuse("weight_sync_transport='nccl' supports one vLLM server; give one vllm_server_urls entry "
                    "or use weight_sync_transport='filesystem'")
         if self.sequence_parallel_size != 1:
             refuse(f"sequence_parallel_size={self.sequence_parallel_size}: sequence parallelism is not implemented "
-                   "in this FSDP2 trainer (every rank holds whole sequences); set it to 1")
+                   "in this FSDP2 trainer (every rank holds whole sequences); set it to 1 (for long sequences, "
+                   "activation_checkpointing=True cuts activation memory instead)")
+        if self.fsdp_shard_size < 0:
+            refuse(f"fsdp_shard_size={self.fsdp_shard_size} must be 0 (shard over all ranks) or a number of ranks "
+                   "that divides the world size")
+        if self.offload_ref_policy and not self.load_ref_policy:
+            refuse("offload_ref_policy=True but load_ref_policy=False: there is no reference to offload")
+        if self.single_gpu_mode and self.vllm_server_urls:
+            refuse("single_gpu_mode=True shares the trainer's GPU with a server we launch (in sleep mode); "
+                   "remove vllm_server_urls or set single_gpu_mode=False")
+        if self.single_gpu_mode and self.weight_sync_transport == "nccl":
+            refuse("single_gpu_mode=True cannot use weight_sync_transport='nccl' (NCCL cannot link two processes "
+                   "on one GPU); use weight_sync_transport='filesystem'")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            refuse(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1]")
+        if self.single_gpu_mode and self.vllm_gpu_memory_utilization > 0.5:
+            refuse(f"single_gpu_mode=True with vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} "
+                   "leaves too little of the GPU for the trainer's weights and AdamW state, which stay on it "
+                   "while vLLM generates; set it to at most 0.5 (0.3 is a start)")
+        for name in ("backend_timeout", "vllm_startup_timeout", "vllm_request_timeout", "weight_sync_timeout"):
+            if getattr(self, name) <= 0:
+                refuse(f"{name}={getattr(self, name)} must be > 0")
+        if self.weight_sync_timeout >= 60 * self.backend_timeout:
+            refuse(f"weight_sync_timeout={self.weight_sync_timeout}s must be below backend_timeout="
+                   f"{self.backend_timeout} min: the other ranks wait for rank 0's sync in a collective that "
+                   "backend_timeout ends first; lower weight_sync_timeout or raise backend_timeout")
         if self.kl_topk != 0 and self.kl_estimator != "topk":
             refuse(f"kl_topk={self.kl_topk} only applies to kl_estimator='topk' (got {self.kl_estimator!r})")
         if self.kl_topk > 0 and self.beta == 0:
@@ -178,14 +214,28 @@ class Config:
             refuse(f"vllm_max_model_len={self.vllm_max_model_len} is below max_prompt_length + response_length = "
                    f"{self.max_prompt_length + self.response_length}; raise it or leave it None")
 
+    def mesh_shape(self, world_size: int) -> tuple:
+        """(replicas, shard size) of the device mesh; refuse sizes the world does not fit."""
+        if self.single_gpu_mode and world_size != 1:
+            raise ValueError(f"single_gpu_mode=True runs one trainer process beside the server, got {world_size} "
+                             "ranks; run `python train.py` without torchrun or set single_gpu_mode=False")
+        shard = self.fsdp_shard_size or world_size
+        if shard > world_size or world_size % shard:
+            raise ValueError(f"fsdp_shard_size={self.fsdp_shard_size} does not divide the world of {world_size} "
+                             f"ranks into equal groups; pick a divisor of {world_size} (ranks per node is usual) "
+                             "or 0 to shard over all ranks")
+        return world_size // shard, shard
+
     def batch_plan(self, world_size: int) -> dict:
-        """Derive the per-rank batch arithmetic; refuse numbers that do not divide.
+        """Derive the per-rank batch arithmetic; refuse numbers that do not divide, and
+        meshes that do not fit the world (mesh_shape).
 
         Rollout: prompts x samples sequences, split into num_mini_batches optimizer steps,
         each spread over world_size ranks and cut into micro-batches of
         per_device_train_batch_size (gradient accumulation). Whole groups stay together
         only at the mini-batch level; ranks may hold parts of a group.
         """
+        self.mesh_shape(world_size)
         seqs = self.num_unique_prompts_rollout * self.num_samples_per_prompt_rollout
         per_mini = seqs // self.num_mini_batches
         if per_mini % world_size:

@@ -13,6 +13,10 @@ shards lives on the rank that owns the matching policy shard: the update is one
 memory O(parameters / world size). The anchors we know loop over parameters with
 mul_/add_ and, under ZeRO-3, gather full parameters to do it.
 
+With offload_ref_policy the reference's shards stay in CPU memory: the update then runs
+there, on a copy of the policy's local shards (still no collective); with offload_params
+too, both are there already.
+
 When the parameters are stored in a low precision (bf16), small increments
 alpha * (policy - ref) round away; the EMA then runs on an fp32 master copy of the local
 shards and the bf16 shards are copied from it.
@@ -44,6 +48,8 @@ class EMAReference:
         # Shard views are taken anew each time: FSDP2 may re-point a parameter's local tensor.
         ref = [local(r) for r in self.model.parameters()]
         policy = [local(p) for p in self.policy.parameters()]
+        if policy[0].device != ref[0].device:  # an offloaded reference (offload_ref_policy) beside a policy
+            policy = [t.to(ref[0].device) for t in policy]  # on the GPU: a copy of the local shards, no collective
         if self.master is None:
             torch._foreach_lerp_(ref, policy, self.alpha)
         else:

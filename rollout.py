@@ -7,6 +7,13 @@ it, when training ends. With URLs, requests are spread over the servers the user
 (started with VLLM_SERVER_DEV_MODE=1 for the weight routes).
 
 Pushing the trainer's weights into the server is weight_sync.py.
+
+single_gpu_mode (untested here: it needs a GPU build of vLLM): the server we launch shares
+the trainer's GPU, started with --enable-sleep-mode and the vllm_gpu_memory_utilization
+fraction. train.py puts it to sleep before training (POST /sleep?level=1: weights to CPU
+memory, KV cache freed) and wakes it (POST /wake_up) before the weight sync and the next
+generation. Level 1, not 2: a step without samples syncs nothing, and must still find
+the weights it left.
 """
 
 import json
@@ -63,6 +70,11 @@ def launch_server(model_dir, cfg, log_path, port=None):
            "--gpu-memory-utilization", str(cfg.vllm_gpu_memory_utilization)]
     if cfg.weight_sync_transport == "nccl":
         cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+    if cfg.single_gpu_mode:
+        if not torch.cuda.is_available():
+            raise VLLMError("single_gpu_mode=True needs a GPU (vLLM's sleep mode frees GPU memory); "
+                            "set single_gpu_mode=False on CPU")
+        cmd += ["--enable-sleep-mode"]
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=str(cfg.vllm_kv_cache_space_gb))
     env.setdefault("OMP_NUM_THREADS", "1")
     log = open(log_path, "w")
@@ -123,7 +135,9 @@ class VLLMClient:
         except (urllib.error.URLError, OSError) as e:
             raise VLLMError(f"vLLM server {url} did not answer {route}: {getattr(e, 'reason', e)}") from None
 
-    def post(self, url, route, payload=None, params=""):
+    def post(self, url, route, payload=None, params="", timeout=None):
+        """POST with retries; `timeout` (seconds per attempt) defaults to vllm_request_timeout."""
+        timeout = timeout or self.timeout
         data = json.dumps(payload or {}).encode()
         last = None
         for attempt in range(self.max_retries + 1):
@@ -132,7 +146,7 @@ class VLLMClient:
                                 f"log {self.log_path}:\n{log_tail(self.log_path)}")
             req = urllib.request.Request(url + route + params, data=data, headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                with urllib.request.urlopen(req, timeout=timeout) as r:
                     body = r.read()
                     return json.loads(body) if body else {}
             except urllib.error.HTTPError as e:
@@ -151,8 +165,8 @@ class VLLMClient:
             futures = [pool.submit(self.post, self.urls[i % len(self.urls)], route, p) for i, p in enumerate(payloads)]
             return [f.result() for f in futures]
 
-    def broadcast(self, route, payload=None, params=""):
-        return [self.post(url, route, payload, params) for url in self.urls]
+    def broadcast(self, route, payload=None, params="", timeout=None):
+        return [self.post(url, route, payload, params, timeout) for url in self.urls]
 
     def generate(self, prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None):
         """n completions of each token-id prompt. Returns one list per prompt of dicts with
@@ -180,9 +194,22 @@ class VLLMClient:
             out.append([entry[str(tok)]["logprob"] for tok, entry in zip(seq[1:], plp)])
         return out
 
-    def reload_weights(self, weights_dir):
-        self.broadcast("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": weights_dir}})
+    def reload_weights(self, weights_dir, timeout=None):
+        """Each server reloads the safetensors in weights_dir; `timeout` is weight_sync_timeout."""
+        try:
+            self.broadcast("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": weights_dir}},
+                           timeout=timeout)
+        except VLLMError as e:
+            raise VLLMError(f"weight sync: {e}\n(each attempt may take weight_sync_timeout="
+                            f"{timeout or self.timeout:g}s; raise it if the server is only slow to reload)") from None
         self.broadcast("/reset_prefix_cache")
+
+    def sleep(self):
+        """single_gpu_mode: free the GPU for training (level 1: weights to CPU memory, KV cache dropped)."""
+        self.broadcast("/sleep", params="?level=1")
+
+    def wake_up(self):
+        self.broadcast("/wake_up")
 
     def pause(self):
         self.broadcast("/pause", params="?mode=keep")

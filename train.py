@@ -25,80 +25,32 @@ Where this differs from the papers:
 
 import json
 import os
-import platform
 import resource
 import signal
-import socket
-import subprocess
 import sys
 import time
-import types
-from dataclasses import asdict
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from tqdm import tqdm
 
 import checkpoint
 import rollout
+import tracking
 from weight_sync import full_state_dict, make_weight_sync, write_serving_dir
 from config import Config, parse_args
 from data import PromptSampler, collate, load_prompts, load_tokenizer, score, split_for_ranks
-from loss import ess, grpo_loss, group_advantages, step_denominator, token_logprobs
+from loss import ess, grpo_loss, group_advantages, step_denominator
+from parallel import load_model, setup_distributed
 from reference import EMAReference
 
 
-def setup_distributed(cfg):
-    """gloo on CPU, nccl on CUDA; under torchrun or as a plain process (a world of one)."""
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=cfg.backend_timeout))
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    return dist.get_rank(), dist.get_world_size(), device, mesh
-
-
-def sequence_logprobs(self, input_ids, attention_mask, mask, temperature, head_ids=None, topk=0):
-    """logp and entropy (N,) of the completion tokens selected by mask (B, T-1), and logp at
-    head_ids (or this policy's top-k) (N, k). A forward method of the model, so FSDP2
-    gathers the LM head for it as for forward()."""
-    hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, H)
-    return token_logprobs(hidden[:, :-1][mask], self.lm_head.weight, input_ids[:, 1:][mask], temperature,
-                          head_ids=head_ids, topk=topk)
-
-
-def load_model(cfg, device, mesh):
-    """The HF model, sharded with FSDP2: each decoder layer, then the root."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=torch.float32)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" \
-        else MixedPrecisionPolicy()
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    # reshard_after_forward=True on the root too: by default FSDP2 keeps the root's parameters
-    # (embeddings, LM head) gathered after forward, and the reference, which runs forward
-    # only, would stay gathered, unlike its policy twin, which the EMA update needs sharded.
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
-    model.sequence_logprobs = types.MethodType(sequence_logprobs, model)
-    register_fsdp_forward_method(model, "sequence_logprobs")
-    return model
-
-
 def make_optimizer(cfg, policy, total_updates, device):
-    """AdamW (fused on CUDA, foreach on CPU) and the warm-up + schedule, in optimizer steps."""
+    """AdamW (fused on CUDA, foreach on CPU or offloaded) and the warm-up + schedule, in optimizer steps."""
     from transformers import get_scheduler
 
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                  **({"fused": True} if device.type == "cuda" else {"foreach": True}))
+                                  **({"fused": True} if device.type == "cuda" and not cfg.offload_params else {"foreach": True}))
     name = "constant_with_warmup" if cfg.lr_scheduler_type == "constant" else cfg.lr_scheduler_type
     return optimizer, get_scheduler(name, optimizer, num_warmup_steps=cfg.warm_up_steps,
                                     num_training_steps=total_updates)
@@ -203,39 +155,6 @@ def evaluate(cfg, client, eval_rows, reward_fn, tokenizer):
     return sum(rewards) / len(rewards)
 
 
-def run_info(cfg, world_size):
-    """What reproduces the run: config, git SHA, versions, world size."""
-    import transformers
-
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
-    versions = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
-    try:
-        import vllm
-        versions["vllm"] = vllm.__version__
-    except ImportError:
-        pass
-    return dict(config=asdict(cfg), git_sha=sha, versions=versions, world_size=world_size)
-
-
-def open_tracker(cfg):
-    """A log(metrics, step) function for Weights & Biases or TensorBoard, whichever is installed."""
-    if not cfg.with_tracking:
-        return None
-    try:
-        import wandb
-        run = wandb.init(project="flatgrpo", config=asdict(cfg), dir=cfg.output_dir)
-        return lambda m, step: run.log(m, step=step)
-    except ImportError:
-        pass
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise ValueError("with_tracking=True needs wandb or tensorboard installed (pip install tensorboard)") from None
-    writer = SummaryWriter(os.path.join(cfg.output_dir, "tensorboard"))
-    return lambda m, step: [writer.add_scalar(k, v, step) for k, v in m.items() if isinstance(v, (int, float))]
-
-
 def rollout_batch(cfg, client, sampler, step, reward_fn, tokenizer):
     """Rank 0: prompts -> vLLM completions -> rewards -> group advantages.
     Returns the samples to train on and the step's rollout metrics."""
@@ -269,7 +188,7 @@ def main(cfg: Config):
         cfg.batch_plan(int(os.environ.get("WORLD_SIZE", 1)))
         tokenizer = load_tokenizer(cfg)
         train_rows, eval_rows, skipped, reward_fn = load_prompts(cfg, tokenizer)
-        tracker = open_tracker(cfg) if int(os.environ.get("RANK", 0)) == 0 else None
+        tracker = tracking.open_tracker(cfg) if int(os.environ.get("RANK", 0)) == 0 else None
     except ValueError as e:
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr)
@@ -290,7 +209,7 @@ def main(cfg: Config):
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.output_dir, exist_ok=True)
     policy = load_model(cfg, device, mesh)
-    ref = EMAReference(load_model(cfg, device, mesh), policy, cfg.alpha) if cfg.load_ref_policy else None
+    ref = EMAReference(load_model(cfg, device, mesh, reference=True), policy, cfg.alpha) if cfg.load_ref_policy else None
     optimizer, scheduler = make_optimizer(cfg, policy, cfg.num_training_steps * plan["optimizer_steps"], device)
     sampler = PromptSampler(train_rows, cfg.seed)
     # --- resume from the newest complete checkpoint, if there is one
@@ -302,7 +221,7 @@ def main(cfg: Config):
     start = checkpoint.load(resume[0], policy, ref, optimizer, scheduler, sampler)["step"] if resume[0] else 0
     client, server, weights = None, None, None
     if rank == 0:
-        info = run_info(cfg, world_size)
+        info = tracking.run_info(cfg, world_size)
         with open(os.path.join(cfg.output_dir, "run_info.json"), "w") as f:
             json.dump(dict(info, skipped_rows=skipped, resumed_from=resume[0]), f, indent=2)
         print(f"run: {json.dumps(info['versions'])}, git {info['git_sha']}, world size {world_size}, device {device}")
@@ -329,18 +248,19 @@ def main(cfg: Config):
         weights = make_weight_sync(cfg, client, rank, device)
         if cfg.vllm_server_urls:  # the user's server starts from our weights
             weights.sync(policy)
-        metrics_file = None
-        if rank == 0:  # a resumed run keeps the lines up to its checkpoint and rewrites the rest
-            path = os.path.join(cfg.output_dir, "metrics.jsonl")
-            kept = [line for line in open(path) if json.loads(line)["step"] <= start] \
-                if start and os.path.exists(path) else []
-            metrics_file = open(path, "w")
-            metrics_file.writelines(kept)
+        log = tracking.MetricsLog(cfg.output_dir, start, tracker) if rank == 0 else None
         if rank == 0 and cfg.eval_freq > 0 and eval_rows and not start:
             acc = evaluate(cfg, client, eval_rows, reward_fn, tokenizer)
-            metrics_file.write(json.dumps({"step": 0, "eval_accuracy": acc, "skipped_rows": skipped}) + "\n")
-            print(f"step 0: eval_accuracy={acc:.4g}")
+            log.write({"step": 0, "eval_accuracy": acc, "skipped_rows": skipped})
         restarts, skipped_in_a_row, saved = 0, 0, start
+
+        def keep_and_raise(error, done):
+            """A server failure we cannot repair: checkpoint what was trained (step `done`), then stop."""
+            if cfg.checkpoint_state_dir and saved < done:
+                checkpoint.save(cfg.checkpoint_state_dir, done, policy, ref, optimizer, scheduler, sampler, cfg,
+                                cfg.keep_last_n_checkpoints)
+            raise rollout.VLLMError(error)
+
         stop["in_loop"] = True
         bar = tqdm(range(start + 1, cfg.num_training_steps + 1), disable=rank != 0, desc="grpo", initial=start,
                    total=cfg.num_training_steps)
@@ -363,10 +283,7 @@ def main(cfg: Config):
                     samples, rollout_metrics = payload[0]
                     break
                 if not payload[0]["restart"]:
-                    if cfg.checkpoint_state_dir and saved < step - 1:  # keep what was trained
-                        checkpoint.save(cfg.checkpoint_state_dir, step - 1, policy, ref, optimizer, scheduler,
-                                        sampler, cfg, cfg.keep_last_n_checkpoints)
-                    raise rollout.VLLMError(payload[0]["error"])
+                    keep_and_raise(payload[0]["error"], step - 1)
                 restarts += 1
                 if rank == 0:
                     tqdm.write(f"step {step}: the vLLM server died; restart {restarts} of {cfg.vllm_max_restarts}")
@@ -380,6 +297,8 @@ def main(cfg: Config):
                 m.update(rollout_metrics, vllm_restarts=restarts)
             # --- train: old/ref logprobs, mini-batches x epochs, optimizer steps
             t2 = time.perf_counter()
+            if cfg.single_gpu_mode:  # the server frees the GPU for training (its weights go to CPU memory)
+                client.sleep()
             if samples:
                 m.update(train_on_rollouts(cfg, policy, ref.model if ref else None, optimizer, scheduler, samples,
                                            rank, world_size, device, tokenizer.pad_token_id))
@@ -402,8 +321,13 @@ def main(cfg: Config):
                 ref.update()
             # --- weight sync into vLLM
             t3 = time.perf_counter()
+            if cfg.single_gpu_mode:  # awake before its weights are reloaded and it generates again
+                client.wake_up()
             if samples:
-                weights.sync(policy)
+                try:
+                    weights.sync(policy)
+                except rollout.VLLMError as e:  # raised on every rank
+                    keep_and_raise(str(e), step)
             m["time_sync"] = time.perf_counter() - t3
             # --- checkpoint and export (a SIGTERM on any rank stops every rank after this step's checkpoint)
             stopping = torch.tensor([float(stop["requested"])], device=device)
@@ -427,13 +351,7 @@ def main(cfg: Config):
                 m["tokens_per_s"] = m.pop("response_tokens") / m["time_step"]
                 m["peak_memory_gb"] = (torch.cuda.max_memory_allocated() if device.type == "cuda" else
                                        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30
-                metrics_file.write(json.dumps(m) + "\n")
-                metrics_file.flush()
-                if tracker:
-                    tracker(m, step)
-                tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items()
-                                    if k in ("step", "reward_mean", "eval_accuracy", "response_length", "loss", "kl",
-                                             "clip_frac", "entropy", "grad_norm", "vllm_logp_diff_max", "time_step")))
+                log.write(m)
             if stopping.item():
                 if rank == 0:
                     print(f"SIGTERM: stopped after step {step}" + (f", checkpoint in {cfg.checkpoint_state_dir}"

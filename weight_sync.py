@@ -4,10 +4,15 @@ Two transports behind one call, `make_weight_sync(cfg, ...).sync(model)`, made o
 rank and called on every rank (the gathers are collectives):
 
 - filesystem (default, CPU and GPU): gather the full state dict, rank 0 writes
-  safetensors to memory-backed /dev/shm, asks each server to `reload_weights` through
-  /collective_rpc and resets its prefix cache.
+  safetensors to memory-backed /dev/shm (or weight_sync_dir, a directory every server can
+  read: servers on other nodes need a shared filesystem), asks each server to
+  `reload_weights` through /collective_rpc and resets its prefix cache.
 - nccl (GPU servers started with --weight-transfer-config '{"backend": "nccl"}'): vLLM's
   native weight-transfer API. Untested on the CPU machines this project is built on.
+
+Both are bounded by weight_sync_timeout: the reload request is an HTTP timeout; the NCCL
+transfer, which would otherwise wait forever for a peer that is gone, runs in a thread
+that is abandoned with a TimeoutError when it takes longer.
 
 Tied embeddings: the CPU server's `reload_weights` does not refresh a tied LM head
 ("ParallelLMHead: Failed to load weights"), so the server always gets an untied copy:
@@ -19,6 +24,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 
 import torch
 
@@ -75,26 +81,35 @@ def write_serving_dir(state_dict, hf_config, tokenizer, out_dir):
 class FilesystemSync:
     """Gather on every rank, then rank 0 writes safetensors and asks each server to reload."""
 
-    def __init__(self, client, rank, output_dir):
-        self.client, self.rank, self.dir = client, rank, None
-        if rank == 0:  # memory-backed /dev/shm when there is one
-            base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else output_dir
+    def __init__(self, client, rank, output_dir, timeout=None, base=None):
+        self.client, self.rank, self.dir, self.timeout = client, rank, None, timeout
+        if rank == 0:  # memory-backed /dev/shm when there is one, unless the servers need a shared directory
+            if base is None:
+                base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else output_dir
+            os.makedirs(base, exist_ok=True)
             self.dir = tempfile.mkdtemp(prefix="weight_sync_", dir=base)
 
     def sync(self, model):
-        """Returns the bytes written (rank 0) or 0."""
+        """Returns the bytes written (rank 0) or 0. A failed reload raises VLLMError on every
+        rank, so all can save a checkpoint first; unless it failed because a server we
+        launched died: then the next rollout restarts it and pushes the weights again."""
         import torch.distributed as dist
 
         sd = full_state_dict(model)
-        nbytes = 0
+        nbytes, error = 0, [None]
         if self.rank == 0:
             nbytes = write_weights(sd, self.dir)
             try:
-                self.client.reload_weights(self.dir)
-            except VLLMError as e:  # not fatal here: the next rollout restarts a dead server we launched or
-                print(f"weight sync failed: {e}", flush=True)  # stops the run; the logprob check catches the rest
+                self.client.reload_weights(self.dir, timeout=self.timeout)
+            except VLLMError as e:
+                died = self.client.proc is not None and self.client.proc.poll() is not None
+                print(f"weight sync failed{' (the server died; it will be restarted)' if died else ''}: {e}",
+                      flush=True)
+                error = [None if died else str(e)]
         if dist.is_initialized():
-            dist.barrier()
+            dist.broadcast_object_list(error, src=0)  # also the barrier: the weights are in place
+        if error[0]:
+            raise VLLMError(error[0])
         return nbytes
 
     def close(self):
@@ -110,19 +125,20 @@ class NCCLSync:
     rank 0 wait in the broadcast while the others wait in a gather (deadlock).
     Supports one server with one worker (tensor parallel size 1)."""
 
-    def __init__(self, client, rank, master_address, master_port, device):
-        self.client, self.rank, self.device, self.engine = client, rank, device, None
+    def __init__(self, client, rank, master_address, master_port, device, timeout=600.0):
+        self.client, self.rank, self.device, self.engine, self.timeout = client, rank, device, None, timeout
         self.master_address, self.master_port = master_address, master_port  # this trainer's rendezvous
 
     # the four calls vLLM's trainer engine makes on its client (VLLMWeightSyncClient)
+    # (the two that wait for the NCCL transfer get weight_sync_timeout, not the request timeout)
     def init_weight_transfer_engine(self, init_info):
-        self.client.broadcast("/init_weight_transfer_engine", {"init_info": init_info})
+        self.client.broadcast("/init_weight_transfer_engine", {"init_info": init_info}, timeout=self.timeout)
 
     def start_weight_update(self):
         self.client.broadcast("/start_weight_update")
 
     def update_weights(self, update_info):
-        self.client.broadcast("/update_weights", {"update_info": update_info})
+        self.client.broadcast("/update_weights", {"update_info": update_info}, timeout=self.timeout)
 
     def finish_weight_update(self, weight_version=None):
         self.client.broadcast("/finish_weight_update", {"weight_version": weight_version})
@@ -134,7 +150,8 @@ class NCCLSync:
 
         full = {}
         for name, t in model.state_dict().items():  # every rank, every gather, before any send
-            full[name] = t.full_tensor() if hasattr(t, "full_tensor") else t
+            # .to(device) first: offloaded (offload_params) shards are in CPU memory, NCCL gathers GPU tensors
+            full[name] = t.to(self.device).full_tensor() if hasattr(t, "full_tensor") else t
         if self.rank != 0:
             return 0
         full = {k: v.to(self.device) for k, v in untie(full).items()}
@@ -149,11 +166,12 @@ class NCCLSync:
         if self.engine is None:
             info = NCCLTrainerInitInfo(master_address=self.master_address, master_port=self.master_port,
                                        world_size=2, rank=0)
-            self.engine = NCCLTrainerWeightTransferEngine.trainer_init(info, client=self, source=Gathered())
+            self.engine = within(self.timeout, lambda: NCCLTrainerWeightTransferEngine.trainer_init(
+                info, client=self, source=Gathered()), "the NCCL rendezvous with the vLLM server", self.device)
         self.engine.source = Gathered()
         self.client.pause()
         try:
-            self.engine.send_weights()
+            within(self.timeout, self.engine.send_weights, "the NCCL weight transfer", self.device)
         finally:
             self.client.resume()
         self.client.broadcast("/reset_prefix_cache")
@@ -167,8 +185,34 @@ class NCCLSync:
 def make_weight_sync(cfg, client, rank, device):
     """The configured transport; `.sync(model)` on every rank after each step."""
     if cfg.weight_sync_transport == "nccl":
-        return NCCLSync(client, rank, cfg.weight_sync_master_address, cfg.weight_sync_master_port, device)
-    return FilesystemSync(client, rank, cfg.output_dir)
+        return NCCLSync(client, rank, cfg.weight_sync_master_address, cfg.weight_sync_master_port, device,
+                        cfg.weight_sync_timeout)
+    return FilesystemSync(client, rank, cfg.output_dir, cfg.weight_sync_timeout, cfg.weight_sync_dir)
+
+
+def within(seconds, fn, what, device=None):
+    """fn() in a daemon thread, given up after `seconds` with a TimeoutError: an NCCL call
+    whose peer has gone waits forever, and NCCL takes no timeout of its own. The stuck
+    thread cannot be stopped; the error ends the run (a daemon thread does not hold exit)."""
+    out = {}
+
+    def run():
+        try:
+            if device is not None and device.type == "cuda":
+                torch.cuda.set_device(device)  # the current device is per thread
+            out["value"] = fn()
+        except BaseException as e:  # handed to the caller's thread
+            out["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise TimeoutError(f"weight sync: {what} did not finish within weight_sync_timeout={seconds:g}s; the server "
+                           "may be stuck or gone (see its log). Raise weight_sync_timeout if the transfer is only slow")
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
 
 
 # --- the check

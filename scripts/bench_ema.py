@@ -61,7 +61,7 @@ def load_pair(rank, device, mesh):
     dist.broadcast_object_list(path, src=0)
     cfg = Config(model_name_or_path=path[0])
     policy = train.load_model(cfg, device, mesh)
-    ref = train.load_model(cfg, device, mesh)
+    ref = train.load_model(cfg, device, mesh, reference=True)
     dist.barrier()  # every rank has read the files before rank 0 deletes them
     if tmp:
         tmp.cleanup()

@@ -1,8 +1,11 @@
-"""Run by the distributed tests, under torchrun (2 gloo ranks) or as one plain process.
+"""Run by the distributed tests, under torchrun (2 or 4 gloo ranks) or as one plain process.
 
-    python tests/dist_worker.py train MODEL_DIR OUT [LOSS_FN KL_ESTIMATOR]  # 3 GRPO steps on fixed rollouts + EMA
-    python tests/dist_worker.py ema MODEL_DIR OUT     # K EMA updates, collectives counted
+    python tests/dist_worker.py train MODEL_DIR OUT [LOSS_FN KL_ESTIMATOR] [key=value ...]  # 3 GRPO steps + EMA
+    python tests/dist_worker.py ema MODEL_DIR OUT [key=value ...]   # K EMA updates, collectives counted
     python tests/dist_worker.py ess MODEL_DIR OUT     # ESS of fixed ratios split over the ranks
+    python tests/dist_worker.py grads MODEL_DIR OUT [key=value ...]  # loss and full gradients of one micro-batch
+
+key=value pairs override Config fields (fsdp_shard_size=2, activation_checkpointing=true, ...).
 """
 
 import sys
@@ -11,20 +14,29 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
+import dataclasses
+
 import train
-from config import Config
+from config import Config, convert
 from reference import EMAReference, local
 from weight_sync import full_state_dict
 
 mode, model_dir, out = sys.argv[1:4]
-loss_fn, kl_estimator = (sys.argv[4:6] + ["dapo", "k3"][len(sys.argv[4:6]):])
+positional = [a for a in sys.argv[4:] if "=" not in a]
+types = {f.name: f.type for f in dataclasses.fields(Config)}
+overrides = {k: convert(k, v, eval(types[k]) if isinstance(types[k], str) else types[k])
+             for k, v in (a.split("=", 1) for a in sys.argv[4:] if "=" in a)}
+loss_fn, kl_estimator = (positional + ["dapo", "k3"][len(positional):])
 cfg = Config(model_name_or_path=model_dir, num_unique_prompts_rollout=4, num_samples_per_prompt_rollout=4,
              per_device_train_batch_size=2, beta=0.1, kl_estimator=kl_estimator, learning_rate=1e-3, alpha=0.3,
-             num_mini_batches=2, ref_policy_update_freq=1, loss_fn=loss_fn, kl_topk=4 if kl_estimator == "topk" else 0)
+             num_mini_batches=2, ref_policy_update_freq=1, loss_fn=loss_fn, kl_topk=4 if kl_estimator == "topk" else 0,
+             **overrides)
 rank, world_size, device, mesh = train.setup_distributed(cfg)
 torch.manual_seed(0)
 policy = train.load_model(cfg, device, mesh)
-ref = EMAReference(train.load_model(cfg, device, mesh), policy, cfg.alpha)
+ref = EMAReference(train.load_model(cfg, device, mesh, reference=True), policy, cfg.alpha)
+mesh_info = dict(shape=tuple(mesh.shape), placements=[str(p) for p in next(policy.parameters()).placements],
+                 shard_device=str(local(next(policy.parameters())).device))
 
 
 def fixed_rollouts(step):
@@ -50,7 +62,7 @@ if mode == "train":
         losses.append([m["loss"], m["kl"], m["clip_frac"], m["grad_norm"], m.get("ess", 1.0)])
     policy_sd, ref_sd = full_state_dict(policy), full_state_dict(ref.model)
     if rank == 0:
-        torch.save(dict(losses=losses, policy=policy_sd, ref=ref_sd), out)
+        torch.save(dict(losses=losses, policy=policy_sd, ref=ref_sd, mesh=mesh_info), out)
 elif mode == "ema":
     # clone: in a world of one the "gathered" tensors may be the live parameters themselves
     ref0, pol0 = [{k: v.clone() for k, v in full_state_dict(m).items()} for m in (ref.model, policy)]
@@ -70,7 +82,24 @@ elif mode == "ema":
         setattr(dist, name, fn)
     ref_k = full_state_dict(ref.model)
     if rank == 0:
-        torch.save(dict(ref0=ref0, pol0=pol0, ref_k=ref_k, calls=calls, comm=comm.get_total_counts()), out)
+        torch.save(dict(ref0=ref0, pol0=pol0, ref_k=ref_k, calls=calls, comm=comm.get_total_counts(), mesh=mesh_info),
+                   out)
+elif mode == "grads":
+    from data import collate
+    from loss import grpo_loss
+
+    b = collate(fixed_rollouts(0)[:4], pad_id=0)
+    saved = []  # bytes autograd keeps for backward outside checkpointed regions (which keep their own)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t.numel() * t.element_size()), t)[1],
+                                                  lambda t: t):
+        logp, _, _, _ = policy.sequence_logprobs(b["input_ids"], b["attention_mask"], b["mask"], 1.0)
+    loss, _ = grpo_loss(logp, b["vllm_logp"], b["adv"], float(logp.numel()), loss_fn="cispo",
+                        clip_lower=cfg.clip_lower, clip_higher=cfg.clip_higher)
+    loss.backward()
+    names = [n.replace("_checkpoint_wrapped_module.", "") for n, _ in policy.named_parameters()]
+    grads = {n: p.grad.full_tensor() for n, p in zip(names, policy.parameters())}
+    if rank == 0:
+        torch.save(dict(loss=loss.item(), grads=grads, saved_bytes=sum(saved), mesh=mesh_info), out)
 elif mode == "ess":
     from loss import ess
 

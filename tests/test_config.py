@@ -47,6 +47,20 @@ RULES = [
     (dict(vllm_max_model_len=32), "vllm_max_model_len", dict(vllm_max_model_len=80)),
     (dict(weight_sync_transport="nccl", vllm_server_urls=["a", "b"]), "one vLLM server", dict(vllm_server_urls=["a", "b"])),
     (dict(truncated_importance_sampling_ratio_cap=-1.0), "truncated_importance", dict(truncated_importance_sampling_ratio_cap=2.0)),
+    (dict(sequence_parallel_size=4), "set it to 1", dict(activation_checkpointing=True)),
+    (dict(weight_sync_dir="/nfs/sync", weight_sync_transport="nccl"), "weight_sync_dir", dict(weight_sync_dir="/nfs/sync")),
+    (dict(fsdp_shard_size=-1), "fsdp_shard_size", dict(fsdp_shard_size=8)),
+    (dict(offload_ref_policy=True, load_ref_policy=False), "no reference to offload", dict(offload_ref_policy=True)),
+    (dict(single_gpu_mode=True, vllm_server_urls=["http://a:1"], vllm_gpu_memory_utilization=0.3),
+     "remove vllm_server_urls", dict(single_gpu_mode=True, vllm_gpu_memory_utilization=0.3)),
+    (dict(single_gpu_mode=True, weight_sync_transport="nccl", vllm_gpu_memory_utilization=0.3), "filesystem",
+     dict(single_gpu_mode=True, weight_sync_transport="filesystem", vllm_gpu_memory_utilization=0.3)),
+    (dict(single_gpu_mode=True), "at most 0.5", dict(single_gpu_mode=True, vllm_gpu_memory_utilization=0.5)),
+    (dict(vllm_gpu_memory_utilization=1.5), "vllm_gpu_memory_utilization", dict(vllm_gpu_memory_utilization=1.0)),
+    (dict(weight_sync_timeout=0.0), "weight_sync_timeout", dict(weight_sync_timeout=5.0)),
+    (dict(vllm_request_timeout=-1.0), "vllm_request_timeout", dict(vllm_request_timeout=1.0)),
+    (dict(backend_timeout=0), "backend_timeout", dict(backend_timeout=60)),
+    (dict(weight_sync_timeout=3600.0), "raise backend_timeout", dict(weight_sync_timeout=3600.0, backend_timeout=61)),
 ]
 
 
@@ -72,6 +86,33 @@ def test_batch_plan_divides_and_names_the_numbers():
         c.batch_plan(world_size=3)
     with pytest.raises(ValueError, match="per_device_train_batch_size=5"):
         Config(per_device_train_batch_size=5).batch_plan(world_size=2)
+
+
+@pytest.mark.parametrize("cfg,world,fragment", [
+    (dict(fsdp_shard_size=3), 4, "pick a divisor of 4"),
+    (dict(fsdp_shard_size=8), 4, "pick a divisor of 4"),
+    (dict(single_gpu_mode=True, vllm_gpu_memory_utilization=0.3), 2, "without torchrun"),
+])
+def test_world_size_rules_refuse_in_batch_plan(cfg, world, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        Config(num_unique_prompts_rollout=16, **cfg).batch_plan(world_size=world)
+
+
+def test_mesh_shape():
+    assert Config().mesh_shape(4) == (1, 4)  # shard over all ranks
+    assert Config(fsdp_shard_size=4).mesh_shape(4) == (1, 4)
+    assert Config(fsdp_shard_size=2).mesh_shape(4) == (2, 2)  # hybrid: 2 replicas of a 2-way shard
+    assert Config(fsdp_shard_size=8).mesh_shape(32) == (4, 8)  # 4 nodes of 8 GPUs
+    assert Config(fsdp_shard_size=1).mesh_shape(2) == (2, 1)  # full replication (DDP's memory)
+    assert Config(single_gpu_mode=True, vllm_gpu_memory_utilization=0.3).mesh_shape(1) == (1, 1)
+
+
+def test_train_py_refuses_a_mesh_before_starting_anything(tmp_path):
+    env = dict(os.environ, WORLD_SIZE="4", RANK="0")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--fsdp_shard_size", "3",
+                          "--output_dir", str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.returncode == 2 and "fsdp_shard_size=3" in out.stderr and out.stderr.strip().count("\n") == 0
+    assert not (tmp_path / "out").exists()
 
 
 def test_cli_forms():

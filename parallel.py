@@ -1,0 +1,107 @@
+"""Parallelism: the process group, the device mesh and the FSDP2-sharded model.
+
+    python train.py                                                # a world of one (gloo on CPU)
+    torchrun --nproc_per_node 8 train.py                           # shard over 8 ranks (FSDP)
+    torchrun --nnodes 4 --nproc_per_node 8 ... train.py --fsdp_shard_size 8   # shard in each node,
+                                                                   # replicate across the 4 (HSDP)
+
+Seed 002's distributed knobs (DeepSpeed terms in open-instruct) and what they are here:
+
+| open-instruct                          | here                                                    |
+|----------------------------------------|---------------------------------------------------------|
+| deepspeed_stage 3                      | always: fully_shard per decoder layer, then the root    |
+| stage 2 (weights whole during a step)  | reshard_after_forward=False                             |
+| deepspeed_zpg (partition group size)   | fsdp_shard_size: a 2-D mesh (replicate, shard) = HSDP   |
+| deepspeed_offload_param / _optimizer   | offload_params (CPUOffloadPolicy moves both together)   |
+| gradient_checkpointing                 | activation_checkpointing (each decoder layer)           |
+| sequence_parallel_size                 | refused by Config: not implemented                      |
+| num_learners_per_node                  | torchrun --nproc_per_node                               |
+| single_gpu_mode                        | single_gpu_mode (vLLM sleep mode, rollout.py)           |
+| backend_timeout                        | backend_timeout (the process group)                     |
+
+The reference gets the policy's mesh and placements, so its shards sit beside the
+policy's (the EMA update stays local); it never runs backward, so it is never
+checkpointed and always reshards after forward.
+"""
+
+import os
+import socket
+import types
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
+                                    register_fsdp_forward_method)
+
+from loss import token_logprobs
+
+
+def setup_distributed(cfg):
+    """gloo on CPU, nccl on CUDA; under torchrun or as a plain process (a world of one).
+    Returns rank, world size, device and the data-parallel mesh: 1-D (shard) or, with
+    fsdp_shard_size, 2-D (replicate, shard)."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda" and (cfg.offload_params or cfg.offload_ref_policy):
+        backend = "cuda:nccl,cpu:gloo"  # offloaded gradients are CPU tensors: their norm is reduced over gloo
+    dist.init_process_group(backend, timeout=timedelta(minutes=cfg.backend_timeout))
+    replicas, shard = cfg.mesh_shape(dist.get_world_size())
+    # Consecutive ranks share a shard group: with torchrun they are the GPUs of one node,
+    # so the all-gathers stay on the fast links and only the gradient all-reduce crosses nodes.
+    mesh = init_device_mesh(device.type, (shard,), mesh_dim_names=("shard",)) if replicas == 1 else \
+        init_device_mesh(device.type, (replicas, shard), mesh_dim_names=("replicate", "shard"))
+    return dist.get_rank(), dist.get_world_size(), device, mesh
+
+
+def sequence_logprobs(self, input_ids, attention_mask, mask, temperature, head_ids=None, topk=0):
+    """logp and entropy (N,) of the completion tokens selected by mask (B, T-1), and logp at
+    head_ids (or this policy's top-k) (N, k). A forward method of the model, so FSDP2
+    gathers the LM head for it as for forward()."""
+    # use_cache=False: no KV cache is reused here, and a checkpointed layer would append
+    # to it a second time when it recomputes in backward.
+    hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    hidden = hidden.last_hidden_state  # (B, T, H)
+    return token_logprobs(hidden[:, :-1][mask], self.lm_head.weight, input_ids[:, 1:][mask], temperature,
+                          head_ids=head_ids, topk=topk)
+
+
+def load_model(cfg, device, mesh, reference=False):
+    """The HF model, sharded with FSDP2 on `mesh`: each decoder layer, then the root.
+    reference=True builds the EMA reference: same sharding, no activation checkpointing,
+    offloaded with offload_ref_policy instead of offload_params."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" \
+        else MixedPrecisionPolicy()
+    offload = cfg.offload_ref_policy if reference else cfg.offload_params
+    # Offloaded shards live in CPU memory and are copied to the GPU for each gather
+    # (pinned memory makes that copy asynchronous; there is none to pin without CUDA).
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+    # The reference runs forward only, under no_grad, where nothing would reshard it later:
+    # kept gathered it would no longer match its sharded policy twin, which the EMA needs.
+    reshard = True if reference else cfg.reshard_after_forward
+    layers = model.model.layers
+    for i in range(len(layers)):
+        if cfg.activation_checkpointing and not reference:
+            # Inside the FSDP unit, so the recompute in backward finds the layer's weights
+            # gathered by FSDP's pre-backward hook. Parameter names gain a
+            # `_checkpoint_wrapped_module.` part; state dicts drop it again.
+            layers[i] = checkpoint_wrapper(layers[i])
+        fully_shard(layers[i], mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload)
+    # reshard_after_forward set on the root too: FSDP2's default keeps the root's parameters
+    # (embeddings, LM head) gathered after forward, which the reference cannot afford (above).
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload)
+    model.sequence_logprobs = types.MethodType(sequence_logprobs, model)
+    register_fsdp_forward_method(model, "sequence_logprobs")
+    return model
