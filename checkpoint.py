@@ -69,8 +69,9 @@ def sharded_state(policy, ref, optimizer):
     return state
 
 
-def save(root, step, policy, ref, optimizer, scheduler, sampler, cfg, keep):
-    """Write checkpoint `step` (every rank calls it) and prune old ones. Returns its path."""
+def save(root, step, policy, ref, optimizer, scheduler, position, cfg, keep):
+    """Write checkpoint `step` (every rank calls it) and prune old ones. `position` is the
+    prompt sampler's after the batch of `step`. Returns its path."""
     rank = dist.get_rank()
     final = os.path.join(root, f"step_{step:08d}")
     partial = final + ".partial"
@@ -82,7 +83,7 @@ def save(root, step, policy, ref, optimizer, scheduler, sampler, cfg, keep):
     files = [(os.path.join(partial, f"rng_{rank}.pt"), rng_state())]
     if rank == 0:
         files.append((os.path.join(partial, "trainer_state.pt"),
-                      dict(step=step, scheduler=scheduler.state_dict(), sampler_position=sampler.position,
+                      dict(step=step, scheduler=scheduler.state_dict(), sampler_position=position,
                            config=asdict(cfg), world_size=dist.get_world_size())))
     for path, obj in files:
         torch.save(obj, path)
@@ -113,9 +114,9 @@ def latest(root):
     return found[-1] if found else None
 
 
-def load(path, policy, ref, optimizer, scheduler, sampler):
+def load(path, policy, ref, optimizer, scheduler):
     """Restore everything `save` wrote, in place, on every rank. Returns the trainer state
-    (step, config, ...). A world size other than the saved one reshards; RNG states then
+    (step, sampler_position, config, ...). A world size other than the saved one reshards; RNG states then
     come only for the ranks that existed."""
     state = sharded_state(policy, ref, optimizer)
     dcp.load(state, checkpoint_id=path)
@@ -128,7 +129,6 @@ def load(path, policy, ref, optimizer, scheduler, sampler):
                 m.copy_(t.to_local() if isinstance(t, DTensor) else t)
     trainer = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
     scheduler.load_state_dict(trainer["scheduler"])
-    sampler.position = trainer["sampler_position"]
     rng = os.path.join(path, f"rng_{dist.get_rank()}.pt")
     if os.path.exists(rng):
         set_rng_state(torch.load(rng, weights_only=False))

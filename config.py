@@ -45,6 +45,8 @@ class Config:
     vllm_startup_timeout: float = 600.0  # seconds to wait for a launched server's /health
     vllm_request_timeout: float = 120.0  # seconds for one HTTP request to a server
     vllm_max_retries: int = 3  # retries (with backoff) of a failed request before the run stops
+    async_steps: int = 0  # generate the batches of the next N steps while training on this one; 0 = synchronous (exact)
+    max_sample_staleness: Optional[int] = None  # drop samples whose weights are more than this many updates old; None = async_steps
     vllm_max_restarts: int = 3  # times a server we launched is restarted after it dies; a server you run is never restarted
     weight_sync_transport: str = "filesystem"  # filesystem (safetensors + reload_weights, CPU and GPU) or nccl (GPU servers)
     weight_sync_master_address: str = "127.0.0.1"  # nccl: address of trainer rank 0 as the vLLM server sees it
@@ -130,6 +132,21 @@ class Config:
         if (self.checkpoint_state_dir is None) != (self.checkpoint_state_freq <= 0):
             refuse("checkpoint_state_dir and checkpoint_state_freq go together: set both "
                    "(a directory and a frequency > 0) or neither")
+        if self.async_steps < 0:
+            refuse(f"async_steps={self.async_steps} must be >= 0 (0: generate each batch after the last sync)")
+        if self.max_sample_staleness is not None and not 0 <= self.max_sample_staleness <= self.async_steps:
+            refuse(f"max_sample_staleness={self.max_sample_staleness} must be between 0 and async_steps="
+                   f"{self.async_steps} (samples are never older than async_steps); leave it None")
+        if self.async_steps and not self.use_vllm_logprobs and self.truncated_importance_sampling_ratio_cap <= 0:
+            refuse(f"async_steps={self.async_steps} trains on samples from older weights: set use_vllm_logprobs=True "
+                   "(ratios against the weights that sampled) or truncated_importance_sampling_ratio_cap > 0 "
+                   "(a truncated correction exp(old_logp - vllm_logp)); otherwise the staleness goes uncorrected")
+        if self.async_steps and self.single_gpu_mode:
+            refuse("async_steps > 0 generates while the trainer trains; single_gpu_mode=True puts the server to "
+                   "sleep while training: set one of them off")
+        if self.async_steps and self.loss_fn == "ess" and not self.use_vllm_logprobs:
+            refuse("loss_fn='ess' with async_steps > 0 needs use_vllm_logprobs=True: the ESS must measure the "
+                   "ratios against the weights that sampled the batch")
         for name in ("keep_last_n_checkpoints", "max_consecutive_skipped_steps"):
             if getattr(self, name) < 1:
                 refuse(f"{name}={getattr(self, name)} must be >= 1")

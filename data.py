@@ -271,14 +271,14 @@ def split_for_ranks(samples, num_mini_batches, world_size, rank):
 
 def collate(samples, pad_id):
     """Right-padded input_ids and attention_mask (B, T), the completion mask over next-token
-    targets (B, T-1), and per-token vllm_logp and adv (N,) in the mask's row-major order."""
+    targets (B, T-1), and per-token vllm_logp, adv and fresh (N,) in the mask's row-major order."""
     import torch
 
     width = max(len(s["prompt_ids"]) + len(s["token_ids"]) for s in samples)
     input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(samples), width), dtype=torch.long)
     mask = torch.zeros((len(samples), width - 1), dtype=torch.bool)
-    vllm_logp, adv = [], []
+    vllm_logp, adv, fresh = [], [], []
     for i, s in enumerate(samples):
         p, c = len(s["prompt_ids"]), len(s["token_ids"])
         input_ids[i, :p + c] = torch.tensor(s["prompt_ids"] + s["token_ids"])
@@ -287,5 +287,7 @@ def collate(samples, pad_id):
             mask[i, p - 1:p + c - 1] = True  # the hidden state at p-1 predicts the first completion token
             vllm_logp += s["logprobs"]
             adv += [s["adv"]] * c
+            fresh += [s.get("staleness", 0) == 0] * c  # sampled by the weights the trainer holds now
     return dict(input_ids=input_ids, attention_mask=attention_mask, mask=mask,
-                vllm_logp=torch.tensor(vllm_logp, dtype=torch.float32), adv=torch.tensor(adv, dtype=torch.float32))
+                vllm_logp=torch.tensor(vllm_logp, dtype=torch.float32), adv=torch.tensor(adv, dtype=torch.float32),
+                fresh=torch.tensor(fresh, dtype=torch.bool))

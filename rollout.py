@@ -16,11 +16,13 @@ generation. Level 1, not 2: a step without samples syncs nothing, and must still
 the weights it left.
 """
 
+import contextlib
 import json
 import os
 import random
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -45,12 +47,12 @@ def log_tail(path, n=20):
 
 
 def die_with_parent():
-    """In the child before exec: SIGKILL when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
+    """In the child before exec: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
     import ctypes
     import signal
 
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # SIGTERM: it then stops its engine too
     except (OSError, AttributeError):
         pass  # not Linux: stop_server and the finally in train.py still stop it on a clean exit
 
@@ -101,14 +103,17 @@ def launch_server(model_dir, cfg, log_path, port=None):
 
 
 def stop_server(proc, timeout=30):
-    """Stop a server we launched and its engine processes (its process group), nothing else."""
-    if proc is None or proc.poll() is not None:
+    """Stop a server we launched and its engine processes (its process group), nothing else.
+    The group is stopped even when the server itself is already dead: its engine may not be."""
+    if proc is None:
         return
     import signal
 
     try:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout)
+        time.sleep(0.5)  # the engine stops after the server
+        os.killpg(proc.pid, signal.SIGKILL)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -127,6 +132,42 @@ class VLLMClient:
         self.urls, self.timeout, self.max_retries = list(urls), timeout, max_retries
         self.proc, self.log_path = proc, log_path  # set when we launched the (single) server
         self.model = model or self.get(self.urls[0], "/v1/models")["data"][0]["id"]  # the name it serves
+        self.version = 0  # weight updates the servers have taken (see updating)
+        self._cond, self._in_flight, self._updating = threading.Condition(), 0, False
+
+    @contextlib.contextmanager
+    def generating(self):
+        """Around one generation request: waits out a weight update; yields the weight version
+        the request runs on."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._updating)
+            self._in_flight += 1
+            version = self.version
+        try:
+            yield version
+        finally:
+            with self._cond:
+                self._in_flight -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def updating(self):
+        """Around a weight update: new generation requests wait and requests in flight finish
+        on the old weights, so each completion comes from exactly one weight version. With
+        generation running ahead (async_steps), this is the only time it stops."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._updating)  # one update at a time
+            self._updating = True
+            self._cond.wait_for(lambda: self._in_flight == 0)
+        done = False
+        try:
+            yield
+            done = True
+        finally:
+            with self._cond:
+                self.version += done
+                self._updating = False
+                self._cond.notify_all()
 
     def get(self, url, route):
         try:
@@ -159,11 +200,16 @@ class VLLMClient:
                 time.sleep(min(2.0 ** attempt, 30.0) * (0.5 + random.random()))
         raise VLLMError(f"vLLM server {url} failed {route} after {attempt + 1} attempt(s): {last}")
 
-    def map(self, route, payloads):
+    def map(self, route, payloads, fn=None):
         """POST every payload concurrently, spread over the servers; results in order."""
         with ThreadPoolExecutor(max_workers=min(64, max(1, len(payloads)))) as pool:
-            futures = [pool.submit(self.post, self.urls[i % len(self.urls)], route, p) for i, p in enumerate(payloads)]
+            futures = [pool.submit(fn or self.post, self.urls[i % len(self.urls)], route, p)
+                       for i, p in enumerate(payloads)]
             return [f.result() for f in futures]
+
+    def versioned_post(self, url, route, payload):
+        with self.generating() as version:
+            return self.post(url, route, payload), version
 
     def broadcast(self, route, payload=None, params="", timeout=None):
         return [self.post(url, route, payload, params, timeout) for url in self.urls]
@@ -171,16 +217,16 @@ class VLLMClient:
     def generate(self, prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None):
         """n completions of each token-id prompt. Returns one list per prompt of dicts with
         token_ids, logprobs (of the sampled tokens, under the sampling temperature),
-        finish_reason ("stop" or "length") and text."""
+        finish_reason ("stop" or "length"), text and version (of the weights that sampled it)."""
         payloads = [dict(model=self.model, prompt=ids, n=n, max_tokens=max_tokens, temperature=temperature,
                          top_p=top_p, logprobs=0, return_token_ids=True,
                          seed=None if seed is None else seed + i)
                     for i, ids in enumerate(prompt_ids)]
         out = []
-        for resp in self.map("/v1/completions", payloads):
+        for resp, version in self.map("/v1/completions", payloads, self.versioned_post):
             choices = sorted(resp["choices"], key=lambda c: c["index"])
             out.append([dict(token_ids=c["token_ids"], logprobs=c["logprobs"]["token_logprobs"],
-                             finish_reason=c["finish_reason"], text=c["text"]) for c in choices])
+                             finish_reason=c["finish_reason"], text=c["text"], version=version) for c in choices])
         return out
 
     def score(self, sequences):

@@ -39,8 +39,9 @@ import rollout
 import tracking
 from weight_sync import full_state_dict, make_weight_sync, write_serving_dir
 from config import Config, parse_args
-from data import PromptSampler, collate, load_prompts, load_tokenizer, score, split_for_ranks
-from loss import ess, grpo_loss, group_advantages, step_denominator
+from data import PromptSampler, collate, load_prompts, load_tokenizer, split_for_ranks
+from episodes import Rollouts, drop_stale, evaluate, rollout_batch
+from loss import ess, grpo_loss, step_denominator
 from parallel import load_model, setup_distributed
 from reference import EMAReference
 
@@ -108,7 +109,8 @@ def train_on_rollouts(cfg, policy, ref_model, optimizer, scheduler, samples, ran
                 (loss * world_size).backward()
                 step_loss += loss.detach()
                 zero = torch.zeros((), dtype=torch.float64, device=device)
-                diff = (logp.detach() - b["vllm_logp"]).abs() if epoch == 0 and k == 0 else None  # before any update
+                # trainer vs vLLM on the tokens the current weights sampled, before any update: the sync check
+                diff = (logp.detach() - b["vllm_logp"]).abs()[b["fresh"].to(device)] if epoch == 0 and k == 0 else None
                 sums += torch.stack([loss.detach().double() * denom, s["pg_loss"].double(), s["kl"].double(),
                                      s["clip_frac"].double(), entropy.sum().double(), zero + logp.numel(),
                                      diff.sum().double() if diff is not None else zero,
@@ -134,53 +136,6 @@ def train_on_rollouts(cfg, policy, ref_model, optimizer, scheduler, samples, ran
                 vllm_logp_diff_mean=sums[6].item() / max(sums[7].item(), 1.0), vllm_logp_diff_max=diff_max.item(),
                 skipped_steps=skipped, trained_tokens=n, **({"ess": sum(ess_values) / len(ess_values)}
                                                             if cfg.loss_fn == "ess" else {}))
-
-
-def completion_text(tokenizer, sample):
-    """What the reward sees: the completion decoded with its special tokens (a policy that
-    pads its answer with them pays for it), without the stop token that ended it."""
-    ids = sample["token_ids"]
-    if sample["finish_reason"] == "stop" and ids and ids[-1] == tokenizer.eos_token_id:
-        ids = ids[:-1]
-    return tokenizer.decode(ids, skip_special_tokens=False)
-
-
-def evaluate(cfg, client, eval_rows, reward_fn, tokenizer):
-    """Greedy decoding on held-out prompts; the task's mean reward."""
-    if not eval_rows:
-        return None
-    out = client.generate([r["prompt_ids"] for r in eval_rows], n=1, max_tokens=cfg.response_length, temperature=0.0)
-    texts = [completion_text(tokenizer, g[0]) for g in out]
-    rewards, _, _ = score(reward_fn, [r["prompt_text"] for r in eval_rows], texts, eval_rows)
-    return sum(rewards) / len(rewards)
-
-
-def rollout_batch(cfg, client, sampler, step, reward_fn, tokenizer):
-    """Rank 0: prompts -> vLLM completions -> rewards -> group advantages.
-    Returns the samples to train on and the step's rollout metrics."""
-    t0 = time.perf_counter()
-    rows = sampler.next_batch(cfg.num_unique_prompts_rollout)
-    groups = client.generate([r["prompt_ids"] for r in rows], n=cfg.num_samples_per_prompt_rollout,
-                             max_tokens=cfg.response_length, temperature=cfg.temperature, top_p=cfg.top_p,
-                             seed=cfg.seed * 1_000_003 + step * 1_000)
-    m = {"time_generate": time.perf_counter() - t0}
-    t1 = time.perf_counter()
-    flat = [(row, s) for row, g in zip(rows, groups) for s in g]
-    texts = [completion_text(tokenizer, s) for _, s in flat]
-    rewards, errors, first_error = score(reward_fn, [r["prompt_text"] for r, _ in flat], texts, [r for r, _ in flat])
-    if first_error:
-        tqdm.write(f"step {step}: {errors} reward error(s) scored 0, first: {first_error}")
-    rewards = torch.tensor(rewards)
-    adv, std = group_advantages(rewards, cfg.num_samples_per_prompt_rollout, cfg.advantage_normalization_type)
-    keep = (std > 0) if cfg.filter_zero_std_samples else torch.ones_like(std, dtype=torch.bool)
-    samples = [dict(prompt_ids=r["prompt_ids"], token_ids=s["token_ids"], logprobs=s["logprobs"], adv=a)
-               for (r, s), a, k in zip(flat, adv.tolist(), keep.tolist()) if k]
-    lengths = torch.tensor([len(s["token_ids"]) for _, s in flat], dtype=torch.float)
-    m.update(reward_mean=rewards.mean().item(), reward_std=rewards.std().item(), response_length=lengths.mean().item(),
-             reward_errors=errors, stop_frac=sum(s["finish_reason"] == "stop" for _, s in flat) / len(flat),
-             filtered_groups=int((~keep).sum().item()) // cfg.num_samples_per_prompt_rollout,
-             time_score=time.perf_counter() - t1, prompts_seen=sampler.position, response_tokens=lengths.sum().item())
-    return samples, m
 
 
 def main(cfg: Config):
@@ -218,8 +173,11 @@ def main(cfg: Config):
         checkpoint.remove_partials(cfg.checkpoint_state_dir)
         resume = [checkpoint.latest(cfg.checkpoint_state_dir)]
     dist.broadcast_object_list(resume, src=0)
-    start = checkpoint.load(resume[0], policy, ref, optimizer, scheduler, sampler)["step"] if resume[0] else 0
-    client, server, weights = None, None, None
+    start = 0
+    if resume[0]:
+        trainer_state = checkpoint.load(resume[0], policy, ref, optimizer, scheduler)
+        start, sampler.position = trainer_state["step"], trainer_state["sampler_position"]
+    client, server, weights, rollouts = None, None, None, None
     if rank == 0:
         info = tracking.run_info(cfg, world_size)
         with open(os.path.join(cfg.output_dir, "run_info.json"), "w") as f:
@@ -252,12 +210,15 @@ def main(cfg: Config):
         if rank == 0 and cfg.eval_freq > 0 and eval_rows and not start:
             acc = evaluate(cfg, client, eval_rows, reward_fn, tokenizer)
             log.write({"step": 0, "eval_accuracy": acc, "skipped_rows": skipped})
-        restarts, skipped_in_a_row, saved = 0, 0, start
+        restarts, skipped_in_a_row, saved, position = 0, 0, start, sampler.position
+        max_staleness = cfg.async_steps if cfg.max_sample_staleness is None else cfg.max_sample_staleness
+        make_batch = lambda j: rollout_batch(cfg, client, sampler, j, reward_fn, tokenizer)  # noqa: E731
+        rollouts = Rollouts(make_batch, start + 1, cfg.num_training_steps, cfg.async_steps) if rank == 0 else None
 
         def keep_and_raise(error, done):
             """A server failure we cannot repair: checkpoint what was trained (step `done`), then stop."""
             if cfg.checkpoint_state_dir and saved < done:
-                checkpoint.save(cfg.checkpoint_state_dir, done, policy, ref, optimizer, scheduler, sampler, cfg,
+                checkpoint.save(cfg.checkpoint_state_dir, done, policy, ref, optimizer, scheduler, position, cfg,
                                 cfg.keep_last_n_checkpoints)
             raise rollout.VLLMError(error)
 
@@ -271,30 +232,34 @@ def main(cfg: Config):
             while True:
                 payload = [None]
                 if rank == 0:
-                    position = sampler.position
                     try:
-                        payload = [rollout_batch(cfg, client, sampler, step, reward_fn, tokenizer)]
+                        samples, rollout_metrics = rollouts.get(step)
+                        payload = [(*drop_stale(samples, client.version, max_staleness), rollout_metrics)]
                     except rollout.VLLMError as e:  # restart a server we launched that died; else stop
-                        sampler.position = position  # the same prompts again
                         died = server is not None and server.poll() is not None
                         payload = [dict(error=str(e), restart=died and restarts < cfg.vllm_max_restarts)]
                 dist.broadcast_object_list(payload, src=0)
                 if isinstance(payload[0], tuple):
-                    samples, rollout_metrics = payload[0]
+                    samples, stale_metrics, rollout_metrics = payload[0]
                     break
                 if not payload[0]["restart"]:
                     keep_and_raise(payload[0]["error"], step - 1)
                 restarts += 1
                 if rank == 0:
                     tqdm.write(f"step {step}: the vLLM server died; restart {restarts} of {cfg.vllm_max_restarts}")
+                    rollouts.close()
+                    sampler.position = position  # this step's prompts again
                     rollout.stop_server(server)
                     server, _ = rollout.launch_server(served, cfg, log_path)
                     client.proc = server
                 weights.close()
                 weights = make_weight_sync(cfg, client, rank, device)
                 weights.sync(policy)  # the restarted server gets the current weights
+                if rank == 0:
+                    rollouts = Rollouts(make_batch, step, cfg.num_training_steps, cfg.async_steps)
+            position = rollout_metrics["prompts_seen"]  # the sampler's position a checkpoint of this step records
             if rank == 0:
-                m.update(rollout_metrics, vllm_restarts=restarts)
+                m.update(rollout_metrics, **stale_metrics, vllm_restarts=restarts, time_wait=time.perf_counter() - t0)
             # --- train: old/ref logprobs, mini-batches x epochs, optimizer steps
             t2 = time.perf_counter()
             if cfg.single_gpu_mode:  # the server frees the GPU for training (its weights go to CPU memory)
@@ -334,7 +299,7 @@ def main(cfg: Config):
             dist.all_reduce(stopping, op=dist.ReduceOp.MAX)
             last = step == cfg.num_training_steps
             if cfg.checkpoint_state_dir and (step % cfg.checkpoint_state_freq == 0 or last or stopping.item()):
-                checkpoint.save(cfg.checkpoint_state_dir, step, policy, ref, optimizer, scheduler, sampler, cfg,
+                checkpoint.save(cfg.checkpoint_state_dir, step, policy, ref, optimizer, scheduler, position, cfg,
                                 cfg.keep_last_n_checkpoints)
                 saved = step
             if last or (cfg.save_freq > 0 and step % cfg.save_freq == 0):
@@ -358,6 +323,8 @@ def main(cfg: Config):
                                                                     if cfg.checkpoint_state_dir else ""))
                 sys.exit(128 + signal.SIGTERM)
     finally:
+        if rollouts:
+            rollouts.close()
         if weights:
             weights.close()
         if rank == 0:

@@ -100,7 +100,8 @@ class FilesystemSync:
         if self.rank == 0:
             nbytes = write_weights(sd, self.dir)
             try:
-                self.client.reload_weights(self.dir, timeout=self.timeout)
+                with self.client.updating():  # in-flight generations finish first; new ones wait
+                    self.client.reload_weights(self.dir, timeout=self.timeout)
             except VLLMError as e:
                 died = self.client.proc is not None and self.client.proc.poll() is not None
                 print(f"weight sync failed{' (the server died; it will be restarted)' if died else ''}: {e}",
@@ -169,12 +170,13 @@ class NCCLSync:
             self.engine = within(self.timeout, lambda: NCCLTrainerWeightTransferEngine.trainer_init(
                 info, client=self, source=Gathered()), "the NCCL rendezvous with the vLLM server", self.device)
         self.engine.source = Gathered()
-        self.client.pause()
-        try:
-            within(self.timeout, self.engine.send_weights, "the NCCL weight transfer", self.device)
-        finally:
-            self.client.resume()
-        self.client.broadcast("/reset_prefix_cache")
+        with self.client.updating():  # in-flight generations finish on the old weights; new ones wait
+            self.client.pause()
+            try:
+                within(self.timeout, self.engine.send_weights, "the NCCL weight transfer", self.device)
+            finally:
+                self.client.resume()
+            self.client.broadcast("/reset_prefix_cache")
         return sum(v.numel() * v.element_size() for v in full.values())
 
     def close(self):

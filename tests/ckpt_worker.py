@@ -60,7 +60,7 @@ if mode == "save":
                                 device, pad_id=0)
         ref.update()
         sampler.next_batch(3)
-        checkpoint.save(root, step, policy, ref, optimizer, scheduler, sampler, cfg, keep=2)
+        checkpoint.save(root, step, policy, ref, optimizer, scheduler, sampler.position, cfg, keep=2)
     saved = snapshot(policy, ref, optimizer, scheduler, sampler)  # its rng draw is the first after the save
     if rank == 0:
         torch.save(saved, os.path.join(out, "saved.pt"))
@@ -70,7 +70,8 @@ if mode == "save":
 policy, ref, optimizer, scheduler, sampler = fresh()
 torch.manual_seed(1234)  # whatever the RNG was, loading restores it
 found = checkpoint.latest(root)
-state = checkpoint.load(found, policy, ref, optimizer, scheduler, sampler)
+state = checkpoint.load(found, policy, ref, optimizer, scheduler)
+sampler.position = state["sampler_position"]
 loaded = dict(snapshot(policy, ref, optimizer, scheduler, sampler), found=os.path.basename(found), step=state["step"],
               listing=sorted(os.listdir(root)))
 if rank == 0:

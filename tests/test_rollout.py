@@ -100,6 +100,50 @@ def test_sync_of_perturbed_weights_matches_transformers(which, request, tmp_path
 
 
 @pytest.mark.slow
+def test_each_completion_carries_the_version_of_the_weights_that_sampled_it(untied, tmp_path):
+    """Generation running while the weights change (async_steps): requests in flight finish on
+    the old weights, requests made during the update wait for the new ones, and each label
+    is exact: its sampling logprobs are those of the model of its version."""
+    model, client = untied
+    prompts = [[7 + i, 8, 9] for i in range(8)]
+    old = {k: v.clone() for k, v in model.state_dict().items()}
+    new_model = AutoModelForCausalLM.from_pretrained(client.model, dtype=torch.float32)
+    new_model.load_state_dict(old)
+    with torch.no_grad():
+        for p in new_model.parameters():
+            p.add_(0.05 * torch.randn_like(p, generator=torch.Generator().manual_seed(3)) * p.abs().mean())
+    v0, out = client.version, {}
+    before = threading.Thread(target=lambda: out.update(before=client.generate(prompts, n=4, max_tokens=16, seed=1)))
+    before.start()
+    while not client._in_flight:
+        time.sleep(0.001)
+
+    def update():
+        sync = weight_sync.FilesystemSync(client, 0, str(tmp_path))  # takes the gate itself
+        sync.sync(new_model)
+        sync.close()
+
+    updater = threading.Thread(target=update)
+    updater.start()
+    while not client._updating:
+        time.sleep(0.001)
+    out["during"] = client.generate(prompts, n=4, max_tokens=16, seed=2)  # waits for the update
+    before.join()
+    updater.join()
+    assert client.version == v0 + 1
+    assert {s["version"] for g in out["during"] for s in g} == {v0 + 1}
+    assert v0 in {s["version"] for g in out["before"] for s in g}
+    models = {v0: model, v0 + 1: new_model}
+    samples = [(p, s) for name in ("before", "during") for p, g in zip(prompts, out[name]) for s in g]
+    for p, s in samples:  # each label is the truth: the logprobs are those of that version's model
+        lp = weight_sync.trainer_logprobs(models[s["version"]], [p + s["token_ids"]])[0][len(p) - 1:]
+        other = weight_sync.trainer_logprobs(models[2 * v0 + 1 - s["version"]], [p + s["token_ids"]])[0][len(p) - 1:]
+        assert max(abs(a - b) for a, b in zip(lp, s["logprobs"])) < 1e-4
+        assert max(abs(a - b) for a, b in zip(other, s["logprobs"])) > 1e-3  # the versions are told apart
+    model.load_state_dict(new_model.state_dict())  # the module's model and server agree again
+
+
+@pytest.mark.slow
 def test_fsdp2_sharded_sync_on_two_ranks(untied, tiny_model_dir, tmp_path):
     """Two gloo ranks shard the model with FSDP2, perturb it identically, and sync;
     rank 0 then finds the server equal to the full model."""
