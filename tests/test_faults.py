@@ -65,6 +65,16 @@ def kill_job(proc):
     proc.wait()
 
 
+def server_pid(served):
+    """The API server started on the model dir `served`: its pid is its process group's id."""
+    found = subprocess.run(["pgrep", "-f", f"model {served} --host"], capture_output=True, text=True).stdout.split()
+    return int(found[0])
+
+
+def group_alive(pgid):
+    return subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True).returncode == 0
+
+
 def metrics(run_dir):
     path = run_dir / "out" / "metrics.jsonl"
     return [json.loads(line) for line in open(path)] if path.exists() else []
@@ -161,7 +171,8 @@ def test_a_server_we_launched_is_restarted_when_it_dies(tiny_model_dir, tmp_path
     proc = start(command("train.py", 1) + args)
     wait_for_step(proc, tmp_path, 2)
     served = str(tmp_path / "out" / "vllm_model")
-    subprocess.run(["pkill", "-KILL", "-f", served])  # the server and its engine
+    first = server_pid(served)
+    os.kill(first, signal.SIGKILL)  # the API server; its engine lives on, orphaned, until we stop its group
     text = proc.communicate(timeout=900)[0]
     assert proc.returncode == 0, text[-3000:]
     rows = metrics(tmp_path)
@@ -169,6 +180,7 @@ def test_a_server_we_launched_is_restarted_when_it_dies(tiny_model_dir, tmp_path
     assert rows[-1]["vllm_restarts"] == 1 and rows[0]["vllm_restarts"] == 0
     assert all(r["vllm_logp_diff_max"] < 1e-4 for r in rows)  # the restarted server has the current weights
     assert "the vLLM server died; restart 1 of 3" in text
+    assert not group_alive(first), "the dead server's engine was left running"
 
 
 @pytest.mark.slow
@@ -176,6 +188,7 @@ def test_a_rank_that_dies_takes_the_job_and_our_server_down(tiny_model_dir, tmp_
     args = flags(tiny_model_dir, tmp_path, 1000, "--checkpoint_state_freq", "500", "--vllm_port", "8053")
     proc = start(command("train.py", 2, 29644) + args)
     wait_for_step(proc, tmp_path, 2)
+    group = server_pid(str(tmp_path / "out" / "vllm_model"))
     workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     rank1 = [p for p in workers if "LOCAL_RANK=1" in open(f"/proc/{p}/environ").read().split("\0")]
     os.kill(int(rank1[0]), signal.SIGKILL)
@@ -183,9 +196,10 @@ def test_a_rank_that_dies_takes_the_job_and_our_server_down(tiny_model_dir, tmp_
     proc.communicate(timeout=300)
     assert proc.returncode != 0
     assert time.monotonic() - t < 120, "the surviving rank hung in a collective"
-    time.sleep(2)
-    served = str(tmp_path / "out" / "vllm_model")
-    assert subprocess.run(["pgrep", "-f", served], capture_output=True).returncode == 1, "the server outlived the job"
+    deadline = time.monotonic() + 60
+    while group_alive(group) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not group_alive(group), "the server or its engine outlived the job"
 
 
 @pytest.mark.slow
