@@ -124,5 +124,5 @@ class Rollouts:
         with self.cond:
             self.closed = True
             self.cond.notify_all()
-        if self.thread:
-            self.thread.join()
+        if self.thread:  # a request in flight may take up to vllm_request_timeout; the thread is a daemon
+            self.thread.join(timeout=10)

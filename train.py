@@ -5,12 +5,16 @@
     torchrun --nproc_per_node 2 train.py --output_dir output/demo  # 2 CPU ranks (gloo)
     torchrun --nproc_per_node 8 train.py --model_name_or_path Qwen/Qwen2.5-0.5B --dataset my.jsonl \
         --vllm_server_urls http://gpu-node:8000                  # 8 GPUs (nccl), your vLLM server
+    torchrun --nproc_per_node 2 train.py --checkpoint_state_dir ckpt --checkpoint_state_freq 50  # resumes by itself
+    torchrun --nproc_per_node 2 train.py --async_steps 1 --truncated_importance_sampling_ratio_cap 2  # generate ahead
     python train.py --help                                       # every config field
 
 One step: rank 0 asks vLLM for completions, scores them and computes group advantages;
 every rank gets the batch, computes old/reference logprobs, and trains on its share
 (FSDP2, one fully_shard per decoder layer then the root); the reference moves toward
-the policy (one foreach lerp on local shards); the weights go back into vLLM.
+the policy (one foreach lerp on local shards); the weights go back into vLLM; every
+checkpoint_state_freq steps each rank writes its shards (checkpoint.py). With
+async_steps=k the batches of the next k steps are generated while this one trains.
 
 Where this differs from the papers:
 - Advantages use the group std with Bessel's correction (like TRL), eps 1e-6.
@@ -20,7 +24,8 @@ Where this differs from the papers:
   temperature-processed logprobs too), so the ratio compares the policies that sampled.
 - With one mini-batch and one epoch, old_logp is the detached new logp (ratio 1, one
   forward pass saved). Every step compares vLLM's sampling logprobs with the trainer's
-  on the first mini-batch, before any update: a sync that did not take stops the run.
+  on the first mini-batch, before any update, over the samples the current weights
+  produced: a sync that did not take stops the run.
 """
 
 import json
