@@ -124,7 +124,7 @@ def load(path, policy, ref, optimizer, scheduler):
     set_optimizer_state_dict(policy, optimizer, state["optimizer"])
     if ref is not None:
         set_model_state_dict(ref.model, state["ref"])
-        if ref.master is not None:
+        if ref.master is not None:  # DCP loaded into the wrappers; a no-op where they alias the master
             for m, t in zip(ref.master, state["ref_master"].values()):
                 m.copy_(t.to_local() if isinstance(t, DTensor) else t)
     trainer = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
