@@ -88,7 +88,7 @@ elif mode == "grads":
     from data import collate
     from loss import grpo_loss
 
-    b = collate(fixed_rollouts(0)[:4], pad_id=0)
+    b = {k: v.to(device) for k, v in collate(fixed_rollouts(0)[:4], pad_id=0).items()}
     saved = []  # bytes autograd keeps for backward outside checkpointed regions (which keep their own)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t.numel() * t.element_size()), t)[1],
                                                   lambda t: t):
