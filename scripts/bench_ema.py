@@ -152,6 +152,19 @@ def main():
     where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads a rank"
     say(f"\ndevice: {where}; foreach lerp at {ratio_copy:.2f} x the copy bandwidth ({rows['copy'][2]:.0f} GB/s, "
         f"bytes read + written)")
+    if device.type == "cuda":  # where an update's time goes: kernels on the device, or launching them
+        from torch.profiler import ProfilerActivity, profile
+        ema.update()
+        sync()
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            ema.update()
+            sync()
+        wall = time.perf_counter() - t0
+        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        busy = sum(e.device_time for e in kernels) / 1e6  # microseconds -> seconds
+        say(f"one profiled update: {len(kernels)} kernels, {1e3 * busy:.2f} ms on the device "
+            f"({3 * 4 * shards[rank] / busy / 1e9:.0f} GB/s while busy), {1e3 * wall:.2f} ms wall under the profiler")
     say(f"collectives during EMAReference.update(): {collectives.item()} (must be 0)")
     say(f"target foreach lerp >= {TARGET} x triad bandwidth (best-of): {'met' if ratio >= TARGET else 'NOT met'} "
         f"({ratio:.2f}; {ratio_in_place:.2f} x the in-place triad); world {world}, torch.get_num_threads() = {torch.get_num_threads()} per rank, "

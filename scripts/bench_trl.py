@@ -18,7 +18,7 @@ batch (AdamW, lr --learning_rate constant, no weight decay, grad clip 1.0); floa
   itself (port --port), eval off. Step time is the metrics' time_step (generate, score,
   train, weight sync); the server's start is reported apart.
 - TRL: GRPOTrainer in .venv-trl (TRL has no CPU vLLM there, so it generates with
-  transformers' generate), one process with all cores, micro-batch --micro_batch and
+  transformers' generate), one process with all cores (--trl_threads), micro-batch --micro_batch and
   gradient accumulation to 128 completions, one generation per optimizer step. Step
   time is between the Trainer's on_step_begin and on_step_end callbacks (generation,
   scoring, forward, backward, optimizer). Model loading is reported apart.
@@ -67,6 +67,7 @@ def trl_worker(args):
 
         def on_step_end(self, a, state, control, **kw):
             self.rows.append({"step": state.global_step, "time_step": time.perf_counter() - self.t0})
+            print(f"TRL step {state.global_step}: {self.rows[-1]['time_step']:.2f}s", file=sys.stderr, flush=True)
 
         def on_log(self, a, state, control, logs=None, **kw):
             if logs and self.rows and "reward" in logs:
@@ -128,13 +129,14 @@ def run_trl(args, name, model_dir, out, prompts_file):
            "--_out", out]
     for k in ("steps", "prompts", "samples", "new_tokens", "micro_batch", "learning_rate", "seed"):
         cmd += [f"--{k}", str(getattr(args, k))]
-    env = dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count() or 1), PYTHONPATH=ROOT)
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.trl_threads or os.cpu_count() or 1), PYTHONPATH=ROOT)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    with open(os.path.join(args.out, f"trl_{name}.log"), "w") as log:  # TRL's own output, step times as they come
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=ROOT)
     wall = time.perf_counter() - t0
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode or not lines:
-        print(f"[{name} TRL] FAILED (exit {proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)
+        print(f"[{name} TRL] FAILED (exit {proc.returncode}); see {args.out}/trl_{name}.log", flush=True)
         return None
     res = json.loads(lines[-1])
     for r in res["rows"]:
@@ -173,6 +175,7 @@ def main():
     p.add_argument("--port", type=int, default=8060, help="our vLLM server's port")
     p.add_argument("--master_port", type=int, default=29680, help="our torchrun's master port")
     p.add_argument("--trl_venv", default=".venv-trl")
+    p.add_argument("--trl_threads", type=int, default=None, help="TRL's torch threads (default: all cores)")
     p.add_argument("--only", choices=["ours", "trl"], default=None, help="run one side only")
     p.add_argument("--_trl", action="store_true", help=argparse.SUPPRESS)
     for k in ("_model_dir", "_prompts_file", "_out"):
