@@ -18,7 +18,8 @@ batch (AdamW, lr --learning_rate constant, no weight decay, grad clip 1.0); floa
   itself (port --port), eval off. Step time is the metrics' time_step (generate, score,
   train, weight sync); the server's start is reported apart.
 - TRL: GRPOTrainer in .venv-trl (TRL has no CPU vLLM there, so it generates with
-  transformers' generate), one process with all cores (--trl_threads), micro-batch --micro_batch and
+  transformers' generate), one process with all cores (--trl_threads; on a shared
+  2-core machine one thread was 3x faster at 24 M, see BENCHMARKS.md), micro-batch --micro_batch and
   gradient accumulation to 128 completions, one generation per optimizer step. Step
   time is between the Trainer's on_step_begin and on_step_end callbacks (generation,
   scoring, forward, backward, optimizer). Model loading is reported apart.
