@@ -4,6 +4,7 @@ loop other trainers use and against plain memory-bound kernels over the same byt
     .venv/bin/python scripts/bench_ema.py                               # one process (a world of one)
     .venv/bin/torchrun --nproc_per_node 2 scripts/bench_ema.py          # 2 CPU ranks, half the shards each
     .venv/bin/python scripts/bench_ema.py --repeats 5 --warmup 1        # quicker
+    python scripts/bench_ema.py                                         # on a CUDA machine: the GPU's shards
 
 The model has Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14/2 heads, intermediate 4864,
 vocab 151936, tied embeddings) with random weights: 494 M fp32 parameters, ~2 GB a copy.
@@ -16,6 +17,7 @@ Rows, each over this rank's shard bytes B (fp32):
   foreach lerp   reference.EMAReference.update(): one torch._foreach_lerp_ over local shards
   param loop     r.mul_(1 - alpha).add_(p, alpha=alpha) per parameter (TRL's sync callback,
                  open-instruct), on the same local shards: the loop itself, no gather
+  param lerp_    r.lerp_(p, alpha) per parameter: one plain kernel per shard, no foreach
   flat lerp      torch.lerp on one flat tensor of B bytes (the kernel without the foreach)
   triad          STREAM triad a = b + alpha * c on one flat tensor: read two, write one
   triad in place b += alpha * c: the same, but written where it was read, like the EMA;
@@ -25,7 +27,9 @@ Rows, each over this rank's shard bytes B (fp32):
 GB/s counts 3 x B per update (read ref, read policy, write ref; 2 x B for copy), summed over
 ranks, over the slowest rank's time; the loop really moves 5 x B (mul_ reads and writes
 ref, add_ reads both and writes ref), which is why it is slower. GB = 1e9 bytes.
-The methods run interleaved, one of each per round, so load from other jobs on a shared
+On CUDA the shards and buffers live on the GPU, each timing is bracketed by
+torch.cuda.synchronize(), and the copy row is the device-to-device copy bandwidth the
+last line compares the update with. The methods run interleaved, one of each per round, so load from other jobs on a shared
 machine hits them alike; best-of is the number to compare, the median shows the noise.
 """
 
@@ -91,18 +95,27 @@ def main():
     # Collectives during one update, counted on the dispatcher: the update must be local.
     with CommDebugMode() as comm:
         ema.update()
-    collectives = torch.tensor(comm.get_total_counts())
+    collectives = torch.tensor(comm.get_total_counts(), device=device)
     dist.all_reduce(collectives)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def param_lerp():
+        for r, q in zip(ref.parameters(), policy.parameters()):
+            local(r).lerp_(local(q), alpha)
 
     def param_loop():
         for r, q in zip(ref.parameters(), policy.parameters()):
             local(r).mul_(1 - alpha).add_(local(q), alpha=alpha)
 
     # Flat buffers of the same size, filled so their pages are touched before timing.
-    a, b, c = torch.zeros(n), torch.ones(n), torch.full((n,), 2.0)
+    a, b, c = torch.zeros(n, device=device), torch.ones(n, device=device), torch.full((n,), 2.0, device=device)
     methods = {  # name: (function, bytes moved per element / 4 bytes)
         "foreach lerp (EMAReference)": (ema.update, 3),
         "param loop (mul_/add_)": (param_loop, 3),
+        "param lerp_ (one kernel each)": (param_lerp, 3),
         "flat lerp": (lambda: torch.lerp(b, c, alpha, out=a), 3),
         "triad (add)": (lambda: torch.add(b, c, alpha=alpha, out=a), 3),
         "triad in place (add_)": (lambda: b.add_(c, alpha=alpha), 3),
@@ -112,16 +125,18 @@ def main():
     for i in range(args.warmup + args.repeats):
         for name, (fn, _) in methods.items():
             dist.barrier()  # ranks start together: they share the memory bus, as in training
+            sync()
             t0 = time.perf_counter()
             with torch.no_grad():
                 fn()
+            sync()
             if i >= args.warmup:
                 times[name].append(time.perf_counter() - t0)
     del a, b, c
 
     rows = {}
     for name, (_, passes) in methods.items():
-        t = torch.tensor(times[name], dtype=torch.float64)
+        t = torch.tensor(times[name], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # an update is done when the slowest rank is
         best, med = t.min().item(), statistics.median(t.tolist())
         gb = passes * 4 * sum(shards) / 1e9
@@ -133,7 +148,24 @@ def main():
         say(f"| {name} | {best:.3f} | {med:.3f} | {bw_best:.1f} | {bw_med:.1f} | {bw_best / tb:.2f} | {bw_med / tm:.2f} |")
     ratio = rows["foreach lerp (EMAReference)"][2] / tb
     ratio_in_place = rows["foreach lerp (EMAReference)"][2] / rows["triad in place (add_)"][2]
-    say(f"\ncollectives during EMAReference.update(): {collectives.item()} (must be 0)")
+    ratio_copy = rows["foreach lerp (EMAReference)"][2] / rows["copy"][2]
+    where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads a rank"
+    say(f"\ndevice: {where}; foreach lerp at {ratio_copy:.2f} x the copy bandwidth ({rows['copy'][2]:.0f} GB/s, "
+        f"bytes read + written)")
+    if device.type == "cuda":  # where an update's time goes: kernels on the device, or launching them
+        from torch.profiler import ProfilerActivity, profile
+        ema.update()
+        sync()
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            ema.update()
+            sync()
+        wall = time.perf_counter() - t0
+        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        busy = sum(e.device_time for e in kernels) / 1e6  # microseconds -> seconds
+        say(f"one profiled update: {len(kernels)} kernels, {1e3 * busy:.2f} ms on the device "
+            f"({3 * 4 * shards[rank] / busy / 1e9:.0f} GB/s while busy), {1e3 * wall:.2f} ms wall under the profiler")
+    say(f"collectives during EMAReference.update(): {collectives.item()} (must be 0)")
     say(f"target foreach lerp >= {TARGET} x triad bandwidth (best-of): {'met' if ratio >= TARGET else 'NOT met'} "
         f"({ratio:.2f}; {ratio_in_place:.2f} x the in-place triad); world {world}, torch.get_num_threads() = {torch.get_num_threads()} per rank, "
         f"{args.repeats} rounds after {args.warmup} warm-up")

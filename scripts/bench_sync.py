@@ -2,9 +2,9 @@
 against model size, next to a plain memory copy of the same bytes, on a real vLLM CPU server.
 
     .venv/bin/python scripts/bench_sync.py                       # tiny (0.3 M) and Qwen2.5-0.5B shape
-    .venv/bin/python scripts/bench_sync.py --models tiny --repeats 5
+    .venv/bin/python scripts/bench_sync.py --models tiny,24m --repeats 5
 
-Weights are random (make_tiny_model.build_model); the 0.5b model has Qwen2.5-0.5B's shape
+Weights are random (make_tiny_model.SHAPES: tiny 0.3 M, 24m, 0.5b); the 0.5b model has Qwen2.5-0.5B's shape
 (hidden 896, 24 layers, 14/2 heads, intermediate 4864, vocab 151936, tied embeddings) but
 the 64-token character tokenizer, which is fine since every token id we send is < 64.
 In float32 it is ~2 GB in the trainer and ~2.5 GB on the wire (the server gets an untied
@@ -35,11 +35,7 @@ import rollout  # noqa: E402
 import weight_sync  # noqa: E402
 from config import Config  # noqa: E402
 
-MODELS = {
-    "tiny": dict(),  # build_model's defaults: hidden 128, 2 layers, vocab 64
-    "0.5b": dict(vocab_size=151936, hidden_size=896, layers=24, heads=14, kv_heads=2, intermediate_size=4864,
-                 tie_word_embeddings=True),
-}
+MODELS = {name: make_tiny_model.SHAPES[name] for name in ("tiny", "24m", "0.5b")}  # random weights
 SEQS = [[7, 8, 9, 10, 11, 12, 13, 14], [20, 21, 22, 5, 6, 30, 31, 32, 33, 34]]  # token ids < 64
 
 

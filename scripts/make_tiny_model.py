@@ -2,7 +2,7 @@
 
     python scripts/make_tiny_model.py --out models/tiny                 # 0.3 M parameters
     python scripts/make_tiny_model.py --out models/tiny-tied --tie-word-embeddings
-    python scripts/make_tiny_model.py --out models/24m --hidden-size 512 --layers 8 --heads 8 --kv-heads 2
+    python scripts/make_tiny_model.py --out models/24m --shape 24m        # a named shape (SHAPES below)
 
 The directory loads with AutoModelForCausalLM, AutoTokenizer and the vLLM server. head_dim
 is hidden-size / heads, 64 by default: vLLM's CPU attention kernels refuse 16. The tokenizer maps one character
@@ -14,6 +14,15 @@ Characters outside that set (upper case, for one) are dropped by the tokenizer.
 import argparse
 import os
 
+# Named shapes for the benchmarks (build_model's keyword arguments); weights are always random.
+SHAPES = {
+    "tiny": dict(),  # hidden 128, 2 layers, vocab 64: 0.3 M parameters
+    "24m": dict(hidden_size=512, layers=8, heads=8, kv_heads=2, intermediate_size=1536),  # 24 M, vocab 64
+    "0.5b": dict(vocab_size=151936, hidden_size=896, layers=24, heads=14, kv_heads=2, intermediate_size=4864,
+                 tie_word_embeddings=True),  # Qwen2.5-0.5B's shape: 494 M
+    "1.5b": dict(vocab_size=151936, hidden_size=1536, layers=28, heads=12, kv_heads=2, intermediate_size=8960,
+                 tie_word_embeddings=True),  # Qwen2.5-1.5B's shape: 1.54 B
+}
 SPECIALS = ["<pad>", "<unk>", "<eos>", "<|im_start|>", "<|im_end|>"]
 CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 \n+-*/=?:.,!'\"()<>_#%&|")  # 59 + 5 specials = 64
 CHAT_TEMPLATE = (
@@ -68,7 +77,13 @@ def main(argv=None):
     p.add_argument("--intermediate-size", type=int, default=None, help="default 2 x hidden size")
     p.add_argument("--vocab-size", type=int, default=64, help="at least the tokenizer's 64 tokens")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shape", choices=list(SHAPES), default=None, help="a named shape; overrides the size flags")
     args = p.parse_args(argv)
+    if args.shape:
+        shape = dict(vocab_size=64, hidden_size=128, layers=2, heads=2, kv_heads=1, intermediate_size=None,
+                     tie_word_embeddings=False) | SHAPES[args.shape]
+        for k, v in shape.items():
+            setattr(args, k, v)
     if args.hidden_size % args.heads or args.hidden_size // args.heads < 32:
         p.error(f"hidden-size / heads is the head dim and must be a whole number >= 32 (vLLM's CPU kernels "
                 f"refuse 16; 64 is tested); got {args.hidden_size} / {args.heads}")
