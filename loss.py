@@ -26,14 +26,17 @@ def _chunk_logprobs(hidden, weight, targets, temperature, head_ids, k):
     return logp, entropy, logits.gather(-1, head_ids) - logz[:, None], head_ids
 
 
-def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024, head_ids=None, topk=0):
+def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=256, head_ids=None, topk=0):
     """log pi(target) and the entropy of pi at each of N positions, and log pi at k more
     tokens per position: the given head_ids (N, k), or else this policy's top-k.
 
     hidden (N, H) final hidden states, weight (V, H) the LM head, targets (N,).
     Logits are built chunk by chunk and recomputed in backward (activation
     checkpointing), so at most (chunk_size, V) float32 logits exist at once instead of
-    (N, V): at vocabulary 151,936 and 2,048 tokens that is 0.6 GB instead of 1.2 GB.
+    (N, V). At vocabulary 151,936, hidden 896 and 2,048 tokens, forward + backward peaked
+    at 0.29 (CPU) and 0.33 (H100) of the naive path with chunks of 256, at 0.74 with 1,024,
+    for 1.1x the time of 1,024 (BENCHMARKS.md); below 256 the LM head's per-chunk weight
+    gradients set the peak.
     Returns logp (N,), entropy (N,), head_logp (N, k), head_ids (N, k).
     """
     outs = []

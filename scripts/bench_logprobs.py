@@ -129,7 +129,7 @@ def main():
     p.add_argument("--hidden", type=int, default=896, help="hidden size H (Qwen2.5-0.5B)")
     p.add_argument("--vocab", type=int, default=151936, help="vocabulary V (Qwen2.5)")
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--chunk_sizes", default="1024,256,128", help="comma separated; 1024 is token_logprobs' default")
+    p.add_argument("--chunk_sizes", default="1024,256,128", help="comma separated; 256 is token_logprobs' default")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds, one of each variant per round")
     p.add_argument("--_measure", default=None, help=argparse.SUPPRESS)  # internal: the CPU subprocess
     args = p.parse_args()
