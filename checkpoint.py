@@ -26,6 +26,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
@@ -119,7 +120,12 @@ def load(path, policy, ref, optimizer, scheduler):
     (step, sampler_position, config, ...). A world size other than the saved one reshards; RNG states then
     come only for the ranks that existed."""
     state = sharded_state(policy, ref, optimizer)
-    dcp.load(state, checkpoint_id=path)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except CheckpointException as e:  # a traceback per rank; its last line says what did not fit
+        cause = [line for line in str(e).splitlines() if line.strip()][-1].strip()
+        raise ValueError(f"cannot resume from {path}: {cause[:300]}; it was written for another model or setup: "
+                         "give a new checkpoint_state_dir, or the model it was made with") from None
     set_model_state_dict(policy, state["policy"])
     set_optimizer_state_dict(policy, optimizer, state["optimizer"])
     if ref is not None:

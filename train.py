@@ -180,7 +180,10 @@ def main(cfg: Config):
     dist.broadcast_object_list(resume, src=0)
     start = 0
     if resume[0]:
-        trainer_state = checkpoint.load(resume[0], policy, ref, optimizer, scheduler)
+        try:
+            trainer_state = checkpoint.load(resume[0], policy, ref, optimizer, scheduler)
+        except ValueError as e:  # nothing is started or overwritten yet
+            raise SystemExit(f"error: {e}") from None
         start, sampler.position = trainer_state["step"], trainer_state["sampler_position"]
     client, server, weights, rollouts = None, None, None, None
     if rank == 0:

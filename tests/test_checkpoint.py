@@ -88,3 +88,21 @@ def test_export_loads_in_transformers_unchanged(tied, tiny_model_dir, tied_model
     assert (again.lm_head.weight.data_ptr() == again.model.embed_tokens.weight.data_ptr()) == tied
     assert AutoTokenizer.from_pretrained(str(tmp_path / "m"))("copy: ab=")["input_ids"]
     assert not os.path.exists(tmp_path / "m.partial")
+
+
+def test_a_checkpoint_of_another_model_is_refused_in_one_line(saved_on_two_ranks, tmp_path):
+    import make_tiny_model
+
+    other = str(tmp_path / "three_layers")
+    make_tiny_model.main(["--out", other, "--layers", "3"])
+    root = saved_on_two_ranks / "ckpt"
+    before = sorted(n for n in os.listdir(root) if not n.endswith(".partial"))  # partials are removed at start
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--model_name_or_path", other,
+                        "--checkpoint_state_dir", str(root), "--checkpoint_state_freq", "2", "--output_dir",
+                        str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode != 0
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error: cannot resume from")]
+    assert len(errors) == 1 and "step_00000003" in errors[0] and "Missing key" in errors[0], p.stderr[-2000:]
+    assert sorted(os.listdir(root)) == before  # nothing removed or written
+    assert not os.path.exists(tmp_path / "out" / "vllm.log")  # no server was started
