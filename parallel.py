@@ -24,6 +24,7 @@ policy's (the EMA update stays local); it never runs backward, so it is never
 checkpointed and always reshards after forward.
 """
 
+import gc
 import os
 import socket
 import types
@@ -32,7 +33,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
                                     register_fsdp_forward_method)
 
@@ -61,6 +62,32 @@ def setup_distributed(cfg):
     mesh = init_device_mesh(device.type, (shard,), mesh_dim_names=("shard",)) if replicas == 1 else \
         init_device_mesh(device.type, (replicas, shard), mesh_dim_names=("replicate", "shard"))
     return dist.get_rank(), dist.get_world_size(), device, mesh
+
+
+def close_distributed():
+    """Leave the process group so that a finished run exits 0 on every rank. Call it once the
+    run's models are out of scope (after main() returns, or after `del model`).
+
+    destroy_process_group() only unregisters the group: FSDP2's modules and the device mesh
+    keep it alive, and its C++ side would otherwise be freed, if at all, while the
+    interpreter exits. A gloo worker thread can still be letting go of a finished
+    collective then: wait() returns on the main thread before the worker drops the work,
+    and a loaded machine delays the worker. Dropping a tensor that Python had dropped first
+    needs the GIL, which a finalizing interpreter answers by ending the thread, and ending a
+    C++ thread that way aborts the process ("terminate called without an active
+    exception", SIGABRT). So: every rank finishes its collectives (the barrier: no rank
+    leaves while a peer is inside one), the meshes let go of their groups, and the group
+    is freed here, on the main thread, which joins the gloo threads while the interpreter
+    is whole."""
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+    # DTensor's caches keep device meshes alive past the run, and a mesh holds its groups.
+    for obj in gc.get_objects():
+        if isinstance(obj, DeviceMesh):
+            obj._pg_registry.clear()
+    gc.collect()  # FSDP2 modules sit in reference cycles: free them, and the group with them
 
 
 def sequence_logprobs(self, input_ids, attention_mask, mask, temperature, head_ids=None, topk=0):

@@ -47,7 +47,7 @@ from config import Config, parse_args
 from data import PromptSampler, collate, load_prompts, load_tokenizer, split_for_ranks
 from episodes import Rollouts, drop_stale, evaluate, rollout_batch
 from loss import ess, grpo_loss, step_denominator
-from parallel import load_model, setup_distributed
+from parallel import close_distributed, load_model, setup_distributed
 from reference import EMAReference
 
 
@@ -144,6 +144,8 @@ def train_on_rollouts(cfg, policy, ref_model, optimizer, scheduler, samples, ran
 
 
 def main(cfg: Config):
+    """One run; returns the exit status (0, or 143 after a SIGTERM). The caller then calls
+    close_distributed(), once the run's models are out of scope."""
     try:  # bad input: one line naming the fix, before any process group, model or server
         cfg.batch_plan(int(os.environ.get("WORLD_SIZE", 1)))
         tokenizer = load_tokenizer(cfg)
@@ -329,7 +331,7 @@ def main(cfg: Config):
                 if rank == 0:
                     print(f"SIGTERM: stopped after step {step}" + (f", checkpoint in {cfg.checkpoint_state_dir}"
                                                                     if cfg.checkpoint_state_dir else ""))
-                sys.exit(128 + signal.SIGTERM)
+                return 128 + signal.SIGTERM
     finally:
         if rollouts:
             rollouts.close()
@@ -337,7 +339,7 @@ def main(cfg: Config):
             weights.close()
         if rank == 0:
             rollout.stop_server(server)
-    dist.destroy_process_group()
+    return 0
 
 
 if __name__ == "__main__":
@@ -346,4 +348,6 @@ if __name__ == "__main__":
     except ValueError as e:  # a contradiction between fields: one line, before anything starts
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    main(cfg)
+    status = main(cfg)
+    close_distributed()  # main's models are gone: the process group goes with them, before exit
+    sys.exit(status)

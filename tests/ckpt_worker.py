@@ -76,4 +76,5 @@ loaded = dict(snapshot(policy, ref, optimizer, scheduler, sampler), found=os.pat
               listing=sorted(os.listdir(root)))
 if rank == 0:
     torch.save(loaded, os.path.join(out, f"loaded_{world_size}.pt"))
-dist.destroy_process_group()
+del policy, ref, optimizer, scheduler
+train.close_distributed()

@@ -8,6 +8,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
 import rollout
+from parallel import close_distributed
 import weight_sync
 
 model_dir, url, served, tmp = sys.argv[1:5]
@@ -32,4 +33,5 @@ if rank == 0:
     mean, mx = weight_sync.logprob_diff(weight_sync.trainer_logprobs(full, seqs), client.score(seqs))
     assert mx < 1e-4, (mean, mx)
     print("SYNC OK", mean, mx)
-dist.destroy_process_group()
+del model, full
+close_distributed()

@@ -108,4 +108,5 @@ elif mode == "ess":
         torch.save(dict(ess=ess(rho[rank::world_size])), out)
     else:
         ess(rho[rank::world_size])
-dist.destroy_process_group()
+del policy, ref  # the process group goes with the last FSDP module
+train.close_distributed()

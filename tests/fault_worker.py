@@ -41,4 +41,6 @@ elif kind == "kill_in_checkpoint":
 else:
     raise SystemExit(f"unknown fault {kind!r}")
 
-train.main(parse_args(sys.argv[2:]))
+status = train.main(parse_args(sys.argv[2:]))
+train.close_distributed()
+sys.exit(status)

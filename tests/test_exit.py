@@ -1,0 +1,31 @@
+"""A finished 2-rank run exits 0 on every rank: the process group is torn down before the
+interpreter exits (parallel.close_distributed)."""
+
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_a_gloo_thread_busy_at_exit_does_not_abort_the_rank(tiny_model_dir):
+    """tests/exit_worker.py makes the race at exit certain: FSDP2 trains a step, then rank 1's
+    last collective completes a second after its main thread moved on, with a Python
+    callback for the gloo worker thread to run, and the interpreter then takes 3 s to
+    finalize. Ended with destroy_process_group() alone, that rank aborts ("terminate called
+    without an active exception"); close_distributed() must leave it exiting 0, with every
+    gloo thread joined before the interpreter exits."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        "29671", os.path.join(ROOT, "tests", "exit_worker.py"), tiny_model_dir, "close"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    assert "terminate called" not in out
+    left = re.findall(r"rank (\d) threads after close: \[(.*)\]", out)
+    assert sorted(r for r, _ in left) == ["0", "1"], out[-4000:]
+    for _, names in left:
+        assert "gloo" not in names, names  # pt_gloo_runloop, gloo_tcp_loop: joined by close_distributed
