@@ -217,7 +217,7 @@ def main(cfg: Config):
     start = 0
     if resume[0]:
         try:
-            trainer_state = checkpoint.load(resume[0], policy, ref, optimizer, scheduler)
+            trainer_state = checkpoint.load(resume[0], policy, ref, optimizer, scheduler, cfg)
         except ValueError as e:  # nothing is started or overwritten yet
             raise SystemExit(f"error: {e}") from None
         start, sampler.position = trainer_state["step"], trainer_state["sampler_position"]
