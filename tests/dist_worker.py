@@ -30,10 +30,10 @@ kept_groups = [int(g) for k, v in pairs if k == "groups" for g in v.split(",")]
 overrides = {k: convert(k, v, eval(types[k]) if isinstance(types[k], str) else types[k]) for k, v in pairs
              if k != "groups"}
 loss_fn, kl_estimator = (positional + ["dapo", "k3"][len(positional):])
-cfg = Config(model_name_or_path=model_dir, num_unique_prompts_rollout=4, num_samples_per_prompt_rollout=4,
-             per_device_train_batch_size=2, beta=0.1, kl_estimator=kl_estimator, learning_rate=1e-3, alpha=0.3,
-             num_mini_batches=2, ref_policy_update_freq=1, loss_fn=loss_fn, kl_topk=4 if kl_estimator == "topk" else 0,
-             **overrides)
+cfg = Config(**{**dict(model_name_or_path=model_dir, num_unique_prompts_rollout=4, num_samples_per_prompt_rollout=4,
+                      per_device_train_batch_size=2, beta=0.1, kl_estimator=kl_estimator, learning_rate=1e-3,
+                      alpha=0.3, num_mini_batches=2, ref_policy_update_freq=1, loss_fn=loss_fn,
+                      kl_topk=4 if kl_estimator == "topk" else 0), **overrides})
 rank, world_size, device, mesh = train.setup_distributed(cfg)
 torch.manual_seed(0)
 policy = train.load_model(cfg, device, mesh)
@@ -62,7 +62,7 @@ if mode == "train":
         m = train.train_on_rollouts(cfg, policy, ref.model, optimizer, scheduler, fixed_rollouts(step), rank,
                                     world_size, device, pad_id=0)
         ref.update()
-        losses.append([m["loss"], m["kl"], m["clip_frac"], m["grad_norm"], m.get("ess", 1.0)])
+        losses.append([m["loss"], m["kl"], m["clip_frac"], m["grad_norm"], m.get("ess", 1.0), m["grad_norm_max"]])
     policy_sd, ref_sd = full_state_dict(policy), full_state_dict(ref.model)
     if rank == 0:
         torch.save(dict(losses=losses, policy=policy_sd, ref=ref_sd, mesh=mesh_info), out)

@@ -98,6 +98,11 @@ def test_rule_rejects_bad_accepts_good(bad, fragment, good):
     Config(**good)
 
 
+def test_the_reference_is_built_only_when_the_kl_reads_it():
+    assert not Config().uses_reference and Config(beta=0.1).uses_reference
+    assert not Config(load_ref_policy=False).uses_reference
+
+
 def test_defaults_follow_seed_002():
     c = Config()
     assert (c.alpha, c.ref_policy_update_freq, c.loss_denominator, c.clip_lower) == (0.6, None, "token", 0.2)

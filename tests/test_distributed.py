@@ -106,6 +106,8 @@ def test_training_moved_the_weights(train_run, tiny_model_dir):
     k = "model.layers.0.mlp.up_proj.weight"
     moved = (one["policy"][k] - init[k]).abs().max()
     assert moved > 1e-3 and (one["ref"][k] - init[k]).abs().max() > 0.1 * moved
+    # grad_norm is the mean over a step's 2 optimizer steps, grad_norm_max their max
+    assert all(row[5] >= row[3] for row in one["losses"]) and any(row[5] > row[3] * 1.001 for row in one["losses"])
     assert all(abs(loss[2]) <= 1 for loss in one["losses"])  # clip_frac is a fraction
     assert all(0 < loss[4] <= 1 for loss in train_run(1, "ess", "topk")["losses"])  # ESS in (0, 1]
 

@@ -172,6 +172,14 @@ def test_fsdp2_sharded_sync_on_two_ranks(untied, tiny_model_dir, tmp_path):
     assert "SYNC OK" in out.stdout, out.stdout[-2000:]
 
 
+def test_weight_files_go_to_a_private_directory(tmp_path):
+    """Nobody else on the machine may replace the weights between the write and the reload."""
+    sync = weight_sync.FilesystemSync(None, 0, str(tmp_path), base=str(tmp_path / "shared"))
+    assert os.path.dirname(sync.dir) == str(tmp_path / "shared") and os.stat(sync.dir).st_mode & 0o777 == 0o700
+    sync.close()
+    assert not os.path.exists(sync.dir)
+
+
 def test_unreachable_server_fails_with_name_and_reason():
     client = rollout.VLLMClient(["http://127.0.0.1:9"], "m", timeout=2, max_retries=2)
     t = time.monotonic()
