@@ -17,6 +17,7 @@ safetensors, config, tokenizer. `AutoModelForCausalLM.from_pretrained` and a vLL
 load them as they are.
 """
 
+import dataclasses
 import os
 import random
 import re
@@ -32,6 +33,34 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 from torch.distributed.tensor import DTensor
 
 COMPLETE = re.compile(r"^step_(\d{8})$")
+
+# Config fields a resumed run may change: where and how often it writes, logs and evaluates,
+# how long it waits, which servers it talks to, and how the same computation is laid out on
+# ranks and memory. Every other change would make the resumed run another run.
+RESUMABLE = {
+    "num_training_steps",  # only with lr_scheduler_type="constant": a decaying schedule's length is its shape
+    "eval_freq", "output_dir", "with_tracking", "checkpoint_state_dir", "checkpoint_state_freq",
+    "keep_last_n_checkpoints", "save_freq", "max_consecutive_skipped_steps",
+    "backend_timeout", "weight_sync_timeout", "vllm_startup_timeout", "vllm_request_timeout", "vllm_max_retries",
+    "vllm_max_restarts", "vllm_server_urls", "vllm_port", "vllm_kv_cache_space_gb", "vllm_gpu_memory_utilization",
+    "vllm_logp_tolerance", "weight_sync_dir", "weight_sync_master_address", "weight_sync_master_port",
+    "fsdp_shard_size", "reshard_after_forward", "activation_checkpointing", "offload_params", "offload_ref_policy",
+}
+
+
+def check_resumable(saved, cfg, path):
+    """Refuse, in one line naming the fields, to resume from a checkpoint whose saved config
+    (a dict) differs from cfg in a field outside RESUMABLE."""
+    defaults = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+                for f in dataclasses.fields(cfg)}
+    now = asdict(cfg)
+    changed = [k for k in now if k not in RESUMABLE and saved.get(k, defaults[k]) != now[k]]
+    if cfg.lr_scheduler_type != "constant" and saved.get("num_training_steps") != cfg.num_training_steps:
+        changed.append("num_training_steps")
+    if changed:
+        raise ValueError(f"cannot resume from {path}: the config changed in "
+                         + ", ".join(f"{k} ({saved.get(k, defaults[k])!r} -> {now[k]!r})" for k in changed)
+                         + "; resume with the saved values, or give a new checkpoint_state_dir to start another run")
 
 
 def fsync(path):
@@ -115,10 +144,14 @@ def latest(root):
     return found[-1] if found else None
 
 
-def load(path, policy, ref, optimizer, scheduler):
+def load(path, policy, ref, optimizer, scheduler, cfg=None):
     """Restore everything `save` wrote, in place, on every rank. Returns the trainer state
     (step, sampler_position, config, ...). A world size other than the saved one reshards; RNG states then
-    come only for the ranks that existed."""
+    come only for the ranks that existed. With cfg, first refuse a config that changes the run
+    (check_resumable)."""
+    trainer = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+    if cfg is not None:
+        check_resumable(trainer["config"], cfg, path)
     state = sharded_state(policy, ref, optimizer)
     try:
         dcp.load(state, checkpoint_id=path)
@@ -133,7 +166,6 @@ def load(path, policy, ref, optimizer, scheduler):
         if ref.master is not None:  # DCP loaded into the wrappers; a no-op where they alias the master
             for m, t in zip(ref.master, state["ref_master"].values()):
                 m.copy_(t.to_local() if isinstance(t, DTensor) else t)
-    trainer = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
     scheduler.load_state_dict(trainer["scheduler"])
     rng = os.path.join(path, f"rng_{dist.get_rank()}.pt")
     if os.path.exists(rng):

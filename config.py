@@ -35,7 +35,7 @@ class Config:
     # --- rollouts (vLLM)
     response_length: int = 8  # max new tokens per completion
     temperature: float = 1.0  # sampling temperature for training rollouts
-    top_p: float = 1.0  # nucleus sampling for training rollouts
+    top_p: float = 1.0  # must stay 1: vLLM renormalises its logprobs over the nucleus, the trainer's ratios cannot follow
     vllm_server_urls: list[str] = field(default_factory=list)  # servers you run yourself (comma separated); empty = launch one
     vllm_port: int = 8011  # port of the server we launch
     vllm_dtype: str = "auto"  # dtype of the server we launch; auto = the trainer's (float32 on CPU, bfloat16 on GPU)
@@ -77,10 +77,14 @@ class Config:
     loss_denominator: str = "token"  # "token" (valid tokens of the whole optimizer step) or a positive number (Dr GRPO)
     advantage_normalization_type: str = "standard"  # standard (r - mean)/(std + eps) or centered (r - mean)
     filter_zero_std_samples: bool = True  # drop groups whose rewards all agree (no learning signal)
+    active_sampling: bool = False  # DAPO's dynamic sampling: refill filtered groups with new prompts until the batch is full
+    active_sampling_max_rounds: int = 4  # active_sampling: extra generation rounds per step at most; then train on what is kept
     use_vllm_logprobs: bool = False  # take vLLM's sampling logprobs as old_logp instead of recomputing them
     truncated_importance_sampling_ratio_cap: float = 0.0  # cap of exp(old_logp - vllm_logp) on the policy term; 0 disables
+    vllm_importance_sampling_mask: str = "none"  # none, token (IcePop: drop tokens whose ratio pi_old/pi_vllm leaves the band) or sequence (drop sequences by geometric-mean ratio)
+    vllm_importance_sampling_mask_cap: float = 2.0  # the mask's band is [1/cap, cap]; the sequence mask wants a tighter one (1.1 say)
     # --- reference policy
-    load_ref_policy: bool = True  # build a reference policy (needed for beta > 0)
+    load_ref_policy: bool = True  # allow a reference policy; it is built only when beta > 0 (its only use)
     ref_policy_update_freq: Optional[int] = None  # Polyak-update the reference every N steps; None = fixed reference
     alpha: float = 0.6  # Polyak weight: ref = alpha * policy + (1 - alpha) * ref
     # --- distributed (parallel.py; the README maps seed 002's DeepSpeed knobs to these)
@@ -114,6 +118,7 @@ class Config:
             "lr_scheduler_type": ("constant", "linear", "cosine"),
             "weight_sync_transport": ("filesystem", "nccl"),
             "ess_scope": ("step", "micro_batch"),
+            "vllm_importance_sampling_mask": ("none", "token", "sequence"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -158,6 +163,9 @@ class Config:
             refuse(f"load_ref_policy=False needs beta=0 (got beta={self.beta}): the KL term needs a reference")
         if not self.load_ref_policy and self.ref_policy_update_freq is not None:
             refuse("ref_policy_update_freq is set but load_ref_policy=False: there is no reference to update")
+        if self.ref_policy_update_freq is not None and self.beta == 0:
+            refuse(f"ref_policy_update_freq={self.ref_policy_update_freq} has no effect with beta=0: nothing uses "
+                   "the reference (it is not built); set beta > 0 or leave ref_policy_update_freq None")
         if self.ref_policy_update_freq is not None and self.ref_policy_update_freq <= 0:
             refuse(f"ref_policy_update_freq={self.ref_policy_update_freq} must be a positive number of steps, or None")
         if not 0.0 < self.alpha <= 1.0:
@@ -216,6 +224,28 @@ class Config:
             refuse("truncated_importance_sampling_ratio_cap must be >= 0 (0 disables it)")
         if self.beta < 0:
             refuse(f"beta={self.beta} must be >= 0")
+        if self.top_p != 1.0:
+            refuse(f"top_p={self.top_p} is not supported: vLLM reports logprobs renormalised over the nucleus while "
+                   "the trainer's cover the whole vocabulary, so every ratio and TIS weight would be biased; set top_p=1")
+        if self.use_vllm_logprobs and self.vllm_importance_sampling_mask != "none":
+            refuse("use_vllm_logprobs=True makes old_logp vLLM's own, so the ratio the vllm_importance_sampling_mask "
+                   "tests is 1; set vllm_importance_sampling_mask='none' or use_vllm_logprobs=False")
+        if self.vllm_importance_sampling_mask_cap <= 1:
+            refuse(f"vllm_importance_sampling_mask_cap={self.vllm_importance_sampling_mask_cap} must be > 1: the band "
+                   "is [1/cap, cap] (2 is IcePop's range)")
+        if self.active_sampling and not self.filter_zero_std_samples:
+            refuse("active_sampling=True refills groups that filter_zero_std_samples drops; with "
+                   "filter_zero_std_samples=False nothing is dropped: set it True or active_sampling=False")
+        if self.active_sampling_max_rounds < 1:
+            refuse(f"active_sampling_max_rounds={self.active_sampling_max_rounds} must be >= 1")
+        for name in ("learning_rate", "weight_decay", "max_grad_norm", "warm_up_steps", "eval_freq", "num_eval_prompts"):
+            if getattr(self, name) < 0:
+                refuse(f"{name}={getattr(self, name)} must be >= 0")
+        if self.vllm_logp_tolerance <= 0:
+            refuse(f"vllm_logp_tolerance={self.vllm_logp_tolerance} must be > 0 (1e-2 catches a sync that did not take)")
+        if self.vllm_kv_cache_space_gb < 1 or self.vllm_max_retries < 0 or not 0 < self.vllm_port < 65536:
+            refuse(f"vllm_kv_cache_space_gb={self.vllm_kv_cache_space_gb} must be >= 1, vllm_max_retries="
+                   f"{self.vllm_max_retries} >= 0 and vllm_port={self.vllm_port} in 1..65535")
         if self.temperature <= 0:
             refuse(f"temperature={self.temperature} must be > 0 for training rollouts (greedy is used for evaluation)")
         for name in ("num_unique_prompts_rollout", "num_samples_per_prompt_rollout", "per_device_train_batch_size",
@@ -230,6 +260,11 @@ class Config:
         if self.vllm_max_model_len is not None and self.vllm_max_model_len < self.max_prompt_length + self.response_length:
             refuse(f"vllm_max_model_len={self.vllm_max_model_len} is below max_prompt_length + response_length = "
                    f"{self.max_prompt_length + self.response_length}; raise it or leave it None")
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the run builds, updates and checkpoints a reference: only the KL term reads it."""
+        return self.load_ref_policy and self.beta > 0
 
     def mesh_shape(self, world_size: int) -> tuple:
         """(replicas, shard size) of the device mesh; refuse sizes the world does not fit."""

@@ -253,15 +253,18 @@ def load_tokenizer(cfg):
 # --- rollouts to tensors
 
 
-def split_for_ranks(samples, num_mini_batches, world_size, rank):
-    """Cut a rollout batch into mini-batches (consecutive, so groups stay together) and give
-    each rank every world_size-th sample of each. Ranks must run the same number of
-    forward passes, so a rank that comes up short gets padding samples that carry no
-    tokens (valid=False)."""
-    out, n = [], len(samples)
-    bounds = [round(i * n / num_mini_batches) for i in range(num_mini_batches + 1)]
+def split_for_ranks(samples, num_mini_batches, world_size, rank, group_size):
+    """Cut a rollout batch into mini-batches of whole groups (samples come group after group,
+    group_size each; filtering drops whole groups, so no group straddles two optimizer steps)
+    and give each rank every world_size-th sample of each. Ranks must run the same number of
+    forward passes, so a rank that comes up short gets padding samples that carry no tokens
+    (valid=False). When fewer groups survive than there are mini-batches, some mini-batches
+    are empty on every rank alike (the trainer skips their update)."""
+    groups = [samples[i:i + group_size] for i in range(0, len(samples), group_size)]
+    out = []
+    bounds = [round(i * len(groups) / num_mini_batches) for i in range(num_mini_batches + 1)]
     for lo, hi in zip(bounds, bounds[1:]):
-        mini = samples[lo:hi]
+        mini = [s for g in groups[lo:hi] for s in g]
         mine = mini[rank::world_size]
         per_rank = -(-len(mini) // world_size)
         mine += [dict(prompt_ids=[0], token_ids=[0], logprobs=[0.0], adv=0.0, valid=False)] * (per_rank - len(mine))
@@ -271,14 +274,15 @@ def split_for_ranks(samples, num_mini_batches, world_size, rank):
 
 def collate(samples, pad_id):
     """Right-padded input_ids and attention_mask (B, T), the completion mask over next-token
-    targets (B, T-1), and per-token vllm_logp, adv and fresh (N,) in the mask's row-major order."""
+    targets (B, T-1), and per-token vllm_logp, adv, fresh and seq_ids (the row of each token) (N,)
+    in the mask's row-major order."""
     import torch
 
     width = max(len(s["prompt_ids"]) + len(s["token_ids"]) for s in samples)
     input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(samples), width), dtype=torch.long)
     mask = torch.zeros((len(samples), width - 1), dtype=torch.bool)
-    vllm_logp, adv, fresh = [], [], []
+    vllm_logp, adv, fresh, seq_ids = [], [], [], []
     for i, s in enumerate(samples):
         p, c = len(s["prompt_ids"]), len(s["token_ids"])
         input_ids[i, :p + c] = torch.tensor(s["prompt_ids"] + s["token_ids"])
@@ -288,6 +292,7 @@ def collate(samples, pad_id):
             vllm_logp += s["logprobs"]
             adv += [s["adv"]] * c
             fresh += [s.get("staleness", 0) == 0] * c  # sampled by the weights the trainer holds now
+            seq_ids += [i] * c
     return dict(input_ids=input_ids, attention_mask=attention_mask, mask=mask,
                 vllm_logp=torch.tensor(vllm_logp, dtype=torch.float32), adv=torch.tensor(adv, dtype=torch.float32),
-                fresh=torch.tensor(fresh, dtype=torch.bool))
+                fresh=torch.tensor(fresh, dtype=torch.bool), seq_ids=torch.tensor(seq_ids, dtype=torch.long))

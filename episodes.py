@@ -36,15 +36,12 @@ def evaluate(cfg, client, eval_rows, reward_fn, tokenizer):
     return sum(rewards) / len(rewards)
 
 
-def rollout_batch(cfg, client, sampler, step, reward_fn, tokenizer):
-    """Rank 0: prompts -> vLLM completions -> rewards -> group advantages.
-    Returns the samples to train on and the step's rollout metrics."""
+def sample_groups(cfg, client, rows, seed, step, reward_fn, tokenizer):
+    """One generation round: num_samples_per_prompt_rollout completions of each row, scored,
+    with group advantages. Returns the samples of the groups kept and the round's counts."""
     t0 = time.perf_counter()
-    rows = sampler.next_batch(cfg.num_unique_prompts_rollout)
     groups = client.generate([r["prompt_ids"] for r in rows], n=cfg.num_samples_per_prompt_rollout,
-                             max_tokens=cfg.response_length, temperature=cfg.temperature, top_p=cfg.top_p,
-                             seed=cfg.seed * 1_000_003 + step * 1_000)
-    m = {"time_generate": time.perf_counter() - t0}
+                             max_tokens=cfg.response_length, temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)
     t1 = time.perf_counter()
     flat = [(row, s) for row, g in zip(rows, groups) for s in g]
     texts = [completion_text(tokenizer, s) for _, s in flat]
@@ -58,10 +55,37 @@ def rollout_batch(cfg, client, sampler, step, reward_fn, tokenizer):
                     version=s["version"])
                for (r, s), a, k in zip(flat, adv.tolist(), keep.tolist()) if k]
     lengths = torch.tensor([len(s["token_ids"]) for _, s in flat], dtype=torch.float)
-    m.update(reward_mean=rewards.mean().item(), reward_std=rewards.std().item(), response_length=lengths.mean().item(),
-             reward_errors=errors, stop_frac=sum(s["finish_reason"] == "stop" for _, s in flat) / len(flat),
-             filtered_groups=int((~keep).sum().item()) // cfg.num_samples_per_prompt_rollout,
-             time_score=time.perf_counter() - t1, prompts_seen=sampler.position, response_tokens=lengths.sum().item())
+    return samples, dict(rewards=rewards, lengths=lengths, reward_errors=errors, time_generate=t1 - t0,
+                         time_score=time.perf_counter() - t1, stops=sum(s["finish_reason"] == "stop" for _, s in flat),
+                         filtered_groups=int((~keep).sum().item()) // cfg.num_samples_per_prompt_rollout)
+
+
+def rollout_batch(cfg, client, sampler, step, reward_fn, tokenizer):
+    """Rank 0: prompts -> vLLM completions -> rewards -> group advantages.
+    With active_sampling (DAPO's dynamic sampling) the groups the zero-std filter drops are
+    refilled from new prompts, a whole batch of prompts per round, for at most
+    active_sampling_max_rounds more rounds; groups beyond the batch are discarded.
+    Returns the samples to train on and the step's rollout metrics (rewards, lengths and
+    counts over every round; times summed)."""
+    prompts, n = cfg.num_unique_prompts_rollout, cfg.num_samples_per_prompt_rollout
+    # Disjoint sampling seeds: vLLM seeds sample j of a request seed + j, so the request of
+    # prompt i gets base + i * n (rollout.py), and every step and round its own block of seeds.
+    seed = lambda r: cfg.seed * 2 ** 32 + (step * (cfg.active_sampling_max_rounds + 1) + r) * prompts * n  # noqa: E731
+    samples, stats = sample_groups(cfg, client, sampler.next_batch(prompts), seed(0), step, reward_fn, tokenizer)
+    rounds = [stats]
+    while cfg.active_sampling and len(samples) < prompts * n and len(rounds) <= cfg.active_sampling_max_rounds:
+        more, stats = sample_groups(cfg, client, sampler.next_batch(prompts), seed(len(rounds)), step, reward_fn,
+                                    tokenizer)
+        samples += more[:prompts * n - len(samples)]  # whole groups: both counts are multiples of n
+        rounds.append(stats)
+    rewards, lengths = torch.cat([r["rewards"] for r in rounds]), torch.cat([r["lengths"] for r in rounds])
+    total = lambda key: sum(r[key] for r in rounds)  # noqa: E731
+    m = dict(reward_mean=rewards.mean().item(), reward_std=rewards.std().item(), response_length=lengths.mean().item(),
+             reward_errors=total("reward_errors"), stop_frac=total("stops") / len(lengths),
+             filtered_groups=total("filtered_groups"), time_generate=total("time_generate"),
+             time_score=total("time_score"), prompts_seen=sampler.position, response_tokens=lengths.sum().item())
+    if cfg.active_sampling:  # extra rounds run, and groups still missing after them
+        m.update(active_sampling_rounds=len(rounds) - 1, active_sampling_missing_groups=prompts - len(samples) // n)
     return samples, m
 
 

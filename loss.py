@@ -7,6 +7,8 @@ accumulated over micro-batches and summed over ranks (train.py undoes FSDP's ave
 equal the gradient of one loss over the whole step.
 """
 
+import math
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -15,8 +17,9 @@ from torch.utils.checkpoint import checkpoint
 
 
 def _chunk_logprobs(hidden, weight, targets, temperature, head_ids, k):
-    logits = hidden @ weight.t()  # (n, V): float32 (at least) only for this chunk
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    # (n, V) logits in float32 at least, for this chunk only: the product itself, not just its
+    # result, since bf16 logits are already rounded (mean |logp error| ~1e-2 at Qwen2.5-0.5B's shape)
+    logits = hidden.to(weight.dtype) @ weight.t() / temperature
     logz = torch.logsumexp(logits, -1)
     logp = logits.gather(-1, targets[:, None])[:, 0] - logz
     with torch.no_grad():  # entropy is logged, never differentiated; the top-k set is a choice, not a function
@@ -37,8 +40,13 @@ def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=256, hea
     at 0.29 (CPU) and 0.33 (H100) of the naive path with chunks of 256, at 0.74 with 1,024,
     for 1.1x the time of 1,024 (BENCHMARKS.md); below 256 the LM head's per-chunk weight
     gradients set the peak.
+    Under bf16 mixed precision (GPU) hidden and weight arrive in bf16; the logits are
+    computed in float32 from upcast copies.
     Returns logp (N,), entropy (N,), head_logp (N, k), head_ids (N, k).
     """
+    # Upcast the head once, not per chunk: its gradient then accumulates over chunks in float32
+    # and is cast to the parameter's dtype once. Costs one float32 copy of V x H for the pass.
+    weight = weight.to(torch.promote_types(weight.dtype, torch.float32))
     outs = []
     for i in range(0, max(hidden.shape[0], 1), chunk_size):  # an empty selection still builds a graph
         ids = None if head_ids is None else head_ids[i:i + chunk_size]
@@ -85,29 +93,33 @@ def kl_k3(logp, ref_logp, rho=None):
 
 
 def kl_k4(logp, ref_logp, rho):
-    """rho * d with rho = pi/pi_old carrying the gradient (ratio-weighted k1). Unbiased value
-    and unbiased reverse-KL gradient even when the tokens came from an older policy."""
+    """rho * d with rho = pi/mu carrying the gradient, mu the policy that sampled the tokens
+    (ratio-weighted k1). Unbiased value and unbiased reverse-KL gradient even when the
+    tokens came from another policy (older weights, the vLLM engine)."""
     return rho * (logp - ref_logp)
 
 
 KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3, "k4": kl_k4}
 
 
-def kl_topk(logp, ref_logp, old_logp, head_logp, ref_head_logp, in_head, corrected=True):
-    """Top-k KL (seed 003, EMA-PG) per position: the exact head over q, the k most likely
+def kl_topk(logp, ref_logp, old_logp, head_logp, ref_head_logp, in_head, corrected=True, behaviour_weight=None):
+    """Top-k KL (EMA-PG, Zhang & Ba) per position: the exact head over q, the k most likely
     tokens of the sampling policy, plus a sampled tail when the sampled token p is not in q:
 
         sum_{j in q} pi(j) (log pi(j) - log ref(j))  +  1[p not in q] (rho sg(d_p) + rho - sg(rho))
 
-    with d_p = log pi(p) - log ref(p) and rho = pi(p)/pi_old(p) carrying the gradient
-    (the sampling-policy correction of the tail; rho = r = pi/sg(pi) on-policy). The value
-    is unbiased for KL(pi || ref) for every k. As published (without `rho - sg(rho)`, zero
-    in value) the expected gradient carries an extra grad pi(q); the added term's expected
-    gradient is -grad pi(q), so the corrected gradient is unbiased for the reverse KL.
+    with d_p = log pi(p) - log ref(p) and rho = pi(p)/mu(p) carrying the gradient, mu the
+    policy that sampled p (rho = r = pi/sg(pi) on-policy). rho is taken as
+    exp(logp - old_logp) * behaviour_weight, where behaviour_weight = sg(pi_old/mu) corrects
+    for tokens sampled by other weights than pi_old (vLLM's, with async_steps > 0; capped as
+    truncated importance sampling caps) and None means mu = pi_old. The value is unbiased for
+    KL(pi || ref) for every k. As published (without `rho - sg(rho)`, zero in value) the
+    expected gradient carries an extra grad pi(q); the added term's expected gradient is
+    -grad pi(q), so the corrected gradient is unbiased for the reverse KL.
     k = 0 is the sampled k4; k = |V| is the exact KL. head_logp, ref_head_logp (N, k)
     are log-probabilities normalised over the full vocabulary; in_head (N,) bool."""
     head = (head_logp.exp() * (head_logp - ref_head_logp)).sum(-1)
-    rho = torch.exp(logp - old_logp)
+    rho = torch.exp(logp - old_logp) * (1.0 if behaviour_weight is None else behaviour_weight)
     tail = rho * (logp - ref_logp).detach() + ((rho - rho.detach()) if corrected else 0.0)
     return head + torch.where(in_head, torch.zeros_like(tail), tail)
 
@@ -125,14 +137,30 @@ def ess(rho, group=None):
 
 
 def ess_loss(logp, old_logp, adv, e):
-    """The batch-adaptive objective (seed 004, "Trust the Batch", after P3O): with e = sg(ESS),
+    """The batch-adaptive objective ("Trust the Batch", Fakoor et al., after P3O): with e = sg(ESS),
     -sg(min(rho, e)) A logp + (1 - e) k3(pi || pi_old). Nearly uniform ratios (e ~ 1) give the
     plain on-policy score-function update; concentrated ratios (stale or mismatched data)
     cap the weight lower and pull harder toward the behaviour policy. No clip constants.
-    Returns (per-token loss, flag of tokens whose weight was capped)."""
+    Returns (per-token policy term, per-token (1 - e) k3 trust term, flag of capped tokens):
+    the trust term is a KL, so importance corrections never multiply it."""
     rho = torch.exp(logp - old_logp)
     capped = (rho.detach() > e).float()
-    return -rho.detach().clamp(max=e) * adv * logp + (1 - e) * kl_k3(logp, old_logp), capped
+    return -rho.detach().clamp(max=e) * adv * logp, (1 - e) * kl_k3(logp, old_logp), capped
+
+
+def mismatch_keep(old_logp, vllm_logp, seq_ids, level, cap):
+    """Which tokens the trainer/vLLM mismatch leaves in the policy term (1.0 kept, 0.0 masked),
+    for ratios pi_old/pi_vllm: level "token" keeps tokens whose ratio lies in [1/cap, cap]
+    (IcePop's token mask); "sequence" keeps whole sequences whose geometric-mean ratio
+    exp(mean over their tokens of log ratio) lies in that band. seq_ids (N,) numbers the
+    sequence of each token (0..S-1)."""
+    log_ratio = (old_logp - vllm_logp).detach()  # (N,)
+    if level == "sequence":
+        n_seqs = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
+        total = log_ratio.new_zeros(n_seqs).index_add_(0, seq_ids, log_ratio)  # (S,)
+        count = log_ratio.new_zeros(n_seqs).index_add_(0, seq_ids, torch.ones_like(log_ratio))
+        log_ratio = (total / count.clamp(min=1))[seq_ids]
+    return (log_ratio.abs() <= math.log(cap)).to(log_ratio.dtype)
 
 
 # --- objectives, per token (all (N,) tensors)
@@ -154,41 +182,49 @@ def cispo_loss(logp, old_logp, adv, clip_higher):
 
 
 def grpo_loss(logp, old_logp, adv, denominator, *, loss_fn="dapo", clip_lower=0.2, clip_higher=0.28,
-              ref_logp=None, beta=0.0, kl_estimator="k3", tis_weight=None, ess_value=1.0, topk=None):
+              ref_logp=None, beta=0.0, kl_estimator="k3", tis_weight=None, keep=None, ess_value=1.0, topk=None):
     """The loss of one micro-batch: (sum over its tokens of policy term + beta * KL) / denominator.
 
     tis_weight (N,), truncated importance sampling min(pi_old/pi_vllm, cap), multiplies the
-    policy term only. ess_value is sg(ESS) for loss_fn="ess"; topk is the tuple
-    (head_logp, ref_head_logp, in_head) for kl_estimator="topk". Returns (loss, sums) where sums holds per-micro-batch totals for
+    policy term only; it also corrects the KL estimators that sample (k4 and the top-k tail),
+    whose weight must be pi/mu with mu the policy that sampled: pi/pi_old x pi_old/pi_vllm.
+    keep (N,) masks tokens out of the policy term (mismatch_keep). ess_value is sg(ESS) for
+    loss_fn="ess"; topk is the tuple (head_logp, ref_head_logp, in_head) for
+    kl_estimator="topk". Returns (loss, sums) where sums holds per-micro-batch totals for
     logging (they are summed over micro-batches and ranks, then divided by the tokens).
     """
+    trust = torch.zeros_like(logp)
     if loss_fn == "dapo":
         pg, clipped = dapo_loss(logp, old_logp, adv, clip_lower, clip_higher)
     elif loss_fn == "cispo":
         pg, clipped = cispo_loss(logp, old_logp, adv, clip_higher)
     elif loss_fn == "ess":
-        pg, clipped = ess_loss(logp, old_logp, adv, ess_value)
+        pg, trust, clipped = ess_loss(logp, old_logp, adv, ess_value)
     else:
         raise ValueError(f"loss_fn={loss_fn!r} is not implemented")
     if tis_weight is not None:
         pg = pg * tis_weight
-    per_token = pg
+    if keep is not None:
+        pg = pg * keep
     kl = torch.zeros_like(logp)
     if ref_logp is not None:
-        kl = kl_topk(logp, ref_logp, old_logp, *topk) if kl_estimator == "topk" else \
-            KL_ESTIMATORS[kl_estimator](logp, ref_logp, torch.exp(logp - old_logp))
-        per_token = pg + beta * kl
-    loss = per_token.sum() / denominator
-    sums = dict(pg_loss=pg.detach().sum(), kl=kl.detach().sum(), clip_frac=clipped.sum(),
-                ratio=torch.exp(logp - old_logp).detach().sum())
+        if kl_estimator == "topk":
+            kl = kl_topk(logp, ref_logp, old_logp, *topk, behaviour_weight=tis_weight)
+        else:
+            rho = torch.exp(logp - old_logp) * (1.0 if tis_weight is None else tis_weight)
+            kl = KL_ESTIMATORS[kl_estimator](logp, ref_logp, rho)
+    loss = (pg + trust + beta * kl).sum() / denominator
+    sums = dict(pg_loss=pg.detach().sum(), kl=kl.detach().sum(), clip_frac=clipped.sum(), ess_trust=trust.detach().sum())
     return loss, sums
 
 
 def step_denominator(loss_denominator, n_tokens, n_sequences):
     """What the summed per-token loss of an optimizer step is divided by.
     "token": the valid tokens of the whole step, all ranks and micro-batches together.
-    A number c: c x the sequences of the step (Dr GRPO's constant normaliser, c = the
-    generation budget), so a token's weight does not depend on the lengths of others."""
+    A number c: c x n_sequences (Dr GRPO's constant normaliser, c = the generation budget),
+    so a token's weight does not depend on the lengths of others. The trainer passes the
+    configured sequences per mini-batch, not those left after filtering, so the weight of a
+    token stays the same from step to step."""
     if loss_denominator == "token":
         return max(float(n_tokens), 1.0)
     return float(loss_denominator) * n_sequences

@@ -217,10 +217,11 @@ class VLLMClient:
     def generate(self, prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None):
         """n completions of each token-id prompt. Returns one list per prompt of dicts with
         token_ids, logprobs (of the sampled tokens, under the sampling temperature),
-        finish_reason ("stop" or "length"), text and version (of the weights that sampled it)."""
+        finish_reason ("stop" or "length"), text and version (of the weights that sampled it).
+        Prompt i's request gets seed + i * n, so no two samples of the call share a stream."""
         payloads = [dict(model=self.model, prompt=ids, n=n, max_tokens=max_tokens, temperature=temperature,
                          top_p=top_p, logprobs=0, return_token_ids=True,
-                         seed=None if seed is None else seed + i)
+                         seed=None if seed is None else seed + i * n)  # vLLM seeds sample j with seed + j
                     for i, ids in enumerate(prompt_ids)]
         out = []
         for resp, version in self.map("/v1/completions", payloads, self.versioned_post):

@@ -46,7 +46,7 @@ from weight_sync import full_state_dict, make_weight_sync, write_serving_dir
 from config import Config, parse_args
 from data import PromptSampler, collate, load_prompts, load_tokenizer, split_for_ranks
 from episodes import Rollouts, drop_stale, evaluate, rollout_batch
-from loss import ess, grpo_loss, step_denominator
+from loss import ess, grpo_loss, mismatch_keep, step_denominator
 from parallel import close_distributed, load_model, setup_distributed
 from reference import EMAReference
 
@@ -62,34 +62,79 @@ def make_optimizer(cfg, policy, total_updates, device):
                                     num_training_steps=total_updates)
 
 
+def old_and_ref_logprobs(cfg, policy, ref_model, micro, fwd, topk, reuse_old, device):
+    """Before any update: old_logp (or vLLM's), the reference's logp and, for the top-k KL, the
+    sampling policy's top-k ids with the reference's values there (O(k) per token), in place."""
+    with torch.no_grad():
+        for b in (b for mbs in micro for b in mbs):
+            for key in ("vllm_logp", "adv", "seq_ids"):
+                b[key] = b[key].to(device)
+            if (not reuse_old and not cfg.use_vllm_logprobs) or topk:
+                b["old_logp"], _, _, b["head_ids"] = fwd(policy, b, topk=cfg.kl_topk if topk else 0)
+            if cfg.use_vllm_logprobs:
+                b["old_logp"] = b["vllm_logp"]
+            if cfg.beta > 0:
+                b["ref_logp"], _, b["ref_head_logp"], _ = fwd(ref_model, b, head_ids=b.get("head_ids"))
+            if topk:
+                targets = b["input_ids"][:, 1:][b["mask"]].to(device)
+                b["in_head"] = (b["head_ids"] == targets[:, None]).any(-1)
+
+
+def micro_batch_loss(cfg, logp, old_logp, head_logp, b, denom, e, topk):
+    """grpo_loss of one micro-batch with the trainer/vLLM corrections the config asks for:
+    truncated importance sampling and the token or sequence mask. Returns (loss, sums, masked)."""
+    tis = keep = None
+    if cfg.truncated_importance_sampling_ratio_cap > 0:
+        tis = torch.exp(old_logp - b["vllm_logp"]).clamp(max=cfg.truncated_importance_sampling_ratio_cap)
+    if cfg.vllm_importance_sampling_mask != "none":
+        keep = mismatch_keep(old_logp, b["vllm_logp"], b["seq_ids"], cfg.vllm_importance_sampling_mask,
+                             cfg.vllm_importance_sampling_mask_cap)
+    loss, s = grpo_loss(logp, old_logp, b["adv"], denom, loss_fn=cfg.loss_fn, clip_lower=cfg.clip_lower,
+                        clip_higher=cfg.clip_higher, ref_logp=b.get("ref_logp"), beta=cfg.beta,
+                        kl_estimator=cfg.kl_estimator, tis_weight=tis, keep=keep, ess_value=e,
+                        topk=(head_logp, b["ref_head_logp"], b["in_head"]) if topk else None)
+    return loss, s, (keep == 0).sum() if keep is not None else torch.zeros((), device=logp.device)
+
+
+def optimizer_step(cfg, policy, optimizer, scheduler, step_loss):
+    """Clip, then step unless the loss or the gradient norm is non-finite on some rank (every
+    rank takes the same decision). Returns (gradient norm, whether the update was skipped)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm or float("inf"))
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    finite = (torch.isfinite(grad_norm) & torch.isfinite(step_loss)).float()
+    dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    if finite.item():
+        optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm.item(), not finite.item()
+
+
 def train_on_rollouts(cfg, policy, ref_model, optimizer, scheduler, samples, rank, world_size, device, pad_id):
     """Mini-batches x epochs of GRPO updates on one rollout batch. Returns summed metrics."""
-    minis = split_for_ranks(samples, cfg.num_mini_batches, world_size, rank)
+    minis = split_for_ranks(samples, cfg.num_mini_batches, world_size, rank, cfg.num_samples_per_prompt_rollout)
     micro = [[collate(mine[i:i + cfg.per_device_train_batch_size], pad_id) for i in
               range(0, len(mine), cfg.per_device_train_batch_size)] for mine, _, _ in minis]
     fwd = lambda model, b, **kw: model.sequence_logprobs(b["input_ids"].to(device), b["attention_mask"].to(device),  # noqa: E731
                                                          b["mask"].to(device), cfg.temperature, **kw)
     topk = cfg.kl_estimator == "topk" and cfg.beta > 0
     reuse_old = cfg.num_mini_batches == 1 and cfg.num_epochs == 1 and not cfg.use_vllm_logprobs and not topk
-    with torch.no_grad():  # --- old and reference logprobs, before any update
-        for b in (b for mbs in micro for b in mbs):
-            b["vllm_logp"], b["adv"] = b["vllm_logp"].to(device), b["adv"].to(device)
-            if (not reuse_old and not cfg.use_vllm_logprobs) or topk:
-                b["old_logp"], _, _, b["head_ids"] = fwd(policy, b, topk=cfg.kl_topk if topk else 0)
-            if cfg.use_vllm_logprobs:
-                b["old_logp"] = b["vllm_logp"]
-            if cfg.beta > 0:  # the reference's values at the sampling policy's top-k: O(k) per token
-                b["ref_logp"], _, b["ref_head_logp"], _ = fwd(ref_model, b, head_ids=b.get("head_ids"))
-            if topk:
-                targets = b["input_ids"][:, 1:][b["mask"]].to(device)
-                b["in_head"] = (b["head_ids"] == targets[:, None]).any(-1)
-    ess_values = []
-    # local sums: loss x denom, pg_loss, kl, clipped, entropy, tokens, |logp - vllm_logp|, its tokens; then its max
-    sums, diff_max, skipped = torch.zeros(8, dtype=torch.float64, device=device), torch.zeros(1, device=device), 0
+    old_and_ref_logprobs(cfg, policy, ref_model, micro, fwd, topk, reuse_old, device)
+    # Dr GRPO's constant denominator counts the configured sequences of a mini-batch, not those
+    # left after filtering: a token weighs the same at every step
+    configured = cfg.num_unique_prompts_rollout * cfg.num_samples_per_prompt_rollout // cfg.num_mini_batches
+    ess_values, grad_norms, skipped = [], [], 0
+    first = next(k for k, (_, _, n_seqs) in enumerate(minis) if n_seqs)  # the sync check's mini-batch
+    # local sums: loss x denom, pg_loss, kl, clipped, entropy, ESS trust term, masked tokens, tokens,
+    # |logp - vllm_logp|, its tokens; then its max
+    sums, diff_max = torch.zeros(10, dtype=torch.float64, device=device), torch.zeros(1, device=device)
     step_loss = torch.zeros((), device=device)  # this rank's loss over the optimizer step's micro-batches
     for epoch in range(cfg.num_epochs):
         for k, ((_, n_tokens, n_seqs), mbs) in enumerate(zip(minis, micro)):
-            denom = step_denominator(cfg.loss_denominator, n_tokens, n_seqs)
+            if not n_seqs:  # every group of this mini-batch was filtered out (alike on every rank): no update
+                scheduler.step()
+                continue
+            denom = step_denominator(cfg.loss_denominator, n_tokens, configured)
             e = 1.0
             if cfg.loss_fn == "ess" and cfg.ess_scope == "step" and not reuse_old:
                 with torch.no_grad():  # ESS of the whole optimizer step's ratios: one extra forward
@@ -102,45 +147,36 @@ def train_on_rollouts(cfg, policy, ref_model, optimizer, scheduler, samples, ran
                 if cfg.loss_fn == "ess" and cfg.ess_scope == "micro_batch":
                     e = ess(torch.exp(logp.detach() - old_logp))  # over this micro-batch on every rank
                 ess_values.append(e)
-                tis = None
-                if cfg.truncated_importance_sampling_ratio_cap > 0:
-                    tis = torch.exp(old_logp - b["vllm_logp"]).clamp(max=cfg.truncated_importance_sampling_ratio_cap)
-                loss, s = grpo_loss(logp, old_logp, b["adv"], denom, loss_fn=cfg.loss_fn, clip_lower=cfg.clip_lower,
-                                    clip_higher=cfg.clip_higher, ref_logp=b.get("ref_logp"), beta=cfg.beta,
-                                    kl_estimator=cfg.kl_estimator, tis_weight=tis, ess_value=e,
-                                    topk=(head_logp, b["ref_head_logp"], b["in_head"]) if topk else None)
+                loss, s, masked = micro_batch_loss(cfg, logp, old_logp, head_logp, b, denom, e, topk)
                 # The loss is already divided by the step's global count; FSDP averages gradients
                 # over ranks, so scale by the world size to get their sum (gloo has no premul-sum).
                 (loss * world_size).backward()
                 step_loss += loss.detach()
                 zero = torch.zeros((), dtype=torch.float64, device=device)
                 # trainer vs vLLM on the tokens the current weights sampled, before any update: the sync check
-                diff = (logp.detach() - b["vllm_logp"]).abs()[b["fresh"].to(device)] if epoch == 0 and k == 0 else None
+                diff = (logp.detach() - b["vllm_logp"]).abs()[b["fresh"].to(device)] if epoch == 0 and k == first else None
                 sums += torch.stack([loss.detach().double() * denom, s["pg_loss"].double(), s["kl"].double(),
-                                     s["clip_frac"].double(), entropy.sum().double(), zero + logp.numel(),
+                                     s["clip_frac"].double(), entropy.sum().double(), s["ess_trust"].double(),
+                                     masked.double(), zero + logp.numel(),
                                      diff.sum().double() if diff is not None else zero,
                                      zero + (diff.numel() if diff is not None else 0)])
                 if diff is not None and diff.numel():
                     diff_max = torch.maximum(diff_max, diff.max())
-            # --- optimizer
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm or float("inf"))
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            finite = (torch.isfinite(grad_norm) & torch.isfinite(step_loss)).float()
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank takes the same decision
-            if finite.item():
-                optimizer.step()
-            else:
-                skipped += 1  # a non-finite loss or gradient norm on some rank: skip the update, keep the weights
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            grad_norm, was_skipped = optimizer_step(cfg, policy, optimizer, scheduler, step_loss)  # --- optimizer
+            grad_norms.append(grad_norm)
+            skipped += was_skipped  # a non-finite loss or gradient norm on some rank: the weights are kept
             step_loss.zero_()
     dist.all_reduce(sums)
     dist.all_reduce(diff_max, op=dist.ReduceOp.MAX)
-    (loss, pg_loss, kl, clip_frac, entropy), n = (sums[:5] / max(sums[5].item(), 1.0)).tolist(), int(sums[5].item())
-    return dict(loss=loss, pg_loss=pg_loss, kl=kl, clip_frac=clip_frac, entropy=entropy, grad_norm=grad_norm.item(),
-                vllm_logp_diff_mean=sums[6].item() / max(sums[7].item(), 1.0), vllm_logp_diff_max=diff_max.item(),
-                skipped_steps=skipped, trained_tokens=n, **({"ess": sum(ess_values) / len(ess_values)}
-                                                            if cfg.loss_fn == "ess" else {}))
+    n = int(sums[7].item())
+    loss, pg_loss, kl, clip_frac, entropy, trust, masked = (sums[:7] / max(n, 1)).tolist()
+    return dict(loss=loss, pg_loss=pg_loss, kl=kl, clip_frac=clip_frac, entropy=entropy,
+                grad_norm=sum(grad_norms) / max(len(grad_norms), 1), grad_norm_max=max(grad_norms, default=0.0),
+                vllm_logp_diff_mean=sums[8].item() / max(sums[9].item(), 1.0), vllm_logp_diff_max=diff_max.item(),
+                skipped_steps=skipped, trained_tokens=n,
+                **({"ess": sum(ess_values) / len(ess_values), "ess_trust": trust} if cfg.loss_fn == "ess" else {}),
+                **({"vllm_importance_sampling_masked_frac": masked}
+                   if cfg.vllm_importance_sampling_mask != "none" else {}))
 
 
 def main(cfg: Config):
@@ -171,7 +207,7 @@ def main(cfg: Config):
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.output_dir, exist_ok=True)
     policy = load_model(cfg, device, mesh)
-    ref = EMAReference(load_model(cfg, device, mesh, reference=True), policy, cfg.alpha) if cfg.load_ref_policy else None
+    ref = EMAReference(load_model(cfg, device, mesh, reference=True), policy, cfg.alpha) if cfg.uses_reference else None
     optimizer, scheduler = make_optimizer(cfg, policy, cfg.num_training_steps * plan["optimizer_steps"], device)
     sampler = PromptSampler(train_rows, cfg.seed)
     # --- resume from the newest complete checkpoint, if there is one
@@ -183,7 +219,7 @@ def main(cfg: Config):
     start = 0
     if resume[0]:
         try:
-            trainer_state = checkpoint.load(resume[0], policy, ref, optimizer, scheduler)
+            trainer_state = checkpoint.load(resume[0], policy, ref, optimizer, scheduler, cfg)
         except ValueError as e:  # nothing is started or overwritten yet
             raise SystemExit(f"error: {e}") from None
         start, sampler.position = trainer_state["step"], trainer_state["sampler_position"]

@@ -105,7 +105,7 @@ def worker(args):
         ref.update()
 
     from data import collate, split_for_ranks
-    mine = [s for part, _, _ in split_for_ranks(samples, 1, world, rank) for s in part]
+    mine = [s for part, _, _ in split_for_ranks(samples, 1, world, rank, cfg.num_samples_per_prompt_rollout) for s in part]
     batches = [collate(mine[i:i + args.micro_batch], 0) for i in range(0, len(mine), args.micro_batch)]
 
     @torch.no_grad()

@@ -4,6 +4,7 @@
     python tests/dist_worker.py ema MODEL_DIR OUT [key=value ...]   # K EMA updates, collectives counted
     python tests/dist_worker.py ess MODEL_DIR OUT     # ESS of fixed ratios split over the ranks
     python tests/dist_worker.py grads MODEL_DIR OUT [key=value ...]  # loss and full gradients of one micro-batch
+    python tests/dist_worker.py filtered MODEL_DIR OUT [...] groups=0,2  # one batch of which only these groups survived
 
 key=value pairs override Config fields (fsdp_shard_size=2, activation_checkpointing=true, ...).
 """
@@ -24,13 +25,15 @@ from weight_sync import full_state_dict
 mode, model_dir, out = sys.argv[1:4]
 positional = [a for a in sys.argv[4:] if "=" not in a]
 types = {f.name: f.type for f in dataclasses.fields(Config)}
-overrides = {k: convert(k, v, eval(types[k]) if isinstance(types[k], str) else types[k])
-             for k, v in (a.split("=", 1) for a in sys.argv[4:] if "=" in a)}
+pairs = [a.split("=", 1) for a in sys.argv[4:] if "=" in a]
+kept_groups = [int(g) for k, v in pairs if k == "groups" for g in v.split(",")]
+overrides = {k: convert(k, v, eval(types[k]) if isinstance(types[k], str) else types[k]) for k, v in pairs
+             if k != "groups"}
 loss_fn, kl_estimator = (positional + ["dapo", "k3"][len(positional):])
-cfg = Config(model_name_or_path=model_dir, num_unique_prompts_rollout=4, num_samples_per_prompt_rollout=4,
-             per_device_train_batch_size=2, beta=0.1, kl_estimator=kl_estimator, learning_rate=1e-3, alpha=0.3,
-             num_mini_batches=2, ref_policy_update_freq=1, loss_fn=loss_fn, kl_topk=4 if kl_estimator == "topk" else 0,
-             **overrides)
+cfg = Config(**{**dict(model_name_or_path=model_dir, num_unique_prompts_rollout=4, num_samples_per_prompt_rollout=4,
+                      per_device_train_batch_size=2, beta=0.1, kl_estimator=kl_estimator, learning_rate=1e-3,
+                      alpha=0.3, num_mini_batches=2, ref_policy_update_freq=1, loss_fn=loss_fn,
+                      kl_topk=4 if kl_estimator == "topk" else 0), **overrides})
 rank, world_size, device, mesh = train.setup_distributed(cfg)
 torch.manual_seed(0)
 policy = train.load_model(cfg, device, mesh)
@@ -59,10 +62,19 @@ if mode == "train":
         m = train.train_on_rollouts(cfg, policy, ref.model, optimizer, scheduler, fixed_rollouts(step), rank,
                                     world_size, device, pad_id=0)
         ref.update()
-        losses.append([m["loss"], m["kl"], m["clip_frac"], m["grad_norm"], m.get("ess", 1.0)])
+        losses.append([m["loss"], m["kl"], m["clip_frac"], m["grad_norm"], m.get("ess", 1.0), m["grad_norm_max"]])
     policy_sd, ref_sd = full_state_dict(policy), full_state_dict(ref.model)
     if rank == 0:
         torch.save(dict(losses=losses, policy=policy_sd, ref=ref_sd, mesh=mesh_info), out)
+elif mode == "filtered":
+    optimizer, scheduler = train.make_optimizer(cfg, policy, 10, device)
+    n = cfg.num_samples_per_prompt_rollout
+    batch = fixed_rollouts(0)
+    kept = [s for g in kept_groups for s in batch[g * n:(g + 1) * n]]
+    m = train.train_on_rollouts(cfg, policy, ref.model, optimizer, scheduler, kept, rank, world_size, device, pad_id=0)
+    policy_sd = full_state_dict(policy)
+    if rank == 0:
+        torch.save(dict(m=m, policy=policy_sd, scheduler_steps=scheduler.last_epoch), out)
 elif mode == "ema":
     # clone: in a world of one the "gathered" tensors may be the live parameters themselves
     ref0, pol0 = [{k: v.clone() for k, v in full_state_dict(m).items()} for m in (ref.model, policy)]

@@ -103,6 +103,30 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line(saved_on_two_ranks
                         str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert p.returncode != 0
     errors = [line for line in p.stderr.splitlines() if line.startswith("error: cannot resume from")]
-    assert len(errors) == 1 and "step_00000003" in errors[0] and "Missing key" in errors[0], p.stderr[-2000:]
+    # the saved config names the change before any tensor is read
+    assert len(errors) == 1 and "step_00000003" in errors[0] and "model_name_or_path" in errors[0], p.stderr[-2000:]
     assert sorted(os.listdir(root)) == before  # nothing removed or written
     assert not os.path.exists(tmp_path / "out" / "vllm.log")  # no server was started
+
+
+def test_resume_refuses_a_changed_run_and_allows_harmless_changes():
+    from dataclasses import asdict
+
+    from checkpoint import check_resumable
+    from config import Config
+
+    saved = asdict(Config(beta=0.1, num_mini_batches=2))
+    check_resumable(saved, Config(beta=0.1, num_mini_batches=2, num_training_steps=500, eval_freq=0, output_dir="o",
+                                  vllm_request_timeout=5.0, activation_checkpointing=True), "ckpt/step_00000004")
+    with pytest.raises(ValueError) as e:
+        check_resumable(saved, Config(beta=0.1, loss_fn="cispo", num_mini_batches=4), "ckpt/step_00000004")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("cannot resume from ckpt/step_00000004")
+    assert "loss_fn ('dapo' -> 'cispo')" in msg and "num_mini_batches (2 -> 4)" in msg and "beta" not in msg
+    decaying = asdict(Config(lr_scheduler_type="cosine"))
+    with pytest.raises(ValueError, match="num_training_steps"):  # a decaying schedule's length is its shape
+        check_resumable(decaying, Config(lr_scheduler_type="cosine", num_training_steps=500), "c")
+    older = {k: v for k, v in saved.items() if k != "active_sampling"}  # written before the field existed
+    check_resumable(older, Config(beta=0.1, num_mini_batches=2), "c")
+    with pytest.raises(ValueError, match="active_sampling"):
+        check_resumable(older, Config(beta=0.1, num_mini_batches=2, active_sampling=True), "c")

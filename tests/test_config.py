@@ -31,8 +31,26 @@ RULES = [
     (dict(async_steps=1, use_vllm_logprobs=True, single_gpu_mode=True), "sleep",
      dict(async_steps=0, single_gpu_mode=True, vllm_gpu_memory_utilization=0.3)),
     (dict(load_ref_policy=False, beta=0.1), "beta", dict(load_ref_policy=False, beta=0.0)),
-    (dict(load_ref_policy=False, ref_policy_update_freq=5), "no reference", dict(ref_policy_update_freq=5)),
-    (dict(ref_policy_update_freq=0), "positive", dict(ref_policy_update_freq=1)),
+    (dict(load_ref_policy=False, ref_policy_update_freq=5), "no reference", dict(ref_policy_update_freq=5, beta=0.1)),
+    (dict(ref_policy_update_freq=0, beta=0.1), "positive", dict(ref_policy_update_freq=1, beta=0.1)),
+    (dict(ref_policy_update_freq=5), "nothing uses the reference", dict(ref_policy_update_freq=5, beta=0.1)),
+    (dict(top_p=0.9), "nucleus", dict(top_p=1.0)),
+    (dict(learning_rate=-1e-3), "learning_rate", dict(learning_rate=0.0)),
+    (dict(weight_decay=-0.1), "weight_decay", dict(weight_decay=0.1)),
+    (dict(max_grad_norm=-1.0), "max_grad_norm", dict(max_grad_norm=0.0)),
+    (dict(warm_up_steps=-1), "warm_up_steps", dict(warm_up_steps=0)),
+    (dict(eval_freq=-1), "eval_freq", dict(eval_freq=0)),
+    (dict(vllm_logp_tolerance=0.0), "vllm_logp_tolerance", dict(vllm_logp_tolerance=1e-3)),
+    (dict(vllm_port=70000), "vllm_port", dict(vllm_port=8000)),
+    (dict(vllm_importance_sampling_mask="seq"), "vllm_importance_sampling_mask",
+     dict(vllm_importance_sampling_mask="sequence")),
+    (dict(vllm_importance_sampling_mask="token", vllm_importance_sampling_mask_cap=0.5), "must be > 1",
+     dict(vllm_importance_sampling_mask="token", vllm_importance_sampling_mask_cap=1.5)),
+    (dict(vllm_importance_sampling_mask="token", use_vllm_logprobs=True), "ratio",
+     dict(vllm_importance_sampling_mask="token")),
+    (dict(active_sampling=True, filter_zero_std_samples=False), "nothing is dropped", dict(active_sampling=True)),
+    (dict(active_sampling=True, active_sampling_max_rounds=0), "active_sampling_max_rounds",
+     dict(active_sampling=True, active_sampling_max_rounds=1)),
     (dict(alpha=0.0), "alpha", dict(alpha=1.0)),
     (dict(sequence_parallel_size=2), "sequence parallelism", dict(sequence_parallel_size=1)),
     (dict(kl_topk=4, beta=0.1), "kl_topk", dict(kl_topk=4, kl_estimator="topk", beta=0.1)),
@@ -78,6 +96,11 @@ def test_rule_rejects_bad_accepts_good(bad, fragment, good):
     with pytest.raises(ValueError, match=fragment):
         Config(**bad)
     Config(**good)
+
+
+def test_the_reference_is_built_only_when_the_kl_reads_it():
+    assert not Config().uses_reference and Config(beta=0.1).uses_reference
+    assert not Config(load_ref_policy=False).uses_reference
 
 
 def test_defaults_follow_seed_002():
@@ -131,7 +154,7 @@ def test_cli_forms():
     assert c.beta == 0.1 and c.clip_higher == 0.3 and c.with_tracking is True
     assert c.filter_zero_std_samples is False and c.ref_policy_update_freq is None
     assert c.vllm_server_urls == ["http://a:1", "http://b:2"] and c.loss_denominator == "512" and c.seed == 7
-    assert parse_args(["--ref_policy_update_freq", "4"]).ref_policy_update_freq == 4
+    assert parse_args(["--ref_policy_update_freq", "4", "--beta", "0.1"]).ref_policy_update_freq == 4
 
 
 @pytest.mark.parametrize("argv,fragment", [

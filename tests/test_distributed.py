@@ -69,6 +69,34 @@ def test_matches_one_process_after_three_steps(train_run, nproc, loss, extra):
             assert torch.allclose(one[name][k], other[name][k], atol=2e-5, rtol=0), (name, k)
 
 
+def test_constant_denominator_counts_the_configured_batch(tiny_model_dir, tmp_path):
+    """Dr GRPO's constant denominator c x sequences must count the configured sequences, not
+    those the filter left: the same 2 surviving groups weigh half as much in a batch
+    configured for 4 groups as in one configured for 2 (on-policy, so the gradient is linear
+    in 1/denominator and grad_norm shows it)."""
+    common = ("loss_denominator=4", "num_mini_batches=1", "max_grad_norm=0", "groups=0,2")
+    four = run("filtered", tiny_model_dir, tmp_path / "four.pt", 1, 0, "num_unique_prompts_rollout=4", *common)
+    two = run("filtered", tiny_model_dir, tmp_path / "two.pt", 1, 0, "num_unique_prompts_rollout=2", *common)
+    assert four["m"]["trained_tokens"] == two["m"]["trained_tokens"] > 0
+    assert four["m"]["grad_norm"] == pytest.approx(two["m"]["grad_norm"] / 2, rel=1e-5)
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_fewer_groups_than_mini_batches_on_two_ranks(tiny_model_dir, tmp_path, nproc):
+    """One group of 2 survives a batch of 4 mini-batches (ESS over the step): three
+    mini-batches are empty on every rank (no crash, no update, the schedule still advances)
+    and the one that is not trains the same on 2 ranks (one sample each) as in one process."""
+    args = ("ess", "k3", "num_samples_per_prompt_rollout=2", "num_unique_prompts_rollout=8", "num_mini_batches=4",
+            "groups=3")
+    got = run("filtered", tiny_model_dir, tmp_path / f"{nproc}.pt", nproc, 29700 + nproc, *args)
+    assert got["scheduler_steps"] == 4 and got["m"]["skipped_steps"] == 0
+    one = run("filtered", tiny_model_dir, tmp_path / "one.pt", 1, 0, *args) if nproc == 2 else got
+    assert got["m"]["trained_tokens"] == one["m"]["trained_tokens"] > 0
+    assert got["m"]["loss"] == pytest.approx(one["m"]["loss"], rel=1e-5, abs=1e-6)
+    for k in one["policy"]:
+        assert torch.allclose(one["policy"][k], got["policy"][k], atol=2e-5, rtol=0), k
+
+
 def test_training_moved_the_weights(train_run, tiny_model_dir):
     """Guards the test above against proving nothing: the policy moved, the EMA followed."""
     from transformers import AutoModelForCausalLM
@@ -78,6 +106,8 @@ def test_training_moved_the_weights(train_run, tiny_model_dir):
     k = "model.layers.0.mlp.up_proj.weight"
     moved = (one["policy"][k] - init[k]).abs().max()
     assert moved > 1e-3 and (one["ref"][k] - init[k]).abs().max() > 0.1 * moved
+    # grad_norm is the mean over a step's 2 optimizer steps, grad_norm_max their max
+    assert all(row[5] >= row[3] for row in one["losses"]) and any(row[5] > row[3] * 1.001 for row in one["losses"])
     assert all(abs(loss[2]) <= 1 for loss in one["losses"])  # clip_frac is a fraction
     assert all(0 < loss[4] <= 1 for loss in train_run(1, "ess", "topk")["losses"])  # ESS in (0, 1]
 

@@ -12,16 +12,20 @@ def logits(seed):
     return torch.randn(V, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-def expected_topk(k, theta, ref_logits, old_logits, corrected=True):
-    """E over the sampled token p ~ pi_old of the estimator's value and of its gradient,
-    enumerating all V tokens (no sampling noise)."""
+def expected_topk(k, theta, ref_logits, old_logits, corrected=True, behaviour_logits=None):
+    """E over the sampled token p ~ mu of the estimator's value and of its gradient,
+    enumerating all V tokens (no sampling noise). mu is pi_old unless a behaviour policy is
+    given (the vLLM weights that sampled); its tail is then weighted by pi_old/mu as well."""
     logpi, logref, logold = (torch.log_softmax(x, -1) for x in (theta, ref_logits, old_logits))
-    q = logold.topk(k).indices  # the sampling policy's top-k
+    logmu = logold if behaviour_logits is None else torch.log_softmax(behaviour_logits, -1)
+    q = logold.topk(k).indices  # the top-k of pi_old, as the trainer computes it
     in_head = torch.isin(torch.arange(V), q)  # (V,): is token p in q
     # the default is what grpo_loss uses in training: only the published form is asked for by name
     kwargs = {} if corrected else {"corrected": False}
+    if behaviour_logits is not None:
+        kwargs["behaviour_weight"] = torch.exp(logold - logmu)
     est = kl_topk(logpi, logref, logold, logpi[q].expand(V, k), logref[q].expand(V, k), in_head, **kwargs)
-    weights = logold.exp().detach()
+    weights = logmu.exp().detach()
     value = (weights * est).sum()
     (grad,) = torch.autograd.grad(value, theta)
     return value, grad
@@ -47,6 +51,39 @@ def test_topk_kl_is_unbiased_off_policy(k):
     """Tokens sampled by an older policy: q is its top-k and the tail is weighted by pi/pi_old."""
     theta = logits(0).requires_grad_()
     value, grad = expected_topk(k, theta, logits(1), logits(2))
+    kl, kl_grad = exact_kl(theta, logits(1))
+    assert torch.allclose(value, kl, atol=1e-12) and torch.allclose(grad, kl_grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [0, 3, V])
+def test_topk_kl_is_unbiased_when_another_policy_sampled(k):
+    """Tokens sampled by vLLM's weights mu (older than pi_old with async_steps > 0): the tail
+    weight pi/pi_old x pi_old/mu keeps value and gradient unbiased."""
+    theta = logits(0).requires_grad_()
+    value, grad = expected_topk(k, theta, logits(1), logits(2), behaviour_logits=logits(3))
+    kl, kl_grad = exact_kl(theta, logits(1))
+    assert torch.allclose(value, kl, atol=1e-12) and torch.allclose(grad, kl_grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("kl_estimator", ["k4", "topk"])
+def test_grpo_loss_weights_the_kl_by_the_policy_that_sampled(kl_estimator):
+    """Through grpo_loss as the trainer calls it: tokens p ~ mu (vLLM), old_logp from pi_old,
+    tis_weight = min(pi_old/mu, cap) with a cap that does not bind. E_mu of the KL term is the
+    exact KL and its expected gradient the reverse-KL gradient; weighting by pi/pi_old alone
+    (mu taken for pi_old) misses both."""
+    theta = logits(0).requires_grad_()
+    logpi, logref, logold, logmu = (torch.log_softmax(x, -1) for x in (theta, logits(1), logits(2), logits(3)))
+    tis = torch.exp(logold - logmu).clamp(max=100.0)
+    assert tis.max() < 100.0
+    q = logold.topk(3).indices
+    value = 0.0
+    for p in range(V):  # one sampled token per call, weighted by its probability under mu
+        one = slice(p, p + 1)
+        topk = (logpi[q][None], logref[q][None], torch.isin(torch.tensor([p]), q)) if kl_estimator == "topk" else None
+        loss, _ = grpo_loss(logpi[one], logold[one], torch.zeros(1, dtype=torch.float64), 1.0, ref_logp=logref[one],
+                            beta=1.0, kl_estimator=kl_estimator, tis_weight=tis[one], topk=topk)
+        value = value + logmu[p].exp().detach() * loss
+    (grad,) = torch.autograd.grad(value, theta)
     kl, kl_grad = exact_kl(theta, logits(1))
     assert torch.allclose(value, kl, atol=1e-12) and torch.allclose(grad, kl_grad, atol=1e-6)
 
@@ -94,10 +131,11 @@ def test_ess_objective_by_hand():
     logp = torch.log(rho).requires_grad_()
     e = ess(rho)  # (4.6)^2 / (4 * 6.5) = 0.8138...
     assert e == pytest.approx(4.6 ** 2 / (4 * 6.5))
-    per_token, capped = ess_loss(logp, old, adv, e)
+    pg, trust, capped = ess_loss(logp, old, adv, e)
+    per_token = pg + trust
     w = rho.clamp(max=e)
     d = torch.log(rho)
-    assert torch.allclose(per_token, -w * adv * d + (1 - e) * (torch.exp(-d) - 1 + d))
+    assert torch.allclose(pg, -w * adv * d) and torch.allclose(trust, (1 - e) * (torch.exp(-d) - 1 + d))
     assert capped.tolist() == [0, 1, 1, 1]
     (grad,) = torch.autograd.grad(per_token.sum(), logp)
     assert torch.allclose(grad, -w * adv + (1 - e) * (1 - torch.exp(-d)))
@@ -105,9 +143,22 @@ def test_ess_objective_by_hand():
     assert torch.isclose(loss, per_token.sum() / 4)
 
 
+def test_ess_trust_term_is_not_weighted_by_tis_nor_logged_as_pg_loss():
+    old = torch.zeros(3, dtype=torch.float64)
+    logp = torch.log(torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64))
+    adv = torch.tensor([1.0, -1.0, 0.5], dtype=torch.float64)
+    tis = torch.tensor([0.5, 2.0, 1.5], dtype=torch.float64)
+    pg, trust, _ = ess_loss(logp, old, adv, 0.7)
+    loss, sums = grpo_loss(logp, old, adv, 3.0, loss_fn="ess", ess_value=0.7, tis_weight=tis)
+    assert trust.abs().sum() > 0.1
+    assert torch.isclose(loss, (tis * pg + trust).sum() / 3)
+    assert torch.isclose(sums["pg_loss"], (tis * pg).sum()) and torch.isclose(sums["ess_trust"], trust.sum())
+    assert "ratio" not in sums
+
+
 def test_ess_of_uniform_ratios_is_the_plain_policy_gradient():
     logp = torch.tensor([-1.0, -2.0, -0.5], dtype=torch.float64, requires_grad=True)
     adv = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64)
-    per_token, _ = ess_loss(logp, logp.detach(), adv, ess(torch.ones(3)))
-    (grad,) = torch.autograd.grad(per_token.sum(), logp)
+    pg, trust, _ = ess_loss(logp, logp.detach(), adv, ess(torch.ones(3)))
+    (grad,) = torch.autograd.grad((pg + trust).sum(), logp)
     assert torch.allclose(grad, -adv)

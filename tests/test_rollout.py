@@ -66,6 +66,21 @@ def test_generate_shape_ids_and_seed(untied):
 
 
 @pytest.mark.slow
+def test_samples_of_neighbouring_prompts_do_not_share_streams(untied):
+    """The server seeds sample j of a request with seed s as s + j (a request with n=1 and
+    seed s + j draws it again). Two requests for the same prompt in one call must then not
+    repeat each other's samples, as they did with seeds s and s + 1."""
+    _, client = untied
+    prompt = [7, 8, 9]
+    group = client.generate([prompt], n=4, max_tokens=12, seed=40)[0]
+    for j in (1, 3):
+        assert client.generate([prompt], n=1, max_tokens=12, seed=40 + j)[0][0]["token_ids"] == group[j]["token_ids"]
+    first, second = client.generate([prompt, prompt], n=4, max_tokens=12, seed=40)
+    assert [s["token_ids"] for s in first] == [s["token_ids"] for s in group]
+    assert [s["token_ids"] for s in second[:3]] != [s["token_ids"] for s in first[1:]]
+
+
+@pytest.mark.slow
 def test_sampling_logprobs_match_trainer(untied):
     model, client = untied
     s = client.generate([[7, 8, 9]], n=2, max_tokens=10, temperature=0.7, seed=1)[0][0]
@@ -155,6 +170,14 @@ def test_fsdp2_sharded_sync_on_two_ranks(untied, tiny_model_dir, tmp_path):
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "SYNC OK" in out.stdout, out.stdout[-2000:]
+
+
+def test_weight_files_go_to_a_private_directory(tmp_path):
+    """Nobody else on the machine may replace the weights between the write and the reload."""
+    sync = weight_sync.FilesystemSync(None, 0, str(tmp_path), base=str(tmp_path / "shared"))
+    assert os.path.dirname(sync.dir) == str(tmp_path / "shared") and os.stat(sync.dir).st_mode & 0o777 == 0o700
+    sync.close()
+    assert not os.path.exists(sync.dir)
 
 
 def test_unreachable_server_fails_with_name_and_reason():

@@ -1,0 +1,93 @@
+"""A step's batch (episodes.rollout_batch): disjoint sampling seeds, whole groups, and DAPO's
+dynamic sampling (active_sampling) refilling the groups the zero-std filter drops. The
+server is replaced by a scripted one here so that which groups survive is known exactly;
+test_rollout.py checks the seeds against a real vLLM server."""
+
+import pytest
+
+from config import Config
+from data import PromptSampler
+from episodes import rollout_batch
+
+
+class ScriptedServer:
+    """Answers like VLLMClient.generate. Prompt k's group is all "a" (every reward 1, zero
+    std) when k is in `agree`, else half "a", half "b". Records each request's seed."""
+
+    def __init__(self, tokenizer, agree):
+        self.a, self.b = tokenizer.convert_tokens_to_ids(["a", "b"])
+        self.agree, self.seeds = agree, []
+
+    def generate(self, prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None):
+        self.seeds.append(seed)
+        return [[dict(token_ids=[self.a if ids[0] in self.agree or j % 2 else self.b], logprobs=[-0.5],
+                      finish_reason="length", text="", version=0) for j in range(n)] for ids in prompt_ids]
+
+
+def rows(n):
+    return [dict(prompt_ids=[k], prompt_text=str(k), answer="a") for k in range(n)]
+
+
+def reward(prompt, completion, example):
+    return float(completion == example["answer"])
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def groups_of(samples, n):
+    return [samples[i:i + n] for i in range(0, len(samples), n)]
+
+
+def test_filtered_groups_are_refilled_until_the_batch_is_full(tokenizer):
+    cfg = Config(num_unique_prompts_rollout=4, num_samples_per_prompt_rollout=2, active_sampling=True,
+                 active_sampling_max_rounds=3, seed=3)
+    agree = {0, 1, 2, 3, 4, 5}  # prompts 0-5 carry no signal
+    server = ScriptedServer(tokenizer, agree)
+    order = [r["prompt_ids"][0] for r in PromptSampler(rows(12), seed=0).next_batch(12)]  # the sampler's order
+    signal = [i for i, k in enumerate(order) if k not in agree]
+    rounds = signal[3] // 4  # the extra rounds until the 4th prompt with signal (4 prompts a round)
+    samples, m = rollout_batch(cfg, server, PromptSampler(rows(12), seed=0), 7, reward, tokenizer)
+    assert len(samples) == 8 and m["active_sampling_missing_groups"] == 0 and m["active_sampling_rounds"] == rounds
+    assert [g[0]["prompt_ids"][0] for g in groups_of(samples, 2)] == [order[i] for i in signal[:4]]
+    assert all(g[0]["prompt_ids"] == g[1]["prompt_ids"] for g in groups_of(samples, 2))  # whole groups
+    assert m["filtered_groups"] == sum(k in agree for k in order[:4 * (rounds + 1)])
+    assert m["prompts_seen"] == 4 * (rounds + 1)
+    block = 4 * 2  # each round's requests use seeds base .. base + prompts x samples - 1
+    assert server.seeds == [3 * 2 ** 32 + (7 * 4 + r) * block for r in range(rounds + 1)]
+
+
+def test_refills_stop_after_max_rounds(tokenizer):
+    cfg = Config(num_unique_prompts_rollout=2, num_samples_per_prompt_rollout=2, active_sampling=True,
+                 active_sampling_max_rounds=2)
+    server = ScriptedServer(tokenizer, agree=set(range(100)))  # nothing ever has signal
+    samples, m = rollout_batch(cfg, server, PromptSampler(rows(20), 0), 1, reward, tokenizer)
+    assert samples == [] and m["active_sampling_rounds"] == 2 and m["active_sampling_missing_groups"] == 2
+    assert len(server.seeds) == 3 and m["filtered_groups"] == 6
+
+
+def test_without_active_sampling_one_round(tokenizer):
+    cfg = Config(num_unique_prompts_rollout=2, num_samples_per_prompt_rollout=2)
+    server = ScriptedServer(tokenizer, agree={0})
+    sampler = PromptSampler(rows(2), 0)
+    samples, m = rollout_batch(cfg, server, sampler, 1, reward, tokenizer)
+    assert len(server.seeds) == 1 and len(samples) == 2 and m["filtered_groups"] == 1
+    assert "active_sampling_rounds" not in m
+
+
+def test_request_seeds_leave_room_for_every_sample():
+    """vLLM gives sample j of a request with seed s the seed s + j: prompt i must get
+    base + i * n, or neighbouring prompts share n - 1 of their n streams."""
+    import rollout
+
+    client = rollout.VLLMClient(["http://127.0.0.1:9"], "m")
+    sent = []
+    client.map = lambda route, payloads, fn=None: sent.extend(payloads) or []
+    client.generate([[1], [2], [3]], n=8, max_tokens=4, seed=100)
+    streams = [set(range(p["seed"], p["seed"] + p["n"])) for p in sent]
+    assert [p["seed"] for p in sent] == [100, 108, 116]
+    assert all(not (a & b) for i, a in enumerate(streams) for b in streams[i + 1:])
