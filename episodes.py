@@ -13,8 +13,10 @@ import time
 import torch
 from tqdm import tqdm
 
-from data import score
 from loss import group_advantages
+from rewards import has_answer_format
+
+SAMPLES_SHOWN = 4  # (prompt, completion, reward) triples a step logs every log_samples_freq steps
 
 
 def completion_text(tokenizer, sample):
@@ -26,19 +28,20 @@ def completion_text(tokenizer, sample):
     return tokenizer.decode(ids, skip_special_tokens=False)
 
 
-def evaluate(cfg, client, eval_rows, reward_fn, tokenizer):
-    """Greedy decoding on held-out prompts; the task's mean reward."""
+def evaluate(cfg, client, eval_rows, pool, tokenizer):
+    """Greedy decoding on held-out prompts; the task's mean reward (format_reward not included)."""
     if not eval_rows:
         return None
     out = client.generate([r["prompt_ids"] for r in eval_rows], n=1, max_tokens=cfg.response_length, temperature=0.0)
     texts = [completion_text(tokenizer, g[0]) for g in out]
-    rewards, _, _ = score(reward_fn, [r["prompt_text"] for r in eval_rows], texts, eval_rows)
+    rewards, _, _ = pool.score([r["prompt_text"] for r in eval_rows], texts, eval_rows)
     return sum(rewards) / len(rewards)
 
 
-def rollout_batch(cfg, client, sampler, step, reward_fn, tokenizer):
-    """Rank 0: prompts -> vLLM completions -> rewards -> group advantages.
-    Returns the samples to train on and the step's rollout metrics."""
+def rollout_batch(cfg, client, sampler, step, pool, tokenizer):
+    """Rank 0: prompts -> vLLM completions -> rewards (scored by `pool`, a RewardPool) ->
+    group advantages. Returns the samples to train on and the step's rollout metrics; every
+    log_samples_freq steps the metrics carry a few (prompt, completion, reward) as "samples"."""
     t0 = time.perf_counter()
     rows = sampler.next_batch(cfg.num_unique_prompts_rollout)
     groups = client.generate([r["prompt_ids"] for r in rows], n=cfg.num_samples_per_prompt_rollout,
@@ -48,9 +51,15 @@ def rollout_batch(cfg, client, sampler, step, reward_fn, tokenizer):
     t1 = time.perf_counter()
     flat = [(row, s) for row, g in zip(rows, groups) for s in g]
     texts = [completion_text(tokenizer, s) for _, s in flat]
-    rewards, errors, first_error = score(reward_fn, [r["prompt_text"] for r, _ in flat], texts, [r for r, _ in flat])
-    if first_error:
-        tqdm.write(f"step {step}: {errors} reward error(s) scored 0, first: {first_error}")
+    rewards, failures, first_failure = pool.score([r["prompt_text"] for r, _ in flat], texts, [r for r, _ in flat])
+    if first_failure:
+        tqdm.write(f"step {step}: {sum(failures.values())} reward(s) scored 0 ({failures}), first: {first_failure}")
+    if cfg.format_reward:
+        rewards = [r + cfg.format_reward * has_answer_format(t) for r, t in zip(rewards, texts)]
+    if cfg.log_samples_freq and step % cfg.log_samples_freq == 0:
+        shown = range(0, len(flat), max(1, len(flat) // SAMPLES_SHOWN))[:SAMPLES_SHOWN]  # from different groups
+        m["samples"] = [dict(step=step, prompt=flat[i][0]["prompt_text"], completion=texts[i], reward=rewards[i])
+                        for i in shown]
     rewards = torch.tensor(rewards)
     adv, std = group_advantages(rewards, cfg.num_samples_per_prompt_rollout, cfg.advantage_normalization_type)
     keep = (std > 0) if cfg.filter_zero_std_samples else torch.ones_like(std, dtype=torch.bool)
@@ -59,7 +68,7 @@ def rollout_batch(cfg, client, sampler, step, reward_fn, tokenizer):
                for (r, s), a, k in zip(flat, adv.tolist(), keep.tolist()) if k]
     lengths = torch.tensor([len(s["token_ids"]) for _, s in flat], dtype=torch.float)
     m.update(reward_mean=rewards.mean().item(), reward_std=rewards.std().item(), response_length=lengths.mean().item(),
-             reward_errors=errors, stop_frac=sum(s["finish_reason"] == "stop" for _, s in flat) / len(flat),
+             **failures, stop_frac=sum(s["finish_reason"] == "stop" for _, s in flat) / len(flat),
              filtered_groups=int((~keep).sum().item()) // cfg.num_samples_per_prompt_rollout,
              time_score=time.perf_counter() - t1, prompts_seen=sampler.position, response_tokens=lengths.sum().item())
     return samples, m
