@@ -53,7 +53,8 @@ def rollout_batch(cfg, client, sampler, step, pool, tokenizer):
     texts = [completion_text(tokenizer, s) for _, s in flat]
     rewards, failures, first_failure = pool.score([r["prompt_text"] for r, _ in flat], texts, [r for r, _ in flat])
     if first_failure:
-        tqdm.write(f"step {step}: {sum(failures.values())} reward(s) scored 0 ({failures}), first: {first_failure}")
+        counts = ", ".join(f"{k}={v}" for k, v in failures.items() if v)
+        tqdm.write(f"step {step}: {sum(failures.values())} reward(s) scored 0 ({counts}); first: {first_failure}")
     if cfg.format_reward:
         rewards = [r + cfg.format_reward * has_answer_format(t) for r, t in zip(rewards, texts)]
     if cfg.log_samples_freq and step % cfg.log_samples_freq == 0:
