@@ -20,13 +20,20 @@ if [ "${1:-}" = "--tiny" ]; then
     out=output/demo-tiny
     [ -f models/tiny/config.json ] || .venv/bin/python scripts/make_tiny_model.py --out models/tiny
     args=(--model_name_or_path models/tiny --max_prompt_length 256 --response_length 16 --num_training_steps 5
-          --eval_freq 5 --num_eval_prompts 16)
+          --eval_freq 5 --num_eval_prompts 16 --num_unique_prompts_rollout 2 --num_samples_per_prompt_rollout 4
+          --per_device_train_batch_size 4)
 else
     .venv/bin/python scripts/prepare_smollm2.py
-    # 8 prompts x 4 samples at T 0.8, 128 new tokens; one AdamW step of lr 2e-5 per batch; no KL.
+    # 4 prompts x 8 samples at T 0.7, 128 new tokens; one AdamW step per batch, lr 5e-6 after
+    # 5 warm-up steps; no KL.
+    # Sampled answers are right less often than greedy ones (0.09 at T 0.8 against 0.30): groups
+    # of 8 at a lower temperature leave fewer groups with all-zero rewards (filtered, no signal).
+    # lr 2e-5 without warm-up took greedy accuracy from 0.30 to 0.09 in 3 steps: Adam's first
+    # steps move every weight by about lr whatever the gradient's size.
     args=(--model_name_or_path models/smollm2-135m-instruct --max_prompt_length 128 --response_length 128
-          --num_training_steps 40 --eval_freq 20 --num_eval_prompts 64 --learning_rate 2e-5 --temperature 0.8
-          --num_unique_prompts_rollout 8 --num_samples_per_prompt_rollout 4 --per_device_train_batch_size 8
+          --num_training_steps 40 --eval_freq 20 --num_eval_prompts 64 --temperature 0.7
+          --learning_rate 5e-6 --warm_up_steps 5
+          --num_unique_prompts_rollout 4 --num_samples_per_prompt_rollout 8 --per_device_train_batch_size 8
           --beta 0 --load_ref_policy false)
 fi
 start=$(date +%s)
