@@ -45,5 +45,5 @@ import json, sys
 evals = [(r["step"], r["eval_accuracy"]) for r in map(json.loads, open(sys.argv[1])) if r.get("eval_accuracy") is not None]
 (s0, before), (s1, after) = evals[0], evals[-1]
 print(f"held-out greedy accuracy: {before:.3f} at step {s0} -> {after:.3f} at step {s1} "
-      f"({100 * (after - before):+.1f} points); training took {int(sys.argv[2]) // 60} min {int(sys.argv[2]) % 60} s")
+      f"({100 * (after - before):+.1f} points); the run took {int(sys.argv[2]) // 60} min {int(sys.argv[2]) % 60} s")
 EOF

@@ -40,8 +40,11 @@ TASK = ["--dataset", "math", "--reward_fn", "rewards:math_reward_last_number", "
         "--num_eval_prompts", "64",
         "--num_unique_prompts_rollout", "4", "--num_samples_per_prompt_rollout", "8",
         "--per_device_train_batch_size", "8", "--log_samples_freq", "0"]
+# The tiny model's character prompts are ~200 tokens: 4 x 8 of them at once crashed the vLLM
+# CPU server here ("CPU Generator does not use offset", in seeded sampling); 2 x 4 did not.
 TINY = ["--max_prompt_length", "256", "--response_length", "16", "--num_eval_prompts", "8",
-        "--num_unique_prompts_rollout", "2", "--num_samples_per_prompt_rollout", "4", "--per_device_train_batch_size", "4"]
+        "--num_unique_prompts_rollout", "2", "--num_samples_per_prompt_rollout", "4",
+        "--per_device_train_batch_size", "4"]
 
 
 def run_one(args, name, flags, seed, url):
@@ -114,7 +117,7 @@ def table(results, args):
         first = [curves(rows)[0][1] for rows, _ in runs]
         last = [curves(rows)[-1][1] for rows, _ in runs]
         lines.append(f"| {name} | {fmt(first)} | {', '.join(f'{x:.3f}' for x in last)} | {fmt(last)} | "
-                     f"`{runs[0][1].replace(args.out, 'OUT')}` |")
+                     f"`{runs[0][1].replace(args.out, 'OUT').replace(ROOT + os.sep, '')}` |")
     return "\n".join(lines)
 
 
@@ -137,8 +140,10 @@ def main():
         args.model, args.eval_freq = os.path.join(ROOT, "models", "tiny"), min(args.eval_freq, args.steps)
         if not os.path.isfile(os.path.join(args.model, "config.json")):
             make_tiny_model.main(["--out", args.model])
-    elif subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "prepare_smollm2.py"), "--out", args.model]).returncode:
-        sys.exit("error: the model could not be prepared (see above)")
+    else:
+        prepare = [sys.executable, os.path.join(ROOT, "scripts", "prepare_smollm2.py"), "--out", args.model]
+        if subprocess.run(prepare).returncode:
+            sys.exit("error: the model could not be prepared (see above)")
     os.makedirs(args.out, exist_ok=True)
     import rollout
 
