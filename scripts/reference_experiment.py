@@ -40,8 +40,6 @@ TASK = ["--dataset", "math", "--reward_fn", "rewards:math_reward_last_number", "
         "--num_eval_prompts", "64",
         "--num_unique_prompts_rollout", "4", "--num_samples_per_prompt_rollout", "8",
         "--per_device_train_batch_size", "8", "--log_samples_freq", "0"]
-# The tiny model's character prompts are ~200 tokens: 4 x 8 of them at once crashed the vLLM
-# CPU server here ("CPU Generator does not use offset", in seeded sampling); 2 x 4 did not.
 TINY = ["--max_prompt_length", "256", "--response_length", "16", "--num_eval_prompts", "8",
         "--num_unique_prompts_rollout", "2", "--num_samples_per_prompt_rollout", "4",
         "--per_device_train_batch_size", "4"]
