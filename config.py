@@ -22,11 +22,17 @@ from typing import Optional
 class Config:
     # --- model and data
     model_name_or_path: str = "models/tiny"  # HF hub name or local dir (build a tiny one: python scripts/make_tiny_model.py --out models/tiny)
-    dataset: str = "copy"  # a built-in task (copy, add), a hub dataset name, or a local .jsonl/.json/.parquet/.csv file
+    dataset: str = "copy"  # a built-in task (copy, add, math), a hub dataset name, or a local .jsonl/.json/.parquet/.csv file
+    math_digits: int = 1  # math task: numbers of up to this many digits
+    math_operations: str = "+-"  # math task: operations a problem draws from, any of + - *
+    math_steps: int = 1  # math task: operations per problem after the start count
     dataset_split: str = "train"  # split to read from a hub dataset
     dataset_prompt_column: str = "prompt"  # column holding the prompt: a string, or a list of {role, content} chat messages
     dataset_answer_column: str = "answer"  # column the reward function reads as example["answer"] (may be absent if the reward needs none)
     reward_fn: Optional[str] = None  # "module:function" or "path/to/file.py:function"; None = the built-in task's reward, else exact_match
+    reward_workers: int = 2  # processes that score rewards (reward_pool.py); 0 = in the trainer, no timeout (breakpoint() works)
+    reward_timeout: float = 10.0  # seconds one sample's reward may take in a worker; past it the sample scores 0
+    format_reward: float = 0.0  # added to the training reward (not to evaluation) of a completion that marks an answer with \boxed{} or ####
     apply_chat_template: bool = False  # wrap string prompts as one user message and apply the tokenizer's chat template
     max_prompt_length: int = 64  # prompt tokens; longer prompts are skipped and counted, or refused (see skip_long_prompts)
     skip_long_prompts: bool = True  # True: skip and count prompts over max_prompt_length; False: stop with an error
@@ -105,6 +111,7 @@ class Config:
     save_freq: int = -1  # steps between Hugging Face model exports (output_dir/step_N); -1 = only the final one (output_dir/final)
     max_consecutive_skipped_steps: int = 3  # stop when this many steps in a row skip an update for a non-finite loss or gradient norm
     with_tracking: bool = False  # also log to Weights & Biases or TensorBoard (offline modes work)
+    log_samples_freq: int = 10  # every N steps print a few (prompt, completion, reward) and append them to output_dir/samples.jsonl; 0 = never
     seed: int = 1  # seeds data order, sampling and initialisation
 
     def __post_init__(self):
@@ -123,6 +130,13 @@ class Config:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 refuse(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        if not 1 <= self.math_digits <= 9 or self.math_steps < 1:
+            refuse(f"math_digits={self.math_digits} must be in 1..9 and math_steps={self.math_steps} >= 1")
+        if not self.math_operations or set(self.math_operations) - set("+-*"):
+            refuse(f"math_operations={self.math_operations!r} must be made of + - * (for example '+-' or '+-*')")
+        if self.reward_workers < 0 or self.reward_timeout <= 0 or self.log_samples_freq < 0:
+            refuse(f"reward_workers={self.reward_workers} and log_samples_freq={self.log_samples_freq} must be >= 0, "
+                   f"reward_timeout={self.reward_timeout} > 0")
         self.loss_denominator = str(self.loss_denominator)
         if self.loss_denominator != "token":
             try:

@@ -1,81 +1,29 @@
-"""Prompts and rewards: built-in tasks made in code, user datasets, reward functions.
+"""Prompts: built-in tasks made in code, user datasets, rollouts to tensors.
 
 A row is a dict with at least "prompt" (a string, or a list of {role, content} chat
-messages) and usually "answer". A reward function is any plain callable
-
-    reward(prompt: str, completion: str, example: dict) -> float
+messages) and usually "answer". Reward functions are in rewards.py.
 
 Built-in tasks (deterministic by seed; evaluation prompts are disjoint from training):
   copy  "copy: abca=" -> "abca". Partial credit per matching character, divided by
         max(len(answer), len(completion)): learnable by RL alone from a random 0.3 M model.
   add   "12+7=" -> "19". Exact match on the text before the first newline.
+  math  "Ava has 7 apples. Ava finds 5 more. How many apples does Ava have now? Put the
+        final answer in \\boxed{}." as a chat message -> "12", scored by rewards.math_reward.
+        Difficulty: math_digits, math_operations, math_steps.
 
 User data: `--dataset` names a local .jsonl/.json/.parquet/.csv file or a hub dataset;
 `--dataset_prompt_column` and `--dataset_answer_column` map its columns onto
 "prompt" and "answer" (other columns are kept and reach the reward as `example`).
+GSM8K rows (question; answer ending in "#### 72") and MATH rows (problem; solution with
+\\boxed{}) train with `--reward_fn rewards:math_reward`, which reads the gold answer there.
 """
 
-import importlib
-import importlib.util
-import math
+import json
 import os
 import random
 import zlib
 
-# --- rewards
-
-
-def copy_reward(prompt, completion, example):
-    """Fraction of answer characters reproduced in place; extra characters cost too."""
-    answer = example["answer"]
-    hits = sum(a == c for a, c in zip(answer, completion))
-    return hits / max(len(answer), len(completion), 1)
-
-
-def exact_match(prompt, completion, example):
-    """1.0 when the completion's first line, stripped, equals the answer."""
-    first_line = completion.strip().split("\n")[0].strip()
-    return float(first_line == str(example["answer"]).strip())
-
-
-def load_reward_fn(path):
-    """`module:function` (importable) or `path/to/file.py:function`."""
-    module_name, sep, fn_name = path.rpartition(":")
-    if not sep or not module_name or not fn_name:
-        raise ValueError(f"reward_fn={path!r} must look like 'module:function' or 'file.py:function'")
-    try:
-        if module_name.endswith(".py"):
-            if not os.path.isfile(module_name):
-                raise ValueError(f"reward_fn file {module_name!r} does not exist; give a path to a .py file")
-            spec = importlib.util.spec_from_file_location("user_reward", module_name)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"reward_fn={path!r}: cannot import {module_name!r} ({e}); check the module path") from None
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise ValueError(f"reward_fn={path!r}: {module_name!r} has no function {fn_name!r}")
-    return fn
-
-
-def score(reward_fn, prompts, completions, examples):
-    """Rewards for a batch. A reward that raises or is not a finite number scores 0 and is
-    counted: one bad completion must not kill a long run. Returns (rewards, n_errors, first_error)."""
-    rewards, errors, first = [], 0, None
-    for p, c, ex in zip(prompts, completions, examples):
-        try:
-            r = reward_fn(p, c, ex)
-            if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
-                raise TypeError(f"returned {r!r}, not a finite number")
-            rewards.append(float(r))
-        except Exception as e:  # noqa: BLE001 - user code may raise anything
-            rewards.append(0.0)
-            errors += 1
-            first = first or f"{type(e).__name__}: {e}"
-    return rewards, errors, first
-
+from rewards import copy_reward, exact_match, load_reward_fn, math_reward
 
 # --- built-in tasks
 
@@ -90,21 +38,59 @@ def add_task(rng):
     return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
 
 
-TASKS = {"copy": (copy_task, copy_reward), "add": (add_task, exact_match)}
+NAMES = ["Ava", "Ben", "Chloe", "Dev", "Emma", "Finn", "Gia", "Hugo", "Iris", "Jon", "Kai", "Lena", "Mia", "Noah"]
+ITEMS = ["apples", "marbles", "stickers", "books", "coins", "cards", "shells", "pencils", "stamps", "cookies"]
+BOXED = "Put the final answer in \\boxed{}."
+
+
+def math_task(rng, digits=1, operations="+-", steps=1):
+    """A word problem: a start count and `steps` operations drawn from `operations` (+, -, *),
+    numbers of up to `digits` digits (a product's factor is 2 to 9); the count never goes
+    below 0. One user message asking for a boxed answer; the answer is the final count."""
+    name, item, top = rng.choice(NAMES), rng.choice(ITEMS), 10 ** digits - 1
+    total = rng.randint(2, top)
+    text = [f"{name} has {total} {item}."]
+    for _ in range(steps):
+        op = rng.choice(operations)
+        op = "+" if op == "-" and total == 0 else op
+        if op == "+":
+            n = rng.randint(1, top)
+            text.append(rng.choice([f"{name} finds {n} more.", f"A friend gives {name} {n} more {item}."]))
+            total += n
+        elif op == "-":
+            n = rng.randint(1, min(total, top))
+            text.append(rng.choice([f"{name} gives away {n}.", f"{name} loses {n} of them."]))
+            total -= n
+        else:
+            n = rng.randint(2, 9)
+            text.append(f"Then {name} ends up with {n} times as many {item} as that.")
+            total *= n
+    question = " ".join(text) + f" How many {item} does {name} have now? {BOXED}"
+    return {"prompt": [{"role": "user", "content": question}], "answer": str(total)}
+
+
+TASKS = {"copy": (copy_task, copy_reward), "add": (add_task, exact_match), "math": (math_task, math_reward)}
 
 
 def is_eval_prompt(prompt, eval_fraction=0.2):
     """A fixed, seed-independent 20% of distinct prompts is held out for evaluation."""
-    return zlib.crc32(prompt.encode()) % 1000 < eval_fraction * 1000
+    key = prompt if isinstance(prompt, str) else json.dumps(prompt)
+    return zlib.crc32(key.encode()) % 1000 < eval_fraction * 1000
 
 
-def task_rows(task, n, seed, split):
-    """n rows of a built-in task, deterministic in (seed, split), from its train or eval part."""
+def task_knobs(cfg):
+    """The built-in task's settings from the config (only `math` has any)."""
+    return dict(digits=cfg.math_digits, operations=cfg.math_operations, steps=cfg.math_steps) \
+        if cfg.dataset == "math" else {}
+
+
+def task_rows(task, n, seed, split, **knobs):
+    """n rows of a built-in task, deterministic in (seed, split, knobs), from its train or eval part."""
     make, _ = TASKS[task]
     rng = random.Random(f"{task}-{seed}-{split}")
     rows = []
     while len(rows) < n:
-        row = make(rng)
+        row = make(rng, **knobs)
         if is_eval_prompt(row["prompt"]) == (split == "eval"):
             rows.append(row)
     return rows
@@ -201,8 +187,8 @@ def load_prompts(cfg, tokenizer):
     """
     if cfg.dataset in TASKS:
         n_train = max(4096, 4 * cfg.num_unique_prompts_rollout)
-        train = task_rows(cfg.dataset, n_train, cfg.seed, "train")
-        evals = task_rows(cfg.dataset, cfg.num_eval_prompts, cfg.seed, "eval")
+        train = task_rows(cfg.dataset, n_train, cfg.seed, "train", **task_knobs(cfg))
+        evals = task_rows(cfg.dataset, cfg.num_eval_prompts, cfg.seed, "eval", **task_knobs(cfg))
         default_reward = TASKS[cfg.dataset][1]
     else:
         rows = load_rows(cfg)

@@ -13,8 +13,10 @@ import time
 import torch
 from tqdm import tqdm
 
-from data import score
 from loss import group_advantages
+from rewards import has_answer_format
+
+SAMPLES_SHOWN = 4  # (prompt, completion, reward) triples a step logs every log_samples_freq steps
 
 
 def completion_text(tokenizer, sample):
@@ -26,28 +28,33 @@ def completion_text(tokenizer, sample):
     return tokenizer.decode(ids, skip_special_tokens=False)
 
 
-def evaluate(cfg, client, eval_rows, reward_fn, tokenizer):
-    """Greedy decoding on held-out prompts; the task's mean reward."""
+def evaluate(cfg, client, eval_rows, pool, tokenizer):
+    """Greedy decoding on held-out prompts; the task's mean reward (format_reward not included)."""
     if not eval_rows:
         return None
     out = client.generate([r["prompt_ids"] for r in eval_rows], n=1, max_tokens=cfg.response_length, temperature=0.0)
     texts = [completion_text(tokenizer, g[0]) for g in out]
-    rewards, _, _ = score(reward_fn, [r["prompt_text"] for r in eval_rows], texts, eval_rows)
+    rewards, _, _ = pool.score([r["prompt_text"] for r in eval_rows], texts, eval_rows)
     return sum(rewards) / len(rewards)
 
 
-def sample_groups(cfg, client, rows, seed, step, reward_fn, tokenizer):
-    """One generation round: num_samples_per_prompt_rollout completions of each row, scored,
-    with group advantages. Returns the samples of the groups kept and the round's counts."""
+def sample_groups(cfg, client, rows, seed, step, pool, tokenizer, show=False):
+    """One generation round: num_samples_per_prompt_rollout completions of each row, scored by
+    `pool` (a RewardPool), with group advantages. Returns the samples of the groups kept and
+    the round's counts; with show=True a few (prompt, completion, reward) as "samples"."""
     t0 = time.perf_counter()
     groups = client.generate([r["prompt_ids"] for r in rows], n=cfg.num_samples_per_prompt_rollout,
                              max_tokens=cfg.response_length, temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)
     t1 = time.perf_counter()
     flat = [(row, s) for row, g in zip(rows, groups) for s in g]
     texts = [completion_text(tokenizer, s) for _, s in flat]
-    rewards, errors, first_error = score(reward_fn, [r["prompt_text"] for r, _ in flat], texts, [r for r, _ in flat])
-    if first_error:
-        tqdm.write(f"step {step}: {errors} reward error(s) scored 0, first: {first_error}")
+    rewards, failures, first_failure = pool.score([r["prompt_text"] for r, _ in flat], texts, [r for r, _ in flat])
+    if first_failure:
+        counts = ", ".join(f"{k}={v}" for k, v in failures.items() if v)
+        tqdm.write(f"step {step}: {sum(failures.values())} reward(s) scored 0 ({counts}); first: {first_failure}")
+    if cfg.format_reward:
+        rewards = [r + cfg.format_reward * has_answer_format(t) for r, t in zip(rewards, texts)]
+    shown = range(0, len(flat), max(1, len(flat) // SAMPLES_SHOWN))[:SAMPLES_SHOWN] if show else []  # different groups
     rewards = torch.tensor(rewards)
     adv, std = group_advantages(rewards, cfg.num_samples_per_prompt_rollout, cfg.advantage_normalization_type)
     keep = (std > 0) if cfg.filter_zero_std_samples else torch.ones_like(std, dtype=torch.bool)
@@ -55,35 +62,42 @@ def sample_groups(cfg, client, rows, seed, step, reward_fn, tokenizer):
                     version=s["version"])
                for (r, s), a, k in zip(flat, adv.tolist(), keep.tolist()) if k]
     lengths = torch.tensor([len(s["token_ids"]) for _, s in flat], dtype=torch.float)
-    return samples, dict(rewards=rewards, lengths=lengths, reward_errors=errors, time_generate=t1 - t0,
+    return samples, dict(rewards=rewards, lengths=lengths, **failures, time_generate=t1 - t0,
                          time_score=time.perf_counter() - t1, stops=sum(s["finish_reason"] == "stop" for _, s in flat),
-                         filtered_groups=int((~keep).sum().item()) // cfg.num_samples_per_prompt_rollout)
+                         filtered_groups=int((~keep).sum().item()) // cfg.num_samples_per_prompt_rollout,
+                         samples=[dict(step=step, prompt=flat[i][0]["prompt_text"], completion=texts[i],
+                                       reward=rewards[i].item()) for i in shown])
 
 
-def rollout_batch(cfg, client, sampler, step, reward_fn, tokenizer):
-    """Rank 0: prompts -> vLLM completions -> rewards -> group advantages.
+def rollout_batch(cfg, client, sampler, step, pool, tokenizer):
+    """Rank 0: prompts -> vLLM completions -> rewards (scored by `pool`) -> group advantages.
     With active_sampling (DAPO's dynamic sampling) the groups the zero-std filter drops are
     refilled from new prompts, a whole batch of prompts per round, for at most
     active_sampling_max_rounds more rounds; groups beyond the batch are discarded.
     Returns the samples to train on and the step's rollout metrics (rewards, lengths and
-    counts over every round; times summed)."""
+    counts over every round; times summed); every log_samples_freq steps they carry a few
+    (prompt, completion, reward) of the first round as "samples"."""
     prompts, n = cfg.num_unique_prompts_rollout, cfg.num_samples_per_prompt_rollout
     # Disjoint sampling seeds: vLLM seeds sample j of a request seed + j, so the request of
     # prompt i gets base + i * n (rollout.py), and every step and round its own block of seeds.
     seed = lambda r: cfg.seed * 2 ** 32 + (step * (cfg.active_sampling_max_rounds + 1) + r) * prompts * n  # noqa: E731
-    samples, stats = sample_groups(cfg, client, sampler.next_batch(prompts), seed(0), step, reward_fn, tokenizer)
+    show = bool(cfg.log_samples_freq) and step % cfg.log_samples_freq == 0
+    samples, stats = sample_groups(cfg, client, sampler.next_batch(prompts), seed(0), step, pool, tokenizer, show)
     rounds = [stats]
     while cfg.active_sampling and len(samples) < prompts * n and len(rounds) <= cfg.active_sampling_max_rounds:
-        more, stats = sample_groups(cfg, client, sampler.next_batch(prompts), seed(len(rounds)), step, reward_fn,
+        more, stats = sample_groups(cfg, client, sampler.next_batch(prompts), seed(len(rounds)), step, pool,
                                     tokenizer)
         samples += more[:prompts * n - len(samples)]  # whole groups: both counts are multiples of n
         rounds.append(stats)
     rewards, lengths = torch.cat([r["rewards"] for r in rounds]), torch.cat([r["lengths"] for r in rounds])
     total = lambda key: sum(r[key] for r in rounds)  # noqa: E731
     m = dict(reward_mean=rewards.mean().item(), reward_std=rewards.std().item(), response_length=lengths.mean().item(),
-             reward_errors=total("reward_errors"), stop_frac=total("stops") / len(lengths),
+             reward_errors=total("reward_errors"), reward_timeouts=total("reward_timeouts"),
+             reward_crashes=total("reward_crashes"), stop_frac=total("stops") / len(lengths),
              filtered_groups=total("filtered_groups"), time_generate=total("time_generate"),
              time_score=total("time_score"), prompts_seen=sampler.position, response_tokens=lengths.sum().item())
+    if rounds[0]["samples"]:
+        m["samples"] = rounds[0]["samples"]
     if cfg.active_sampling:  # extra rounds run, and groups still missing after them
         m.update(active_sampling_rounds=len(rounds) - 1, active_sampling_missing_groups=prompts - len(samples) // n)
     return samples, m

@@ -70,6 +70,11 @@ def launch_server(model_dir, cfg, log_path, port=None):
            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_len),
            "--seed", str(cfg.seed), "--logprobs-mode", "processed_logprobs", "--disable-log-stats",
            "--gpu-memory-utilization", str(cfg.vllm_gpu_memory_utilization)]
+    if not torch.cuda.is_available():
+        # The CPU build crashes ("CPU Generator does not use offset") when a seeded request's
+        # prompt is prefilled in chunks, i.e. when a step's prompt tokens pass the batch budget
+        # (2048 on CPU): 4 prompts x 8 samples of 120 tokens did. Whole prompts only.
+        cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(2048, max_len))]
     if cfg.weight_sync_transport == "nccl":
         cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
     if cfg.single_gpu_mode:

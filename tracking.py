@@ -1,8 +1,10 @@
 """What a run records, on rank 0: run_info.json before step 0, one metrics.jsonl line and
-one console line per step, and optionally Weights & Biases or TensorBoard.
+one console line per step, every log_samples_freq steps a few (prompt, completion, reward)
+in samples.jsonl and on the console, and optionally Weights & Biases (samples as a table)
+or TensorBoard (samples as text).
 
-A resumed run keeps the metrics lines up to its checkpoint and rewrites the rest, so
-metrics.jsonl always reads as one run.
+A resumed run keeps the lines up to its checkpoint and rewrites the rest, so
+metrics.jsonl and samples.jsonl always read as one run.
 """
 
 import json
@@ -14,6 +16,7 @@ from dataclasses import asdict
 import torch
 from tqdm import tqdm
 
+SAMPLE_COLUMNS = ("step", "prompt", "completion", "reward")
 CONSOLE = ("step", "reward_mean", "eval_accuracy", "response_length", "loss", "kl", "clip_frac", "entropy",
            "grad_norm", "vllm_logp_diff_max", "time_step")
 
@@ -40,7 +43,13 @@ def open_tracker(cfg):
     try:
         import wandb
         run = wandb.init(project="flatgrpo", config=asdict(cfg), dir=cfg.output_dir)
-        return lambda m, step: run.log(m, step=step)
+
+        def log_wandb(m, step):
+            if "samples" in m:
+                m = dict(m, samples=wandb.Table(columns=list(SAMPLE_COLUMNS),
+                                                data=[[s[c] for c in SAMPLE_COLUMNS] for s in m["samples"]]))
+            run.log(m, step=step)
+        return log_wandb
     except ImportError:
         pass
     try:
@@ -48,16 +57,34 @@ def open_tracker(cfg):
     except ImportError:
         raise ValueError("with_tracking=True needs wandb or tensorboard installed (pip install tensorboard)") from None
     writer = SummaryWriter(os.path.join(cfg.output_dir, "tensorboard"))
-    return lambda m, step: [writer.add_scalar(k, v, step) for k, v in m.items() if isinstance(v, (int, float))]
+
+    def log_tensorboard(m, step):
+        for k, v in m.items():
+            if isinstance(v, (int, float)):
+                writer.add_scalar(k, v, step)
+        for s in m.get("samples", []):
+            writer.add_text("samples", f"reward {s['reward']:.3g}\n\n{s['prompt']}\n\n{s['completion']}", step)
+    return log_tensorboard
+
+
+def reopen(path, start):
+    """A jsonl log opened for writing that keeps the lines of steps up to `start` (a resumed run)."""
+    kept = [line for line in open(path) if json.loads(line)["step"] <= start] if start and os.path.exists(path) else []
+    f = open(path, "w")
+    f.writelines(kept)
+    return f
+
+
+def one_line(text, n, end=False):
+    """Whitespace collapsed, its first (or, with end, last) n characters."""
+    text = " ".join(text.split())
+    return text if len(text) <= n else "..." + text[-n:] if end else text[:n] + "..."
 
 
 class MetricsLog:
     def __init__(self, output_dir, start, tracker=None):
-        path = os.path.join(output_dir, "metrics.jsonl")
-        kept = [line for line in open(path) if json.loads(line)["step"] <= start] \
-            if start and os.path.exists(path) else []
-        self.file, self.tracker = open(path, "w"), tracker
-        self.file.writelines(kept)
+        self.file, self.tracker = reopen(os.path.join(output_dir, "metrics.jsonl"), start), tracker
+        self.samples_path, self.start, self.samples_file = os.path.join(output_dir, "samples.jsonl"), start, None
 
     def write(self, m, console=True):
         self.file.write(json.dumps(m) + "\n")
@@ -67,3 +94,17 @@ class MetricsLog:
         if console:
             tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items()
                                 if k in CONSOLE))
+
+    def write_samples(self, samples):
+        """Append (step, prompt, completion, reward) rows to samples.jsonl, print them, send them to the tracker."""
+        if not samples:
+            return
+        if self.samples_file is None:
+            self.samples_file = reopen(self.samples_path, self.start)
+        for s in samples:
+            self.samples_file.write(json.dumps({c: s[c] for c in SAMPLE_COLUMNS}) + "\n")
+            tqdm.write(f"  sample reward={s['reward']:.3g} | {one_line(s['prompt'], 90, end=True)} | "
+                       f"{one_line(s['completion'], 200)}")
+        self.samples_file.flush()
+        if self.tracker:
+            self.tracker({"samples": samples}, samples[0]["step"])

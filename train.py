@@ -48,6 +48,7 @@ from data import PromptSampler, collate, load_prompts, load_tokenizer, split_for
 from episodes import Rollouts, drop_stale, evaluate, rollout_batch
 from loss import ess, grpo_loss, mismatch_keep, step_denominator
 from parallel import close_distributed, load_model, setup_distributed
+from reward_pool import RewardPool
 from reference import EMAReference
 
 
@@ -224,6 +225,8 @@ def main(cfg: Config):
             raise SystemExit(f"error: {e}") from None
         start, sampler.position = trainer_state["step"], trainer_state["sampler_position"]
     client, server, weights, rollouts = None, None, None, None
+    # rewards scored in worker processes with a per-sample timeout; daemons: they end with this process
+    pool = RewardPool(cfg.reward_fn or reward_fn, cfg.reward_workers, cfg.reward_timeout) if rank == 0 else None
     if rank == 0:
         info = tracking.run_info(cfg, world_size)
         with open(os.path.join(cfg.output_dir, "run_info.json"), "w") as f:
@@ -254,11 +257,11 @@ def main(cfg: Config):
             weights.sync(policy)
         log = tracking.MetricsLog(cfg.output_dir, start, tracker) if rank == 0 else None
         if rank == 0 and cfg.eval_freq > 0 and eval_rows and not start:
-            acc = evaluate(cfg, client, eval_rows, reward_fn, tokenizer)
+            acc = evaluate(cfg, client, eval_rows, pool, tokenizer)
             log.write({"step": 0, "eval_accuracy": acc, "skipped_rows": skipped})
         restarts, skipped_in_a_row, saved, position = 0, 0, start, sampler.position
         max_staleness = cfg.async_steps if cfg.max_sample_staleness is None else cfg.max_sample_staleness
-        make_batch = lambda j: rollout_batch(cfg, client, sampler, j, reward_fn, tokenizer)  # noqa: E731
+        make_batch = lambda j: rollout_batch(cfg, client, sampler, j, pool, tokenizer)  # noqa: E731
         rollouts = Rollouts(make_batch, start + 1, cfg.num_training_steps, cfg.async_steps) if rank == 0 else None
 
         def keep_and_raise(error, done):
@@ -306,6 +309,7 @@ def main(cfg: Config):
             position = rollout_metrics["prompts_seen"]  # the sampler's position a checkpoint of this step records
             if rank == 0:
                 m.update(rollout_metrics, **stale_metrics, vllm_restarts=restarts, time_wait=time.perf_counter() - t0)
+                log.write_samples(m.pop("samples", None))
             # --- train: old/ref logprobs, mini-batches x epochs, optimizer steps
             t2 = time.perf_counter()
             if cfg.single_gpu_mode:  # the server frees the GPU for training (its weights go to CPU memory)
@@ -357,7 +361,7 @@ def main(cfg: Config):
             # --- evaluation and log
             if rank == 0:
                 if cfg.eval_freq > 0 and (step % cfg.eval_freq == 0 or last):
-                    m["eval_accuracy"] = evaluate(cfg, client, eval_rows, reward_fn, tokenizer)
+                    m["eval_accuracy"] = evaluate(cfg, client, eval_rows, pool, tokenizer)
                 m["time_step"] = time.perf_counter() - t0
                 m["tokens_per_s"] = m.pop("response_tokens") / m["time_step"]
                 m["peak_memory_gb"] = (torch.cuda.max_memory_allocated() if device.type == "cuda" else

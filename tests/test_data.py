@@ -19,7 +19,7 @@ def test_tasks_are_deterministic_and_eval_is_held_out():
         assert a == data.task_rows(task, 200, seed=3, split="train")
         assert a != data.task_rows(task, 200, seed=4, split="train")
         evals = data.task_rows(task, 50, seed=3, split="eval")
-        assert not {r["prompt"] for r in a} & {r["prompt"] for r in evals}
+        assert not {json.dumps(r["prompt"]) for r in a} & {json.dumps(r["prompt"]) for r in evals}
 
 
 @pytest.mark.parametrize("answer,completion,expected", [
@@ -43,16 +43,6 @@ def test_task_answers_are_right():
         assert int(row["answer"]) == int(a) + int(b)
     for row in data.task_rows("copy", 20, 0, "train"):
         assert row["prompt"] == f"copy: {row['answer']}=" and data.copy_reward("", row["answer"], row) == 1.0
-
-
-def test_score_counts_raising_and_non_numeric_rewards():
-    def reward(p, c, ex):
-        if c == "boom":
-            raise RuntimeError("bad")
-        return {"x": None, "nan": float("nan"), "t": True}.get(c, 0.5)
-
-    rewards, errors, first = data.score(reward, ["p"] * 5, ["ok", "boom", "x", "nan", "t"], [{}] * 5)
-    assert rewards == [0.5, 0.0, 0.0, 0.0, 0.0] and errors == 4 and first == "RuntimeError: bad"
 
 
 def test_load_reward_fn(tmp_path):

@@ -8,6 +8,7 @@ import pytest
 from config import Config
 from data import PromptSampler
 from episodes import rollout_batch
+from reward_pool import RewardPool
 
 
 class ScriptedServer:
@@ -51,7 +52,7 @@ def test_filtered_groups_are_refilled_until_the_batch_is_full(tokenizer):
     order = [r["prompt_ids"][0] for r in PromptSampler(rows(12), seed=0).next_batch(12)]  # the sampler's order
     signal = [i for i, k in enumerate(order) if k not in agree]
     rounds = signal[3] // 4  # the extra rounds until the 4th prompt with signal (4 prompts a round)
-    samples, m = rollout_batch(cfg, server, PromptSampler(rows(12), seed=0), 7, reward, tokenizer)
+    samples, m = rollout_batch(cfg, server, PromptSampler(rows(12), seed=0), 7, RewardPool(reward, workers=0), tokenizer)
     assert len(samples) == 8 and m["active_sampling_missing_groups"] == 0 and m["active_sampling_rounds"] == rounds
     assert [g[0]["prompt_ids"][0] for g in groups_of(samples, 2)] == [order[i] for i in signal[:4]]
     assert all(g[0]["prompt_ids"] == g[1]["prompt_ids"] for g in groups_of(samples, 2))  # whole groups
@@ -65,7 +66,7 @@ def test_refills_stop_after_max_rounds(tokenizer):
     cfg = Config(num_unique_prompts_rollout=2, num_samples_per_prompt_rollout=2, active_sampling=True,
                  active_sampling_max_rounds=2)
     server = ScriptedServer(tokenizer, agree=set(range(100)))  # nothing ever has signal
-    samples, m = rollout_batch(cfg, server, PromptSampler(rows(20), 0), 1, reward, tokenizer)
+    samples, m = rollout_batch(cfg, server, PromptSampler(rows(20), 0), 1, RewardPool(reward, workers=0), tokenizer)
     assert samples == [] and m["active_sampling_rounds"] == 2 and m["active_sampling_missing_groups"] == 2
     assert len(server.seeds) == 3 and m["filtered_groups"] == 6
 
@@ -74,7 +75,7 @@ def test_without_active_sampling_one_round(tokenizer):
     cfg = Config(num_unique_prompts_rollout=2, num_samples_per_prompt_rollout=2)
     server = ScriptedServer(tokenizer, agree={0})
     sampler = PromptSampler(rows(2), 0)
-    samples, m = rollout_batch(cfg, server, sampler, 1, reward, tokenizer)
+    samples, m = rollout_batch(cfg, server, sampler, 1, RewardPool(reward, workers=0), tokenizer)
     assert len(server.seeds) == 1 and len(samples) == 2 and m["filtered_groups"] == 1
     assert "active_sampling_rounds" not in m
 

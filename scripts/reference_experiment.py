@@ -1,0 +1,165 @@
+"""Which reference should the KL term pull toward? SmolLM2-135M-Instruct on the math task.
+
+    .venv/bin/python scripts/reference_experiment.py                    # 4 runs x 3 seeds, hours on 2 CPU cores
+    .venv/bin/python scripts/reference_experiment.py --seeds 1 --steps 10          # a quick look
+    .venv/bin/python scripts/reference_experiment.py --tiny --seeds 1 --steps 2    # checks the script (random model)
+
+Runs (the same start, data and budget; k3 KL with beta BETA where there is a KL term):
+  no KL             beta 0, no reference
+  fixed reference   the initial policy
+  EMA alpha 0.05    ref <- 0.05 policy + 0.95 ref every 10 steps ("EMA-PG" by Zhang & Ba: eta 0.95)
+  EMA alpha 0.6     open-instruct's alpha, every 10 steps
+
+One vLLM CPU server serves every run (each run pushes its initial weights into it first);
+each run is `torchrun --nproc_per_node NPROC train.py`. Greedy accuracy on the held-out
+prompts every EVAL steps. Writes OUT/reference_experiment.png (accuracy curves, mean and
++- std over seeds), copies it to docs/, and prints a markdown table (accuracy at step 0
+and at the end, per seed and mean +- std) with the command of each run.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+
+RUNS = {  # name -> flags
+    "no KL": ["--beta", "0", "--load_ref_policy", "false"],
+    "fixed reference": ["--beta", "BETA"],
+    "EMA alpha 0.05 / 10 steps": ["--beta", "BETA", "--alpha", "0.05", "--ref_policy_update_freq", "10"],
+    "EMA alpha 0.6 / 10 steps": ["--beta", "BETA", "--alpha", "0.6", "--ref_policy_update_freq", "10"],
+}
+# The demo's settings (scripts/demo.sh); the tiny variant only checks that everything runs.
+TASK = ["--dataset", "math", "--reward_fn", "rewards:math_reward_last_number", "--max_prompt_length", "128",
+        "--response_length", "128", "--learning_rate", "5e-6", "--warm_up_steps", "5", "--temperature", "0.7",
+        "--num_eval_prompts", "64",
+        "--num_unique_prompts_rollout", "4", "--num_samples_per_prompt_rollout", "8",
+        "--per_device_train_batch_size", "8", "--log_samples_freq", "0"]
+TINY = ["--max_prompt_length", "256", "--response_length", "16", "--num_eval_prompts", "8",
+        "--num_unique_prompts_rollout", "2", "--num_samples_per_prompt_rollout", "4",
+        "--per_device_train_batch_size", "4"]
+
+
+def run_one(args, name, flags, seed, url):
+    """Train one run against the shared server; its metrics rows."""
+    out_dir = os.path.join(args.out, name.split(" /")[0].replace(" ", "_") + f"-s{seed}")
+    cmd = ["torchrun", "--nproc_per_node", str(args.nproc), "--master_port", str(args.master_port), "train.py",
+           "--model_name_or_path", args.model, "--output_dir", out_dir, "--num_training_steps", str(args.steps),
+           "--seed", str(seed), "--eval_freq", str(args.eval_freq), "--vllm_server_urls", url] + TASK \
+        + (TINY if args.tiny else []) + [args.beta if f == "BETA" else f for f in flags]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    launcher = [sys.executable, "-m", "torch.distributed.run"] + cmd[1:]
+    r = subprocess.run(launcher, env=env, capture_output=True, text=True, cwd=ROOT)
+    if r.returncode:
+        sys.exit(f"{name} seed {seed} failed:\n{r.stderr[-3000:]}")
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f], " ".join(cmd)
+
+
+def start_server(args):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import rollout
+    import weight_sync
+    from config import Config
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    served = os.path.join(args.out, "vllm_model")
+    weight_sync.write_serving_dir(weight_sync.full_state_dict(model), model.config,
+                                  AutoTokenizer.from_pretrained(args.model), served)
+    max_len = 256 + 16 if args.tiny else 128 + 128
+    return rollout.launch_server(served, Config(vllm_startup_timeout=900, vllm_max_model_len=max_len),
+                                 os.path.join(args.out, "vllm.log"), port=args.port)
+
+
+def curves(rows):
+    return [(r["step"], r["eval_accuracy"]) for r in rows if r.get("eval_accuracy") is not None]
+
+
+def plot(results, args, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, runs in results.items():
+        per_seed = [curves(rows) for rows, _ in runs]
+        steps = [s for s, _ in per_seed[0]]
+        acc = [[c[i][1] for c in per_seed] for i in range(len(steps))]
+        mean = [statistics.mean(a) for a in acc]
+        std = [statistics.stdev(a) if len(a) > 1 else 0.0 for a in acc]
+        ax.plot(steps, mean, marker="o", markersize=3, label=name)
+        ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.15)
+    ax.set(title=f"held-out greedy accuracy, mean +- std of {args.seeds} seed(s)", xlabel="step", ylabel="accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def table(results, args):
+    fmt = lambda xs: f"{statistics.mean(xs):.3f} +- {statistics.stdev(xs) if len(xs) > 1 else 0:.3f}"  # noqa: E731
+    lines = [f"{args.steps} steps, {args.seeds} seed(s), beta {args.beta} (k3) where there is a KL term\n",
+             "| run | accuracy at step 0 | final accuracy (per seed) | final mean +- std | command (seed 1) |",
+             "|---|---|---|---|---|"]
+    for name, runs in results.items():
+        first = [curves(rows)[0][1] for rows, _ in runs]
+        last = [curves(rows)[-1][1] for rows, _ in runs]
+        lines.append(f"| {name} | {fmt(first)} | {', '.join(f'{x:.3f}' for x in last)} | {fmt(last)} | "
+                     f"`{runs[0][1].replace(args.out, 'OUT').replace(ROOT + os.sep, '')}` |")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=os.path.join(ROOT, "models", "smollm2-135m-instruct"))
+    p.add_argument("--tiny", action="store_true", help="the random tiny model (models/tiny, built if missing)")
+    p.add_argument("--out", default=os.path.join(ROOT, "output", "reference_experiment"))
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--eval_freq", type=int, default=10)
+    p.add_argument("--beta", default="0.05")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--port", type=int, default=8061)
+    p.add_argument("--master_port", type=int, default=29561)
+    args = p.parse_args()
+    if args.tiny:
+        import make_tiny_model
+
+        args.model, args.eval_freq = os.path.join(ROOT, "models", "tiny"), min(args.eval_freq, args.steps)
+        if not os.path.isfile(os.path.join(args.model, "config.json")):
+            make_tiny_model.main(["--out", args.model])
+    else:
+        prepare = [sys.executable, os.path.join(ROOT, "scripts", "prepare_smollm2.py"), "--out", args.model]
+        if subprocess.run(prepare).returncode:
+            sys.exit("error: the model could not be prepared (see above)")
+    os.makedirs(args.out, exist_ok=True)
+    import rollout
+
+    server, url = start_server(args)
+    results = {}
+    try:
+        for name, flags in RUNS.items():
+            for seed in range(1, args.seeds + 1):
+                results.setdefault(name, []).append(run_one(args, name, flags, seed, url))
+                print(f"{name} seed {seed}: accuracy {curves(results[name][-1][0])}", flush=True)
+    finally:
+        rollout.stop_server(server)
+    png = os.path.join(args.out, "reference_experiment.png")
+    plot(results, args, png)
+    if not args.tiny:
+        shutil.copy(png, os.path.join(ROOT, "docs", "reference_experiment.png"))
+    print("\n" + table(results, args))
+
+
+if __name__ == "__main__":
+    main()

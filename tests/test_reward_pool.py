@@ -1,0 +1,89 @@
+"""The reward pool: rewards that hang, kill their own process or raise score 0, are counted,
+and scoring goes on with fresh workers; every number type a reward may return is accepted."""
+
+import os
+import signal
+import time
+
+import pytest
+
+import rewards
+from reward_pool import RewardPool
+
+
+def misbehaving(prompt, completion, example):
+    """The completion as a number, except for completions that hang, die or raise."""
+    if completion == "hang":
+        time.sleep(3600)
+    if completion == "die":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if completion == "raise":
+        raise RuntimeError("bad reward")
+    return float(completion)
+
+
+def typed(prompt, completion, example):
+    """A value of the type the completion names."""
+    import numpy as np  # here: workers load this file, and torch is slow to import
+    import torch
+
+    return {"bool": True, "np": np.float32(0.25), "npint": np.int64(3), "tensor": torch.tensor(0.5), "int": 2,
+            "float": 0.75, "text": "1.0", "vector": torch.ones(2), "nan": float("nan")}[completion]
+
+
+SPEC, TYPED = (f"{os.path.abspath(__file__)}:{name}" for name in ("misbehaving", "typed"))
+
+
+def run(pool, completions):
+    return pool.score(["p"] * len(completions), completions, [{}] * len(completions))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_every_number_type_is_a_reward(workers):
+    pool = RewardPool(TYPED, workers=workers, timeout=60)
+    try:
+        values, counts, first = run(pool, ["bool", "np", "npint", "tensor", "int", "float", "text", "vector", "nan"])
+    finally:
+        pool.close()
+    assert values == [1.0, 0.25, 3.0, 0.5, 2.0, 0.75, 0.0, 0.0, 0.0]
+    assert counts == dict(reward_errors=3, reward_timeouts=0, reward_crashes=0)
+    assert "TypeError" in first and "'1.0'" in first
+
+
+def test_hang_crash_and_raise_score_zero_and_the_pool_goes_on():
+    pool = RewardPool(SPEC, workers=2, timeout=2.0)
+    try:
+        batch = ["0.5", "hang", "1", "die", "raise", "0.25", "hang", "die", "2"]
+        values, counts, first = run(pool, batch)
+        assert values == [0.5, 0.0, 1.0, 0.0, 0.0, 0.25, 0.0, 0.0, 2.0]
+        assert counts == dict(reward_errors=1, reward_timeouts=2, reward_crashes=2)
+        assert first is not None
+        alive = [w.proc.pid for w in pool.workers]
+        assert len(alive) == 2 and all(w.proc.is_alive() for w in pool.workers)
+        values, counts, first = run(pool, ["0.5"] * 20)  # the rebuilt workers score the next batch
+        assert values == [0.5] * 20 and first is None and sum(counts.values()) == 0
+    finally:
+        pool.close()
+
+
+def test_a_reward_that_cannot_load_in_a_worker_is_an_error(tmp_path):
+    f = tmp_path / "r.py"
+    f.write_text("import os\nif os.getpid() != PARENT:\n    raise SystemExit(3)\ndef r(p, c, e):\n    return 1.0\n")
+    f.write_text(f.read_text().replace("PARENT", str(os.getpid())))
+    pool = RewardPool(f"{f}:r", workers=1, timeout=5)
+    try:
+        with pytest.raises(RuntimeError, match="cannot be loaded in a worker"):
+            run(pool, ["x"])
+    finally:
+        pool.close()
+
+
+def test_math_reward_in_the_pool_matches_serial():
+    completions = ["\\boxed{7}", "#### 8", "so 7", "\\boxed{\\frac{14}{2}}", "\\boxed{7"]
+    examples = [{"answer": "7"}] * 5
+    pool = RewardPool(rewards.math_reward, workers=2, timeout=30)
+    try:
+        values, counts, _ = pool.score([""] * 5, completions, examples)
+    finally:
+        pool.close()
+    assert values == [rewards.math_reward("", c, e) for c, e in zip(completions, examples)] == [1, 0, 0, 1, 0]

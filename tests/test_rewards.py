@@ -1,0 +1,111 @@
+"""The math reward on hand-written completions, gold answers in GSM8K and MATH form, the
+built-in math task (answers recomputed from the words), and a GSM8K-format file."""
+
+import json
+import os
+import re
+
+import pytest
+
+import data
+import rewards
+from config import Config
+
+GSM8K_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gsm8k_sample.jsonl")
+
+
+@pytest.mark.parametrize("completion,gold,strict,lenient", [
+    ("So the answer is \\boxed{12}.", "12", 1, 1),                        # boxed
+    ("12 + 0 = 12\n#### 12", "12", 1, 1),                                   # GSM8K marker
+    ("\\boxed{\\frac{3}{4}}", "0.75", 1, 1),                                # nested braces, a fraction = a decimal
+    ("\\boxed{3/4}", "\\frac{3}{4}", 1, 1),
+    ("\\boxed{\\dfrac{1}{2}} not \\boxed{7}", "7", 1, 1),                   # the last box counts
+    ("\\boxed{1,000}", "1000", 1, 1),
+    ("\\boxed{13}", "12", 0, 0),                                            # wrong
+    ("I get 13, so \\boxed{12", "12", 0, 1),                                # malformed: the box never closes; last number 12
+    ("The total is 12 apples.", "12", 0, 1),                                # no marked answer: only the lenient one reads 12
+    ("I do not know.", "12", 0, 0),                                         # no answer at all
+    ("", "12", 0, 0),
+    ("\\boxed{}", "12", 0, 0),
+    ("\\boxed{x^{2}}", "x^2", 1, 1),                                        # braces inside the answer
+    ("#### 12", "Add them: 5 + 7 = <<5+7=12>>12.\n#### 12", 1, 1),          # gold in GSM8K form
+    ("\\boxed{\\frac{1}{3}}", "so $x = \\boxed{\\frac{1}{3}}$.", 1, 1),      # gold in MATH form
+])
+def test_math_reward_on_hand_written_completions(completion, gold, strict, lenient):
+    assert rewards.math_reward("", completion, {"answer": gold}) == strict
+    assert rewards.math_reward_last_number("", completion, {"answer": gold}) == lenient
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"), ("a \\boxed{1} b \\boxed{{2}}", "{2}"), ("\\boxed{1", None),
+    ("no box", None), ("\\boxed{ 5 }", "5"),
+])
+def test_last_boxed(text, expected):
+    assert rewards.last_boxed(text) == expected
+
+
+def test_gold_and_format():
+    assert rewards.gold_answer("steps\n#### 1,000") == "1,000" and rewards.gold_answer(7) == "7"
+    assert rewards.gold_answer("so \\boxed{\\frac{1}{3}}.") == "\\frac{1}{3}"
+    assert rewards.has_answer_format("\\boxed{3}") and rewards.has_answer_format("#### 3")
+    assert not rewards.has_answer_format("3") and not rewards.has_answer_format("\\boxed{3")
+
+
+def recompute(question):
+    """The math task's answer, worked out again from its words."""
+    sentences = re.findall(r"[^.?]+[.?]", question)
+    total = int(re.search(r"has (\d+)", sentences[0]).group(1))
+    for s in sentences[1:]:
+        n = re.search(r"(\d+)", s)
+        if n is None:
+            break  # the question
+        n = int(n.group(1))
+        total = total + n if "more" in s else total * n if "times" in s else total - n
+    return total
+
+
+@pytest.mark.parametrize("digits,operations,steps", [(1, "+-", 1), (2, "+-*", 3), (3, "-", 4)])
+def test_math_task_answers_follow_the_words(digits, operations, steps):
+    rows = data.task_rows("math", 200, 5, "train", digits=digits, operations=operations, steps=steps)
+    assert rows == data.task_rows("math", 200, 5, "train", digits=digits, operations=operations, steps=steps)
+    for row in rows:
+        (message,) = row["prompt"]
+        q = message["content"]
+        assert message["role"] == "user" and q.endswith(data.BOXED)
+        assert int(row["answer"]) == recompute(q) >= 0
+        numbers = [int(x) for x in re.findall(r"\d+", q)]
+        assert max(numbers) < 10 ** digits or "*" in operations
+        assert sum(q.count(w) for w in (" more", "gives away", "loses", "times as many")) == steps
+    evals = data.task_rows("math", 50, 5, "eval", digits=digits, operations=operations, steps=steps)
+    assert not {json.dumps(r["prompt"]) for r in rows} & {json.dumps(r["prompt"]) for r in evals}
+
+
+def test_math_task_through_the_config(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = Config(dataset="math", math_digits=2, math_operations="+-*", math_steps=2, max_prompt_length=512)
+    train, evals, skipped, reward_fn = data.load_prompts(cfg, tok)
+    assert reward_fn is rewards.math_reward and len(evals) == cfg.num_eval_prompts and len(train) >= 4096
+    assert train[0]["prompt_text"].startswith("<|im_start|>user\n")
+    for bad in (dict(math_operations="+/"), dict(math_operations=""), dict(math_digits=0), dict(math_steps=0)):
+        with pytest.raises(ValueError, match="math_"):
+            Config(dataset="math", **bad)
+
+
+def test_a_gsm8k_file_trains_with_the_math_reward(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = Config(dataset=GSM8K_FILE, dataset_prompt_column="question", reward_fn="rewards:math_reward",
+                 num_eval_prompts=1, max_prompt_length=512)
+    train, evals, skipped, reward_fn = data.load_prompts(cfg, tok)
+    assert reward_fn is rewards.math_reward and len(train) == 5 and len(evals) == 1
+    golds = {"12", "90", "1,000", "3.5", "0", "7"}
+    assert {rewards.gold_answer(r["answer"]) for r in train + evals} == golds
+    for r in train + evals:
+        gold = rewards.gold_answer(r["answer"])
+        assert reward_fn(r["prompt_text"], f"The answer is \\boxed{{{gold}}}.", r) == 1.0
+        assert reward_fn(r["prompt_text"], "Work...\n#### 11", r) == 0.0
+    three_and_a_half = next(r for r in train + evals if "cakes" in r["prompt"])
+    assert reward_fn("", "\\boxed{\\frac{7}{2}}", three_and_a_half) == 1.0

