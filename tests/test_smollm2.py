@@ -38,7 +38,10 @@ def test_smollm2_trains_on_math_with_2_ranks_and_vllm_in_sync(smollm2, tmp_path)
     steps = [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:  # step 1: the served copy as launched; step 2: after the first weight sync
-        assert r["vllm_logp_diff_max"] < 1e-4, r
+        # A sync that did not take is off by ~1e-2. Both sides run float32, with kernels that sum
+        # in another order: over ~1,000 tokens a step, measured mean 5.3e-6 to 5.9e-6 and max
+        # 3.6e-5 to 7.5e-5, so the max gets headroom and the mean stays far below the 1e-4 bound.
+        assert r["vllm_logp_diff_mean"] < 2e-5 and r["vllm_logp_diff_max"] < 2.5e-4, r
         assert r["reward_errors"] == r["reward_timeouts"] == r["reward_crashes"] == 0
         assert r["trained_tokens"] > 0 and r["skipped_steps"] == 0
     samples = [json.loads(line) for line in open(out_dir / "samples.jsonl")]
