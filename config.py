@@ -73,7 +73,7 @@ class Config:
     weight_decay: float = 0.0  # AdamW weight decay
     max_grad_norm: float = 1.0  # gradient clipping; 0 disables
     # --- objective
-    loss_fn: str = "dapo"  # dapo (asymmetric clip), cispo (capped weight x logp) or ess (batch-adaptive, seed 004; no clip constants)
+    loss_fn: str = "dapo"  # dapo (asymmetric clip), cispo (capped weight x logp) or ess (batch-adaptive, "Trust the Batch" by Fakoor et al.; no clip constants)
     clip_lower: float = 0.2  # dapo: ratio clipped below at 1 - clip_lower
     clip_higher: float = 0.28  # dapo: ratio clipped above at 1 + clip_higher; cispo: weight capped at 1 + clip_higher
     beta: float = 0.0  # KL coefficient toward the reference; 0 = no KL term
@@ -93,7 +93,7 @@ class Config:
     load_ref_policy: bool = True  # allow a reference policy; it is built only when beta > 0 (its only use)
     ref_policy_update_freq: Optional[int] = None  # Polyak-update the reference every N steps; None = fixed reference
     alpha: float = 0.6  # Polyak weight: ref = alpha * policy + (1 - alpha) * ref
-    # --- distributed (parallel.py; the README maps seed 002's DeepSpeed knobs to these)
+    # --- distributed (parallel.py; the README maps open-instruct's DeepSpeed knobs to these)
     fsdp_shard_size: int = 0  # ranks one weight copy is sharded over; 0 = all (FSDP), a divisor of the world = hybrid (HSDP)
     reshard_after_forward: bool = True  # free a layer's gathered weights after forward (ZeRO-3); False keeps them until backward (fewer gathers)
     activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward instead of storing them

@@ -5,7 +5,7 @@
     torchrun --nnodes 4 --nproc_per_node 8 ... train.py --fsdp_shard_size 8   # shard in each node,
                                                                    # replicate across the 4 (HSDP)
 
-Seed 002's distributed knobs (DeepSpeed terms in open-instruct) and what they are here:
+open-instruct's GRPO distributed knobs (DeepSpeed terms) and what they are here:
 
 | open-instruct                          | here                                                    |
 |----------------------------------------|---------------------------------------------------------|

@@ -3,7 +3,7 @@
     ref <- lerp(ref, policy, alpha) = (1 - alpha) * ref + alpha * policy
 
 every `ref_policy_update_freq` steps (open-instruct's Polyak update, alpha = 0.6 by
-default). Seed 003's EMA anchor theta_ema <- eta * theta_ema + (1 - eta) * theta is the
+default). EMA-PG's (Zhang & Ba) EMA anchor theta_ema <- eta * theta_ema + (1 - eta) * theta is the
 same update with alpha = 1 - eta; TRL's sync_ref_model / ref_model_sync_steps /
 ref_model_mixup_alpha map to load_ref_policy / ref_policy_update_freq / alpha.
 

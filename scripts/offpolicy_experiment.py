@@ -1,4 +1,4 @@
-"""Stale data, measured: dapo vs cispo vs ess, and a fixed vs an EMA reference (seed 004's story).
+"""Stale data, measured: dapo vs cispo vs ess, and a fixed vs an EMA reference (the story of "Trust the Batch" by Fakoor et al.).
 
     .venv/bin/python scripts/offpolicy_experiment.py                         # 3 seeds x 5 runs, ~40 min on 2 cores
     .venv/bin/python scripts/offpolicy_experiment.py --seeds 1 --steps 10    # a quick look
