@@ -24,6 +24,7 @@ but breakpoint() works inside the reward.
 
 import multiprocessing
 import multiprocessing.connection
+import signal
 import threading
 import time
 
@@ -45,7 +46,6 @@ def work(conn, reward):
     (i, reward, error) until the pipe closes."""
     try:  # SIGKILL when the forkserver dies (it dies with the trainer): no orphan left hanging in a reward
         import ctypes
-        import signal
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG, Linux
     except (OSError, AttributeError):
@@ -85,7 +85,15 @@ class RewardPool:
         if workers:
             self.ctx = multiprocessing.get_context("forkserver")
             self.ctx.set_forkserver_preload(["__main__", "rewards", "reward_pool", "math_verify"])
-            self.workers = [Worker(self.ctx, reward) for _ in range(workers)]
+            # The forkserver and its workers ignore SIGTERM (an ignored signal stays ignored across
+            # fork and exec): torchrun and schedulers signal the trainer's whole process group, and
+            # the trainer finishes its step, scores included, before it stops. They still end with
+            # the trainer: the forkserver exits when the trainer does, and a worker with the forkserver.
+            previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            try:
+                self.workers = [Worker(self.ctx, reward) for _ in range(workers)]
+            finally:
+                signal.signal(signal.SIGTERM, previous)
 
     def score(self, prompts, completions, examples):
         """Rewards in input order; counts of reward_errors, reward_timeouts and reward_crashes;

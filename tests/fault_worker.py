@@ -12,35 +12,36 @@ import checkpoint
 import train
 from config import parse_args
 
-kind, steps = sys.argv[1].split("=")
-steps = {int(s) for s in steps.split(",")}
-rank = int(os.environ.get("RANK", 0))
+if __name__ == "__main__":  # the reward pool's workers import this script again as __mp_main__
+    kind, steps = sys.argv[1].split("=")
+    steps = {int(s) for s in steps.split(",")}
+    rank = int(os.environ.get("RANK", 0))
 
-if kind == "nan_loss":
-    now = {}
-    real_rollout, real_loss = train.rollout_batch, train.grpo_loss
+    if kind == "nan_loss":
+        now = {}
+        real_rollout, real_loss = train.rollout_batch, train.grpo_loss
 
-    def rollout_batch(cfg, client, sampler, step, *a, **k):  # rank 0 knows the step here
-        now["step"] = step
-        return real_rollout(cfg, client, sampler, step, *a, **k)
+        def rollout_batch(cfg, client, sampler, step, *a, **k):  # rank 0 knows the step here
+            now["step"] = step
+            return real_rollout(cfg, client, sampler, step, *a, **k)
 
-    def grpo_loss(*a, **k):
-        loss, metrics = real_loss(*a, **k)
-        return (loss * float("nan") if now.get("step") in steps else loss), metrics
+        def grpo_loss(*a, **k):
+            loss, metrics = real_loss(*a, **k)
+            return (loss * float("nan") if now.get("step") in steps else loss), metrics
 
-    train.rollout_batch, train.grpo_loss = rollout_batch, grpo_loss
-elif kind == "kill_in_checkpoint":
-    real_fsync = checkpoint.fsync
+        train.rollout_batch, train.grpo_loss = rollout_batch, grpo_loss
+    elif kind == "kill_in_checkpoint":
+        real_fsync = checkpoint.fsync
 
-    def fsync(path):  # called after DCP has written this rank's shards, before the rename
-        if rank == 1 and any(f"step_{s:08d}.partial" in path for s in steps):
-            os.kill(os.getpid(), signal.SIGKILL)
-        real_fsync(path)
+        def fsync(path):  # called after DCP has written this rank's shards, before the rename
+            if rank == 1 and any(f"step_{s:08d}.partial" in path for s in steps):
+                os.kill(os.getpid(), signal.SIGKILL)
+            real_fsync(path)
 
-    checkpoint.fsync = fsync
-else:
-    raise SystemExit(f"unknown fault {kind!r}")
+        checkpoint.fsync = fsync
+    else:
+        raise SystemExit(f"unknown fault {kind!r}")
 
-status = train.main(parse_args(sys.argv[2:]))
-train.close_distributed()
-sys.exit(status)
+    status = train.main(parse_args(sys.argv[2:]))
+    train.close_distributed()
+    sys.exit(status)
