@@ -22,6 +22,7 @@ workers=0 scores in the calling process: no timeout (a hanging reward hangs the 
 but breakpoint() works inside the reward.
 """
 
+import atexit
 import multiprocessing
 import multiprocessing.connection
 import signal
@@ -94,6 +95,8 @@ class RewardPool:
                 self.workers = [Worker(self.ctx, reward) for _ in range(workers)]
             finally:
                 signal.signal(signal.SIGTERM, previous)
+            # Closed at exit before multiprocessing's own handler, which would SIGTERM them and wait
+            atexit.register(self.close)
 
     def score(self, prompts, completions, examples):
         """Rewards in input order; counts of reward_errors, reward_timeouts and reward_crashes;
