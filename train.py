@@ -341,7 +341,9 @@ def main(cfg: Config):
             if samples:
                 try:
                     weights.sync(policy)
-                except rollout.VLLMError as e:  # raised on every rank
+                except rollout.VLLMError as e:  # raised on every rank; this step was trained: log and keep it
+                    if rank == 0:
+                        log.write(m)
                     keep_and_raise(str(e), step)
             m["time_sync"] = time.perf_counter() - t3
             # --- checkpoint and export (a SIGTERM on any rank stops every rank after this step's checkpoint)

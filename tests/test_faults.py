@@ -214,4 +214,6 @@ def test_a_server_the_user_runs_is_reported_when_it_dies(server, tiny_model_dir,
     assert proc.returncode != 0
     assert f"vLLM server {url} failed" in text, text[-2000:]
     last = metrics(tmp_path)[-1]["step"]
-    assert os.listdir(tmp_path / "ckpt") == [f"step_{last:08d}"]  # what was trained is kept
+    # What was trained is kept, and logged: the failure may hit a step's generation (the previous
+    # step is the last trained) or its weight sync, after its training.
+    assert os.listdir(tmp_path / "ckpt") == [f"step_{last:08d}"]
