@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 # --- logprobs
 
 
-def _chunk_logprobs(hidden, weight, targets, temperature, head_ids, k):
+def _chunk_logprobs(hidden, weight, targets, temperature, head_ids, head_size):
     # (n, V) logits in float32 at least, for this chunk only: the product itself, not just its
     # result, since bf16 logits are already rounded (mean |logp error| ~1e-2 at Qwen2.5-0.5B's shape)
     logits = hidden.to(weight.dtype) @ weight.t() / temperature
@@ -25,13 +25,13 @@ def _chunk_logprobs(hidden, weight, targets, temperature, head_ids, k):
     with torch.no_grad():  # entropy is logged, never differentiated; the top-k set is a choice, not a function
         entropy = logz - (logits.softmax(-1) * logits).sum(-1)
         if head_ids is None:
-            head_ids = logits.topk(k, -1).indices  # (n, k)
+            head_ids = logits.topk(head_size, -1).indices  # (n, k)
     return logp, entropy, logits.gather(-1, head_ids) - logz[:, None], head_ids
 
 
-def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=256, head_ids=None, topk=0):
+def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=256, head_ids=None, head_size=0):
     """log pi(target) and the entropy of pi at each of N positions, and log pi at k more
-    tokens per position: the given head_ids (N, k), or else this policy's top-k.
+    tokens per position: the given head_ids (N, k), or else this policy's head_size most likely.
 
     hidden (N, H) final hidden states, weight (V, H) the LM head, targets (N,).
     Logits are built chunk by chunk and recomputed in backward (activation
@@ -50,7 +50,7 @@ def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=256, hea
     outs = []
     for i in range(0, max(hidden.shape[0], 1), chunk_size):  # an empty selection still builds a graph
         ids = None if head_ids is None else head_ids[i:i + chunk_size]
-        args = (hidden[i:i + chunk_size], weight, targets[i:i + chunk_size], temperature, ids, topk)
+        args = (hidden[i:i + chunk_size], weight, targets[i:i + chunk_size], temperature, ids, head_size)
         if torch.is_grad_enabled() and hidden.requires_grad:
             outs.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
         else:

@@ -90,7 +90,7 @@ def close_distributed():
     gc.collect()  # FSDP2 modules sit in reference cycles: free them, and the group with them
 
 
-def sequence_logprobs(self, input_ids, attention_mask, mask, temperature, head_ids=None, topk=0):
+def sequence_logprobs(self, input_ids, attention_mask, mask, temperature, head_ids=None, head_size=0):
     """logp and entropy (N,) of the completion tokens selected by mask (B, T-1), and logp at
     head_ids (or this policy's top-k) (N, k). A forward method of the model, so FSDP2
     gathers the LM head for it as for forward()."""
@@ -99,7 +99,7 @@ def sequence_logprobs(self, input_ids, attention_mask, mask, temperature, head_i
     hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     hidden = hidden.last_hidden_state  # (B, T, H)
     return token_logprobs(hidden[:, :-1][mask], self.lm_head.weight, input_ids[:, 1:][mask], temperature,
-                          head_ids=head_ids, topk=topk)
+                          head_ids=head_ids, head_size=head_size)
 
 
 def load_model(cfg, device, mesh, reference=False):

@@ -9,12 +9,13 @@
     torchrun --nproc_per_node 2 train.py --async_steps 1 --truncated_importance_sampling_ratio_cap 2  # generate ahead
     python train.py --help                                       # every config field
 
-One step: rank 0 asks vLLM for completions, scores them and computes group advantages;
-every rank gets the batch, computes old/reference logprobs, and trains on its share
-(FSDP2, one fully_shard per decoder layer then the root); the reference moves toward
-the policy (one foreach lerp on local shards); the weights go back into vLLM; every
-checkpoint_state_freq steps each rank writes its shards (checkpoint.py). With
-async_steps=k the batches of the next k steps are generated while this one trains.
+One step: rank 0 asks vLLM for completions, scores them and computes group advantages
+(generator.py, episodes.py); every rank gets the batch, computes old/reference logprobs,
+and trains on its share (update.py; FSDP2, one fully_shard per decoder layer then the
+root); the reference moves toward the policy (one foreach lerp on local shards); the
+weights go back into vLLM; every checkpoint_state_freq steps each rank writes its shards
+(checkpoint.py). With async_steps=k the batches of the next k steps are generated while
+this one trains.
 
 Where this differs from the papers:
 - Advantages use the group std with Bessel's correction (like TRL), eps 1e-6.
@@ -42,167 +43,138 @@ from tqdm import tqdm
 import checkpoint
 import rollout
 import tracking
-from weight_sync import full_state_dict, make_weight_sync, write_serving_dir
 from config import Config, parse_args
-from data import PromptSampler, collate, load_prompts, load_tokenizer, split_for_ranks
-from episodes import Rollouts, drop_stale, evaluate, rollout_batch
-from loss import ess, grpo_loss, mismatch_keep, step_denominator
+from data import PromptSampler, load_prompts, load_tokenizer
+from generator import Generator
 from parallel import close_distributed, load_model, setup_distributed
-from reward_pool import RewardPool
 from reference import EMAReference
+from reward_pool import RewardPool
+from update import make_optimizer, train_on_batch
+from weight_sync import full_state_dict
 
 
-def make_optimizer(cfg, policy, total_updates, device):
-    """AdamW (fused on CUDA, foreach on CPU or offloaded) and the warm-up + schedule, in optimizer steps."""
-    from transformers import get_scheduler
-
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                  **({"fused": True} if device.type == "cuda" and not cfg.offload_params else {"foreach": True}))
-    name = "constant_with_warmup" if cfg.lr_scheduler_type == "constant" else cfg.lr_scheduler_type
-    return optimizer, get_scheduler(name, optimizer, num_warmup_steps=cfg.warm_up_steps,
-                                    num_training_steps=total_updates)
-
-
-def old_and_ref_logprobs(cfg, policy, ref_model, micro, fwd, topk, reuse_old, device):
-    """Before any update: old_logp (or vLLM's), the reference's logp and, for the top-k KL, the
-    sampling policy's top-k ids with the reference's values there (O(k) per token), in place."""
-    with torch.no_grad():
-        for b in (b for mbs in micro for b in mbs):
-            for key in ("vllm_logp", "adv", "seq_ids"):
-                b[key] = b[key].to(device)
-            if (not reuse_old and not cfg.use_vllm_logprobs) or topk:
-                b["old_logp"], _, _, b["head_ids"] = fwd(policy, b, topk=cfg.kl_topk if topk else 0)
-            if cfg.use_vllm_logprobs:
-                b["old_logp"] = b["vllm_logp"]
-            if cfg.beta > 0:
-                b["ref_logp"], _, b["ref_head_logp"], _ = fwd(ref_model, b, head_ids=b.get("head_ids"))
-            if topk:
-                targets = b["input_ids"][:, 1:][b["mask"]].to(device)
-                b["in_head"] = (b["head_ids"] == targets[:, None]).any(-1)
+def load_inputs(cfg):
+    """Tokenizer, prompts, reward and tracker; bad input exits with one line naming the fix,
+    before any process group, model or server."""
+    rank0 = int(os.environ.get("RANK", 0)) == 0
+    try:
+        cfg.batch_plan(int(os.environ.get("WORLD_SIZE", 1)))
+        tokenizer = load_tokenizer(cfg)
+        train_rows, eval_rows, skipped, reward_fn = load_prompts(cfg, tokenizer)
+        return tokenizer, train_rows, eval_rows, skipped, reward_fn, tracking.open_tracker(cfg) if rank0 else None
+    except ValueError as e:
+        if rank0:
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
-def micro_batch_loss(cfg, logp, old_logp, head_logp, b, denom, e, topk):
-    """grpo_loss of one micro-batch with the trainer/vLLM corrections the config asks for:
-    truncated importance sampling and the token or sequence mask. Returns (loss, sums, masked)."""
-    tis = keep = None
-    if cfg.truncated_importance_sampling_ratio_cap > 0:
-        tis = torch.exp(old_logp - b["vllm_logp"]).clamp(max=cfg.truncated_importance_sampling_ratio_cap)
-    if cfg.vllm_importance_sampling_mask != "none":
-        keep = mismatch_keep(old_logp, b["vllm_logp"], b["seq_ids"], cfg.vllm_importance_sampling_mask,
-                             cfg.vllm_importance_sampling_mask_cap)
-    loss, s = grpo_loss(logp, old_logp, b["adv"], denom, loss_fn=cfg.loss_fn, clip_lower=cfg.clip_lower,
-                        clip_higher=cfg.clip_higher, ref_logp=b.get("ref_logp"), beta=cfg.beta,
-                        kl_estimator=cfg.kl_estimator, tis_weight=tis, keep=keep, ess_value=e,
-                        topk=(head_logp, b["ref_head_logp"], b["in_head"]) if topk else None)
-    return loss, s, (keep == 0).sum() if keep is not None else torch.zeros((), device=logp.device)
+class Sigterm:
+    """SIGTERM (a scheduler, torchrun stopping the job): before the loop it unwinds like an
+    exception, so main's finally stops the vLLM server we started; inside the loop the current
+    step finishes, a checkpoint is written, and then the run exits."""
+
+    def __init__(self):
+        self.in_loop = self.requested = False
+        signal.signal(signal.SIGTERM, self.handle)
+
+    def handle(self, *_):
+        if not self.in_loop:
+            sys.exit(128 + signal.SIGTERM)
+        self.requested = True
+
+    def on_any_rank(self, device):
+        """Whether some rank got a SIGTERM (a collective, so every rank stops after the same step)."""
+        flag = torch.tensor([float(self.requested)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
 
-def optimizer_step(cfg, policy, optimizer, scheduler, step_loss):
-    """Clip, then step unless the loss or the gradient norm is non-finite on some rank (every
-    rank takes the same decision). Returns (gradient norm, whether the update was skipped)."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm or float("inf"))
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    finite = (torch.isfinite(grad_norm) & torch.isfinite(step_loss)).float()
-    dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-    if finite.item():
-        optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm.item(), not finite.item()
+def resume(cfg, rank, policy, ref, optimizer, scheduler, sampler):
+    """Load the newest complete checkpoint, if there is one. Returns (its path or None, its step)."""
+    path = [None]
+    if rank == 0 and cfg.checkpoint_state_dir:
+        checkpoint.remove_partials(cfg.checkpoint_state_dir)
+        path = [checkpoint.latest(cfg.checkpoint_state_dir)]
+    dist.broadcast_object_list(path, src=0)
+    if not path[0]:
+        return None, 0
+    try:
+        state = checkpoint.load(path[0], policy, ref, optimizer, scheduler, cfg)
+    except ValueError as e:  # nothing is started or overwritten yet
+        raise SystemExit(f"error: {e}") from None
+    sampler.position = state["sampler_position"]
+    return path[0], state["step"]
 
 
-def train_on_rollouts(cfg, policy, ref_model, optimizer, scheduler, samples, rank, world_size, device, pad_id):
-    """Mini-batches x epochs of GRPO updates on one rollout batch. Returns summed metrics."""
-    minis = split_for_ranks(samples, cfg.num_mini_batches, world_size, rank, cfg.num_samples_per_prompt_rollout)
-    micro = [[collate(mine[i:i + cfg.per_device_train_batch_size], pad_id) for i in
-              range(0, len(mine), cfg.per_device_train_batch_size)] for mine, _, _ in minis]
-    fwd = lambda model, b, **kw: model.sequence_logprobs(b["input_ids"].to(device), b["attention_mask"].to(device),  # noqa: E731
-                                                         b["mask"].to(device), cfg.temperature, **kw)
-    topk = cfg.kl_estimator == "topk" and cfg.beta > 0
-    reuse_old = cfg.num_mini_batches == 1 and cfg.num_epochs == 1 and not cfg.use_vllm_logprobs and not topk
-    old_and_ref_logprobs(cfg, policy, ref_model, micro, fwd, topk, reuse_old, device)
-    # Dr GRPO's constant denominator counts the configured sequences of a mini-batch, not those
-    # left after filtering: a token weighs the same at every step
-    configured = cfg.num_unique_prompts_rollout * cfg.num_samples_per_prompt_rollout // cfg.num_mini_batches
-    ess_values, grad_norms, skipped = [], [], 0
-    first = next(k for k, (_, _, n_seqs) in enumerate(minis) if n_seqs)  # the sync check's mini-batch
-    # local sums: loss x denom, pg_loss, kl, clipped, entropy, ESS trust term, masked tokens, tokens,
-    # |logp - vllm_logp|, its tokens; then its max
-    sums, diff_max = torch.zeros(10, dtype=torch.float64, device=device), torch.zeros(1, device=device)
-    step_loss = torch.zeros((), device=device)  # this rank's loss over the optimizer step's micro-batches
-    for epoch in range(cfg.num_epochs):
-        for k, ((_, n_tokens, n_seqs), mbs) in enumerate(zip(minis, micro)):
-            if not n_seqs:  # every group of this mini-batch was filtered out (alike on every rank): no update
-                scheduler.step()
-                continue
-            denom = step_denominator(cfg.loss_denominator, n_tokens, configured)
-            e = 1.0
-            if cfg.loss_fn == "ess" and cfg.ess_scope == "step" and not reuse_old:
-                with torch.no_grad():  # ESS of the whole optimizer step's ratios: one extra forward
-                    e = ess(torch.cat([torch.exp(fwd(policy, b, head_ids=b.get("head_ids"))[0] - b["old_logp"])
-                                       for b in mbs]))
-            for i, b in enumerate(mbs):
-                policy.set_requires_gradient_sync(i == len(mbs) - 1)  # reduce-scatter once per step
-                logp, entropy, head_logp, _ = fwd(policy, b, head_ids=b.get("head_ids"))  # --- loss
-                old_logp = logp.detach() if reuse_old else b["old_logp"]
-                if cfg.loss_fn == "ess" and cfg.ess_scope == "micro_batch":
-                    e = ess(torch.exp(logp.detach() - old_logp))  # over this micro-batch on every rank
-                ess_values.append(e)
-                loss, s, masked = micro_batch_loss(cfg, logp, old_logp, head_logp, b, denom, e, topk)
-                # The loss is already divided by the step's global count; FSDP averages gradients
-                # over ranks, so scale by the world size to get their sum (gloo has no premul-sum).
-                (loss * world_size).backward()
-                step_loss += loss.detach()
-                zero = torch.zeros((), dtype=torch.float64, device=device)
-                # trainer vs vLLM on the tokens the current weights sampled, before any update: the sync check
-                diff = (logp.detach() - b["vllm_logp"]).abs()[b["fresh"].to(device)] if epoch == 0 and k == first else None
-                sums += torch.stack([loss.detach().double() * denom, s["pg_loss"].double(), s["kl"].double(),
-                                     s["clip_frac"].double(), entropy.sum().double(), s["ess_trust"].double(),
-                                     masked.double(), zero + logp.numel(),
-                                     diff.sum().double() if diff is not None else zero,
-                                     zero + (diff.numel() if diff is not None else 0)])
-                if diff is not None and diff.numel():
-                    diff_max = torch.maximum(diff_max, diff.max())
-            grad_norm, was_skipped = optimizer_step(cfg, policy, optimizer, scheduler, step_loss)  # --- optimizer
-            grad_norms.append(grad_norm)
-            skipped += was_skipped  # a non-finite loss or gradient norm on some rank: the weights are kept
-            step_loss.zero_()
-    dist.all_reduce(sums)
-    dist.all_reduce(diff_max, op=dist.ReduceOp.MAX)
-    n = int(sums[7].item())
-    loss, pg_loss, kl, clip_frac, entropy, trust, masked = (sums[:7] / max(n, 1)).tolist()
-    return dict(loss=loss, pg_loss=pg_loss, kl=kl, clip_frac=clip_frac, entropy=entropy,
-                grad_norm=sum(grad_norms) / max(len(grad_norms), 1), grad_norm_max=max(grad_norms, default=0.0),
-                vllm_logp_diff_mean=sums[8].item() / max(sums[9].item(), 1.0), vllm_logp_diff_max=diff_max.item(),
-                skipped_steps=skipped, trained_tokens=n,
-                **({"ess": sum(ess_values) / len(ess_values), "ess_trust": trust} if cfg.loss_fn == "ess" else {}),
-                **({"vllm_importance_sampling_masked_frac": masked}
-                   if cfg.vllm_importance_sampling_mask != "none" else {}))
+def announce(cfg, plan, world_size, device, data, resumed_from, start):
+    """Rank 0, before step 0: what reproduces the run (run_info.json) and the batch arithmetic."""
+    train_rows, eval_rows, skipped, reward_fn = data
+    info = tracking.run_info(cfg, world_size)
+    with open(os.path.join(cfg.output_dir, "run_info.json"), "w") as f:
+        json.dump(dict(info, skipped_rows=skipped, resumed_from=resumed_from), f, indent=2)
+    print(f"run: {json.dumps(info['versions'])}, git {info['git_sha']}, world size {world_size}, device {device}")
+    print(f"batch: {cfg.num_unique_prompts_rollout} prompts x {cfg.num_samples_per_prompt_rollout} samples = "
+          f"{plan['sequences']} sequences -> {plan['mini_batches']} mini-batch(es) of {plan['per_mini_batch']} -> "
+          f"{plan['per_rank']} per rank -> {plan['accumulation_steps']} micro-batch(es) of "
+          f"{cfg.per_device_train_batch_size}; {plan['optimizer_steps']} optimizer step(s) per rollout")
+    print(f"data: {len(train_rows)} train / {len(eval_rows)} eval prompts from {cfg.dataset!r}, skipped {skipped}; "
+          f"reward {reward_fn.__name__}")
+    if resumed_from:
+        print(f"resumed from {resumed_from} (step {start})")
+
+
+def train_step(cfg, policy, ref, optimizer, scheduler, samples, plan, gen, world_size, device, pad_id):
+    """The update on this step's batch (update.py); its metrics. In single_gpu_mode the server
+    sleeps meanwhile (its weights go to CPU memory) and is woken before the weight sync."""
+    if cfg.single_gpu_mode:
+        gen.sleep()
+    m = {}
+    if samples:
+        m = train_on_batch(cfg, policy, ref.model if ref else None, optimizer, scheduler, samples,
+                           dist.get_rank(), world_size, device, pad_id)
+    else:  # every group was filtered out: no update, the schedule still moves
+        for _ in range(plan["optimizer_steps"]):
+            scheduler.step()
+    if cfg.single_gpu_mode:
+        gen.wake_up()
+    return m
+
+
+def check_health(cfg, m, step, skipped_in_a_row):
+    """Stop the run when the last weight sync did not take, or when updates keep being skipped."""
+    if m["vllm_logp_diff_mean"] > cfg.vllm_logp_tolerance:
+        raise RuntimeError(f"step {step}: trainer and vLLM logprobs differ by {m['vllm_logp_diff_mean']:.3g} "
+                           f"on average (> vllm_logp_tolerance={cfg.vllm_logp_tolerance}): the last weight "
+                           f"sync did not take, or the server runs another dtype (vllm_dtype)")
+    if skipped_in_a_row >= cfg.max_consecutive_skipped_steps:
+        raise RuntimeError(f"step {step}: {skipped_in_a_row} steps in a row had a non-finite loss or "
+                           f"gradient norm (max_consecutive_skipped_steps): the run diverged; lower "
+                           f"learning_rate or resume from an earlier checkpoint")
+
+
+def export(cfg, policy, tokenizer, rank, name):
+    """A Hugging Face directory of the full policy in output_dir/name (gathered on every rank, written by rank 0)."""
+    full = full_state_dict(policy)
+    if rank == 0:
+        checkpoint.export(full, policy.config, tokenizer, os.path.join(cfg.output_dir, name))
+
+
+def finish_log(cfg, log, m, gen, eval_rows, last, t0, device):
+    """Rank 0: evaluation when due, the step's time, throughput and peak memory, then one log line."""
+    if cfg.eval_freq > 0 and (m["step"] % cfg.eval_freq == 0 or last):
+        m["eval_accuracy"] = gen.evaluate(eval_rows)
+    m["time_step"] = time.perf_counter() - t0
+    m["tokens_per_s"] = m.pop("response_tokens") / m["time_step"]
+    m["peak_memory_gb"] = (torch.cuda.max_memory_allocated() if device.type == "cuda" else
+                           resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30
+    log.write(m)
 
 
 def main(cfg: Config):
     """One run; returns the exit status (0, or 143 after a SIGTERM). The caller then calls
     close_distributed(), once the run's models are out of scope."""
-    try:  # bad input: one line naming the fix, before any process group, model or server
-        cfg.batch_plan(int(os.environ.get("WORLD_SIZE", 1)))
-        tokenizer = load_tokenizer(cfg)
-        train_rows, eval_rows, skipped, reward_fn = load_prompts(cfg, tokenizer)
-        tracker = tracking.open_tracker(cfg) if int(os.environ.get("RANK", 0)) == 0 else None
-    except ValueError as e:
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    # SIGTERM (a scheduler, torchrun stopping the job): before the loop it unwinds like an
-    # exception, so the finally below stops the vLLM server we started; inside the loop the
-    # current step finishes, a checkpoint is written, and then the run exits.
-    stop = {"in_loop": False, "requested": False}
-
-    def on_sigterm(*_):
-        if not stop["in_loop"]:
-            sys.exit(128 + signal.SIGTERM)
-        stop["requested"] = True
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    tokenizer, train_rows, eval_rows, skipped, reward_fn, tracker = load_inputs(cfg)
+    sigterm = Sigterm()
     rank, world_size, device, mesh = setup_distributed(cfg)
     plan = cfg.batch_plan(world_size)
     torch.manual_seed(cfg.seed)
@@ -211,176 +183,70 @@ def main(cfg: Config):
     ref = EMAReference(load_model(cfg, device, mesh, reference=True), policy, cfg.alpha) if cfg.uses_reference else None
     optimizer, scheduler = make_optimizer(cfg, policy, cfg.num_training_steps * plan["optimizer_steps"], device)
     sampler = PromptSampler(train_rows, cfg.seed)
-    # --- resume from the newest complete checkpoint, if there is one
-    resume = [None]
-    if rank == 0 and cfg.checkpoint_state_dir:
-        checkpoint.remove_partials(cfg.checkpoint_state_dir)
-        resume = [checkpoint.latest(cfg.checkpoint_state_dir)]
-    dist.broadcast_object_list(resume, src=0)
-    start = 0
-    if resume[0]:
-        try:
-            trainer_state = checkpoint.load(resume[0], policy, ref, optimizer, scheduler, cfg)
-        except ValueError as e:  # nothing is started or overwritten yet
-            raise SystemExit(f"error: {e}") from None
-        start, sampler.position = trainer_state["step"], trainer_state["sampler_position"]
-    client, server, weights, rollouts = None, None, None, None
+    resumed_from, start = resume(cfg, rank, policy, ref, optimizer, scheduler, sampler)
     # rewards scored in worker processes with a per-sample timeout; daemons: they end with this process
     pool = RewardPool(cfg.reward_fn or reward_fn, cfg.reward_workers, cfg.reward_timeout) if rank == 0 else None
+    log = tracking.MetricsLog(cfg.output_dir, start, tracker) if rank == 0 else None
     if rank == 0:
-        info = tracking.run_info(cfg, world_size)
-        with open(os.path.join(cfg.output_dir, "run_info.json"), "w") as f:
-            json.dump(dict(info, skipped_rows=skipped, resumed_from=resume[0]), f, indent=2)
-        print(f"run: {json.dumps(info['versions'])}, git {info['git_sha']}, world size {world_size}, device {device}")
-        print(f"batch: {cfg.num_unique_prompts_rollout} prompts x {cfg.num_samples_per_prompt_rollout} samples = "
-              f"{plan['sequences']} sequences -> {plan['mini_batches']} mini-batch(es) of {plan['per_mini_batch']} -> "
-              f"{plan['per_rank']} per rank -> {plan['accumulation_steps']} micro-batch(es) of "
-              f"{cfg.per_device_train_batch_size}; {plan['optimizer_steps']} optimizer step(s) per rollout")
-        print(f"data: {len(train_rows)} train / {len(eval_rows)} eval prompts from {cfg.dataset!r}, skipped {skipped}; "
-              f"reward {reward_fn.__name__}")
-        if resume[0]:
-            print(f"resumed from {resume[0]} (step {start})")
+        announce(cfg, plan, world_size, device, (train_rows, eval_rows, skipped, reward_fn), resumed_from, start)
+    gen, saved, trained, skipped_in_a_row = None, start, start, 0
     try:
-        # --- the vLLM server: ours, started on an untied copy of the policy, or the user's, given our weights
-        log_path, served = os.path.join(cfg.output_dir, "vllm.log"), os.path.join(cfg.output_dir, "vllm_model")
-        if rank == 0 and cfg.vllm_server_urls:
-            client = rollout.VLLMClient(cfg.vllm_server_urls, None, cfg.vllm_request_timeout, cfg.vllm_max_retries)
-        full = full_state_dict(policy)  # a collective: every rank takes part
-        if rank == 0 and not cfg.vllm_server_urls:
-            write_serving_dir(full, policy.config, tokenizer, served)
-            server, url = rollout.launch_server(served, cfg, log_path)
-            client = rollout.VLLMClient([url], served, cfg.vllm_request_timeout, cfg.vllm_max_retries,
-                                        proc=server, log_path=log_path)
-        del full
-        weights = make_weight_sync(cfg, client, rank, device)
-        if cfg.vllm_server_urls:  # the user's server starts from our weights
-            weights.sync(policy)
-        log = tracking.MetricsLog(cfg.output_dir, start, tracker) if rank == 0 else None
+        gen = Generator(cfg, policy, tokenizer, sampler, pool, rank, device)  # our vLLM server, or the user's
         if rank == 0 and cfg.eval_freq > 0 and eval_rows and not start:
-            acc = evaluate(cfg, client, eval_rows, pool, tokenizer)
-            log.write({"step": 0, "eval_accuracy": acc, "skipped_rows": skipped})
-        restarts, skipped_in_a_row, saved, position = 0, 0, start, sampler.position
-        max_staleness = cfg.async_steps if cfg.max_sample_staleness is None else cfg.max_sample_staleness
-        make_batch = lambda j: rollout_batch(cfg, client, sampler, j, pool, tokenizer)  # noqa: E731
-        rollouts = Rollouts(make_batch, start + 1, cfg.num_training_steps, cfg.async_steps) if rank == 0 else None
-
-        def keep_and_raise(error, done):
-            """A server failure we cannot repair: checkpoint what was trained (step `done`), then stop."""
-            if cfg.checkpoint_state_dir and saved < done:
-                checkpoint.save(cfg.checkpoint_state_dir, done, policy, ref, optimizer, scheduler, position, cfg,
-                                cfg.keep_last_n_checkpoints)
-            raise rollout.VLLMError(error)
-
-        stop["in_loop"] = True
-        bar = tqdm(range(start + 1, cfg.num_training_steps + 1), disable=rank != 0, desc="grpo", initial=start,
-                   total=cfg.num_training_steps)
-        for step in bar:
+            log.write({"step": 0, "eval_accuracy": gen.evaluate(eval_rows), "skipped_rows": skipped})
+        sigterm.in_loop = True
+        for step in tqdm(range(start + 1, cfg.num_training_steps + 1), disable=rank != 0, desc="grpo",
+                         initial=start, total=cfg.num_training_steps):
             t0 = time.perf_counter()
-            m = {"step": step}
-            # --- rollout and reward (rank 0 talks to vLLM; the batch is broadcast to every rank)
-            while True:
-                payload = [None]
+            try:
+                # --- batch: rank 0 generates and scores (or takes what was generated ahead); every rank gets it
+                samples, rollout_metrics = gen.batch(step, policy)
+                m = dict(step=step, **rollout_metrics, time_wait=time.perf_counter() - t0)
                 if rank == 0:
-                    try:
-                        samples, rollout_metrics = rollouts.get(step)
-                        payload = [(*drop_stale(samples, client.version, max_staleness), rollout_metrics)]
-                    except rollout.VLLMError as e:  # restart a server we launched that died; else stop
-                        died = server is not None and server.poll() is not None
-                        payload = [dict(error=str(e), restart=died and restarts < cfg.vllm_max_restarts)]
-                dist.broadcast_object_list(payload, src=0)
-                if isinstance(payload[0], tuple):
-                    samples, stale_metrics, rollout_metrics = payload[0]
-                    break
-                if not payload[0]["restart"]:
-                    keep_and_raise(payload[0]["error"], step - 1)
-                restarts += 1
-                if rank == 0:
-                    tqdm.write(f"step {step}: the vLLM server died; restart {restarts} of {cfg.vllm_max_restarts}")
-                    rollouts.close()
-                    sampler.position = position  # this step's prompts again
-                    rollout.stop_server(server)
-                    server, _ = rollout.launch_server(served, cfg, log_path)
-                    client.proc = server
-                weights.close()
-                weights = make_weight_sync(cfg, client, rank, device)
-                weights.sync(policy)  # the restarted server gets the current weights
-                if rank == 0:
-                    rollouts = Rollouts(make_batch, step, cfg.num_training_steps, cfg.async_steps)
-            position = rollout_metrics["prompts_seen"]  # the sampler's position a checkpoint of this step records
-            if rank == 0:
-                m.update(rollout_metrics, **stale_metrics, vllm_restarts=restarts, time_wait=time.perf_counter() - t0)
-                log.write_samples(m.pop("samples", None))
-            # --- train: old/ref logprobs, mini-batches x epochs, optimizer steps
-            t2 = time.perf_counter()
-            if cfg.single_gpu_mode:  # the server frees the GPU for training (its weights go to CPU memory)
-                client.sleep()
-            if samples:
-                m.update(train_on_rollouts(cfg, policy, ref.model if ref else None, optimizer, scheduler, samples,
-                                           rank, world_size, device, tokenizer.pad_token_id))
-                if m["vllm_logp_diff_mean"] > cfg.vllm_logp_tolerance:
-                    raise RuntimeError(f"step {step}: trainer and vLLM logprobs differ by {m['vllm_logp_diff_mean']:.3g} "
-                                       f"on average (> vllm_logp_tolerance={cfg.vllm_logp_tolerance}): the last weight "
-                                       f"sync did not take, or the server runs another dtype (vllm_dtype)")
-                skipped_in_a_row = skipped_in_a_row + 1 if m["skipped_steps"] else 0
-                if skipped_in_a_row >= cfg.max_consecutive_skipped_steps:
-                    raise RuntimeError(f"step {step}: {skipped_in_a_row} steps in a row had a non-finite loss or "
-                                       f"gradient norm (max_consecutive_skipped_steps): the run diverged; lower "
-                                       f"learning_rate or resume from an earlier checkpoint")
-            else:
-                for _ in range(plan["optimizer_steps"]):
-                    scheduler.step()
-            m["time_train"] = time.perf_counter() - t2
-            m["lr"] = scheduler.get_last_lr()[0]
-            # --- EMA reference
-            if ref is not None and cfg.ref_policy_update_freq and step % cfg.ref_policy_update_freq == 0:
-                ref.update()
-            # --- weight sync into vLLM
-            t3 = time.perf_counter()
-            if cfg.single_gpu_mode:  # awake before its weights are reloaded and it generates again
-                client.wake_up()
-            if samples:
-                try:
-                    weights.sync(policy)
-                except rollout.VLLMError as e:  # raised on every rank; this step was trained: log and keep it
-                    if rank == 0:
-                        log.write(m)
-                    keep_and_raise(str(e), step)
-            m["time_sync"] = time.perf_counter() - t3
+                    log.write_samples(m.pop("samples", None))
+                # --- train: old/ref logprobs, mini-batches x epochs, optimizer steps
+                t1 = time.perf_counter()
+                m.update(train_step(cfg, policy, ref, optimizer, scheduler, samples, plan, gen, world_size, device,
+                                    tokenizer.pad_token_id))
+                if samples:
+                    skipped_in_a_row = skipped_in_a_row + 1 if m["skipped_steps"] else 0
+                    check_health(cfg, m, step, skipped_in_a_row)
+                trained = step
+                m.update(time_train=time.perf_counter() - t1, lr=scheduler.get_last_lr()[0])
+                # --- EMA reference
+                if ref is not None and cfg.ref_policy_update_freq and step % cfg.ref_policy_update_freq == 0:
+                    ref.update()
+                # --- weight sync into vLLM
+                t3 = time.perf_counter()
+                if samples:
+                    gen.sync(policy)
+                m["time_sync"] = time.perf_counter() - t3
+            except rollout.VLLMError:  # a server we cannot repair: log and checkpoint what was trained, then stop
+                if rank == 0 and trained == step:
+                    log.write(m)
+                if cfg.checkpoint_state_dir and saved < trained:
+                    checkpoint.save(cfg.checkpoint_state_dir, trained, policy, ref, optimizer, scheduler,
+                                    gen.position, cfg, cfg.keep_last_n_checkpoints)
+                raise
             # --- checkpoint and export (a SIGTERM on any rank stops every rank after this step's checkpoint)
-            stopping = torch.tensor([float(stop["requested"])], device=device)
-            dist.all_reduce(stopping, op=dist.ReduceOp.MAX)
-            last = step == cfg.num_training_steps
-            if cfg.checkpoint_state_dir and (step % cfg.checkpoint_state_freq == 0 or last or stopping.item()):
-                checkpoint.save(cfg.checkpoint_state_dir, step, policy, ref, optimizer, scheduler, position, cfg,
+            stopping, last = sigterm.on_any_rank(device), step == cfg.num_training_steps
+            if cfg.checkpoint_state_dir and (step % cfg.checkpoint_state_freq == 0 or last or stopping):
+                checkpoint.save(cfg.checkpoint_state_dir, step, policy, ref, optimizer, scheduler, gen.position, cfg,
                                 cfg.keep_last_n_checkpoints)
                 saved = step
             if last or (cfg.save_freq > 0 and step % cfg.save_freq == 0):
-                full = full_state_dict(policy)
-                if rank == 0:
-                    checkpoint.export(full, policy.config, tokenizer,
-                                      os.path.join(cfg.output_dir, "final" if last else f"step_{step}"))
-                del full
+                export(cfg, policy, tokenizer, rank, "final" if last else f"step_{step}")
             # --- evaluation and log
             if rank == 0:
-                if cfg.eval_freq > 0 and (step % cfg.eval_freq == 0 or last):
-                    m["eval_accuracy"] = evaluate(cfg, client, eval_rows, pool, tokenizer)
-                m["time_step"] = time.perf_counter() - t0
-                m["tokens_per_s"] = m.pop("response_tokens") / m["time_step"]
-                m["peak_memory_gb"] = (torch.cuda.max_memory_allocated() if device.type == "cuda" else
-                                       resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30
-                log.write(m)
-            if stopping.item():
+                finish_log(cfg, log, m, gen, eval_rows, last, t0, device)
+            if stopping:
                 if rank == 0:
                     print(f"SIGTERM: stopped after step {step}" + (f", checkpoint in {cfg.checkpoint_state_dir}"
                                                                     if cfg.checkpoint_state_dir else ""))
                 return 128 + signal.SIGTERM
     finally:
-        if rollouts:
-            rollouts.close()
-        if weights:
-            weights.close()
-        if rank == 0:
-            rollout.stop_server(server)
+        if gen:
+            gen.close()
     return 0
 
 

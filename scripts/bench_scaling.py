@@ -5,7 +5,7 @@ excluded: the step trains on fixed synthetic rollouts, no vLLM server is involve
     .venv/bin/python scripts/bench_scaling.py --models tiny,24m --steps 5
     python scripts/bench_scaling.py --models 0.5b,1.5b --worlds 1 --micro_batch 64   # one GPU: adds MFU
 
-The step is train.train_on_rollouts followed by EMAReference.update(), exactly as
+The step is update.train_on_batch followed by EMAReference.update(), exactly as
 train.py runs them: old logprobs (one no-grad forward, needed since the batch is cut
 into --num_mini_batches optimizer steps), reference logprobs (one no-grad forward,
 --beta > 0), then per mini-batch forward + loss + backward, gradient clipping and AdamW,
@@ -68,6 +68,7 @@ def worker(args):
     import torch.distributed as dist
 
     import train
+    import update
     from config import Config
     from reference import EMAReference
 
@@ -101,7 +102,7 @@ def worker(args):
         return t.tolist()
 
     def step():
-        train.train_on_rollouts(cfg, policy, ref.model, optimizer, scheduler, samples, rank, world, device, 0)
+        update.train_on_batch(cfg, policy, ref.model, optimizer, scheduler, samples, rank, world, device, 0)
         ref.update()
 
     from data import collate, split_for_ranks

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 import checkpoint
 import train
+import update
 from config import Config
 from data import PromptSampler
 from reference import EMAReference
@@ -56,7 +57,7 @@ def snapshot(policy, ref, optimizer, scheduler, sampler):
 if mode == "save":
     policy, ref, optimizer, scheduler, sampler = fresh()
     for step in (1, 2, 3):
-        train.train_on_rollouts(cfg, policy, ref.model, optimizer, scheduler, rollouts(step), rank, world_size,
+        update.train_on_batch(cfg, policy, ref.model, optimizer, scheduler, rollouts(step), rank, world_size,
                                 device, pad_id=0)
         ref.update()
         sampler.next_batch(3)

@@ -18,6 +18,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 import dataclasses
 
 import train
+import update
 from config import Config, convert
 from reference import EMAReference, local
 from weight_sync import full_state_dict
@@ -59,7 +60,7 @@ if mode == "train":
     optimizer, scheduler = train.make_optimizer(cfg, policy, 10, device)
     losses = []
     for step in range(3):
-        m = train.train_on_rollouts(cfg, policy, ref.model, optimizer, scheduler, fixed_rollouts(step), rank,
+        m = update.train_on_batch(cfg, policy, ref.model, optimizer, scheduler, fixed_rollouts(step), rank,
                                     world_size, device, pad_id=0)
         ref.update()
         losses.append([m["loss"], m["kl"], m["clip_frac"], m["grad_norm"], m.get("ess", 1.0), m["grad_norm_max"]])
@@ -71,7 +72,7 @@ elif mode == "filtered":
     n = cfg.num_samples_per_prompt_rollout
     batch = fixed_rollouts(0)
     kept = [s for g in kept_groups for s in batch[g * n:(g + 1) * n]]
-    m = train.train_on_rollouts(cfg, policy, ref.model, optimizer, scheduler, kept, rank, world_size, device, pad_id=0)
+    m = update.train_on_batch(cfg, policy, ref.model, optimizer, scheduler, kept, rank, world_size, device, pad_id=0)
     policy_sd = full_state_dict(policy)
     if rank == 0:
         torch.save(dict(m=m, policy=policy_sd, scheduler_steps=scheduler.last_epoch), out)

@@ -9,7 +9,9 @@ import signal
 import sys
 
 import checkpoint
+import generator
 import train
+import update
 from config import parse_args
 
 if __name__ == "__main__":  # the reward pool's workers import this script again as __mp_main__
@@ -19,7 +21,7 @@ if __name__ == "__main__":  # the reward pool's workers import this script again
 
     if kind == "nan_loss":
         now = {}
-        real_rollout, real_loss = train.rollout_batch, train.grpo_loss
+        real_rollout, real_loss = generator.rollout_batch, update.grpo_loss
 
         def rollout_batch(cfg, client, sampler, step, *a, **k):  # rank 0 knows the step here
             now["step"] = step
@@ -29,7 +31,7 @@ if __name__ == "__main__":  # the reward pool's workers import this script again
             loss, metrics = real_loss(*a, **k)
             return (loss * float("nan") if now.get("step") in steps else loss), metrics
 
-        train.rollout_batch, train.grpo_loss = rollout_batch, grpo_loss
+        generator.rollout_batch, update.grpo_loss = rollout_batch, grpo_loss
     elif kind == "kill_in_checkpoint":
         real_fsync = checkpoint.fsync
 

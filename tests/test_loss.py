@@ -12,7 +12,7 @@ def test_chunked_logprobs_equal_naive_values_and_gradients():
     hidden = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 50, (37,))
-    logp, ent, head, ids = token_logprobs(hidden, weight, targets, temperature=0.7, chunk_size=8, topk=3)  # 5 chunks
+    logp, ent, head, ids = token_logprobs(hidden, weight, targets, temperature=0.7, chunk_size=8, head_size=3)  # 5 chunks
     logits = hidden @ weight.t() / 0.7
     ref = torch.log_softmax(logits, -1)
     ref_logp = ref.gather(-1, targets[:, None])[:, 0]

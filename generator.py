@@ -1,0 +1,113 @@
+"""The trainer's side of vLLM: the server, the weights in it, and each step's batch on every rank.
+
+    gen = Generator(cfg, policy, tokenizer, sampler, pool, rank, device)
+    samples, m = gen.batch(step, policy)   # every rank; rank 0 asks vLLM, scores, broadcasts
+    gen.sync(policy)                       # every rank: the policy's weights into the server
+    gen.close()
+
+The server is ours (launched on an untied copy of the policy, stopped on close) or the
+user's (vllm_server_urls, given our weights first). A server we launched that dies is
+restarted, up to vllm_max_restarts times, given the current weights, and asked for the
+same step's prompts again; any other failure raises rollout.VLLMError on every rank.
+"""
+
+import os
+
+import torch.distributed as dist
+from tqdm import tqdm
+
+import rollout
+from episodes import Rollouts, drop_stale, evaluate, rollout_batch
+from weight_sync import full_state_dict, make_weight_sync, write_serving_dir
+
+
+class Generator:
+    def __init__(self, cfg, policy, tokenizer, sampler, pool, rank, device):
+        self.cfg, self.tokenizer, self.sampler, self.pool, self.rank, self.device = cfg, tokenizer, sampler, pool, rank, device
+        self.client = self.server = self.weights = self.rollouts = None
+        self.restarts, self.position = 0, sampler.position  # the sampler's position after the last batch taken
+        self.max_staleness = cfg.async_steps if cfg.max_sample_staleness is None else cfg.max_sample_staleness
+        self.log_path = os.path.join(cfg.output_dir, "vllm.log")
+        self.served = os.path.join(cfg.output_dir, "vllm_model")
+        try:
+            if rank == 0 and cfg.vllm_server_urls:
+                self.client = rollout.VLLMClient(cfg.vllm_server_urls, None, cfg.vllm_request_timeout,
+                                                 cfg.vllm_max_retries)
+            full = full_state_dict(policy)  # a collective: every rank takes part
+            if rank == 0 and not cfg.vllm_server_urls:
+                write_serving_dir(full, policy.config, tokenizer, self.served)
+                self.server, url = rollout.launch_server(self.served, cfg, self.log_path)
+                self.client = rollout.VLLMClient([url], self.served, cfg.vllm_request_timeout, cfg.vllm_max_retries,
+                                                 proc=self.server, log_path=self.log_path)
+            del full
+            self.weights = make_weight_sync(cfg, self.client, rank, device)
+            if cfg.vllm_server_urls:  # the user's server starts from our weights
+                self.weights.sync(policy)
+        except BaseException:
+            self.close()
+            raise
+
+    def make_batch(self, step):
+        return rollout_batch(self.cfg, self.client, self.sampler, step, self.pool, self.tokenizer)
+
+    def batch(self, step, policy):
+        """(samples, metrics) of `step` on every rank: rank 0 takes them from vLLM (generated ahead
+        with async_steps), drops stale samples and broadcasts them. Restarts a dead server of ours."""
+        while True:
+            payload = [None]
+            if self.rank == 0:
+                try:
+                    if self.rollouts is None:  # from the first step asked for (again, after a restart)
+                        self.rollouts = Rollouts(self.make_batch, step, self.cfg.num_training_steps,
+                                                 self.cfg.async_steps)
+                    samples, m = self.rollouts.get(step)
+                    samples, stale = drop_stale(samples, self.client.version, self.max_staleness)
+                    payload = [(samples, dict(m, **stale, vllm_restarts=self.restarts))]
+                except rollout.VLLMError as e:
+                    died = self.server is not None and self.server.poll() is not None
+                    payload = [dict(error=str(e), restart=died and self.restarts < self.cfg.vllm_max_restarts)]
+            dist.broadcast_object_list(payload, src=0)
+            if isinstance(payload[0], tuple):
+                samples, m = payload[0]
+                self.position = m["prompts_seen"]  # what a checkpoint of this step records
+                return samples, m
+            if not payload[0]["restart"]:
+                raise rollout.VLLMError(payload[0]["error"])
+            self.restart(step, policy)
+
+    def restart(self, step, policy):
+        """Relaunch our dead server, give it the current weights, and ask for `step`'s prompts again."""
+        self.restarts += 1
+        if self.rank == 0:
+            tqdm.write(f"step {step}: the vLLM server died; restart {self.restarts} of {self.cfg.vllm_max_restarts}")
+            self.rollouts.close()
+            self.rollouts = None
+            self.sampler.position = self.position  # this step's prompts again
+            rollout.stop_server(self.server)
+            self.server, _ = rollout.launch_server(self.served, self.cfg, self.log_path)
+            self.client.proc = self.server
+        self.weights.close()
+        self.weights = make_weight_sync(self.cfg, self.client, self.rank, self.device)
+        self.weights.sync(policy)
+
+    def sync(self, policy):
+        """The policy's weights into every server (every rank takes part); VLLMError if that fails."""
+        self.weights.sync(policy)
+
+    def evaluate(self, eval_rows):
+        """Rank 0: greedy accuracy on the held-out prompts."""
+        return evaluate(self.cfg, self.client, eval_rows, self.pool, self.tokenizer)
+
+    def sleep(self):  # single_gpu_mode: the server frees the GPU for training
+        self.client.sleep()
+
+    def wake_up(self):
+        self.client.wake_up()
+
+    def close(self):
+        if self.rollouts:
+            self.rollouts.close()
+        if self.weights:
+            self.weights.close()
+        if self.rank == 0:
+            rollout.stop_server(self.server)

@@ -1,0 +1,203 @@
+"""The policy update of one step: GRPO on one rollout batch, every rank on its share.
+
+    train_on_batch
+      logprobs_before_update   old_logp, ref_logp and the top-k KL's heads, under no_grad
+      for epoch, mini-batch:
+        micro_batch_loss       the objective (loss.py) with the trainer/vLLM corrections; backward
+      optimizer_step           clip, then step unless the loss or gradient is non-finite somewhere
+    StepMetrics                per-token sums of this rank, reduced over ranks once
+
+The loss of each micro-batch is already divided by the whole optimizer step's denominator
+(loss.step_denominator), so gradients accumulated over micro-batches and summed over ranks
+are the gradient of one loss over the step.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from data import collate, split_for_ranks
+from loss import ess, grpo_loss, mismatch_keep, step_denominator
+
+
+def make_optimizer(cfg, policy, total_updates, device):
+    """AdamW (fused on CUDA, foreach on CPU or offloaded) and the warm-up + schedule, in optimizer steps."""
+    from transformers import get_scheduler
+
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                                  **({"fused": True} if device.type == "cuda" and not cfg.offload_params else {"foreach": True}))
+    name = "constant_with_warmup" if cfg.lr_scheduler_type == "constant" else cfg.lr_scheduler_type
+    return optimizer, get_scheduler(name, optimizer, num_warmup_steps=cfg.warm_up_steps,
+                                    num_training_steps=total_updates)
+
+
+@dataclass
+class Before:
+    """What one micro-batch needs from before any update; (N,) over its completion tokens."""
+    old_logp: Optional[torch.Tensor] = None  # None: the detached new logp (one mini-batch, one epoch: ratio 1)
+    ref_logp: Optional[torch.Tensor] = None  # None: no KL term
+    head_ids: Optional[torch.Tensor] = None  # (N, k) top-k KL: the sampling policy's k most likely tokens
+    ref_head_logp: Optional[torch.Tensor] = None  # (N, k) the reference's logp at head_ids
+    in_head: Optional[torch.Tensor] = None  # (N,) bool: the sampled token is one of head_ids
+
+
+def logprobs_before_update(cfg, policy, ref_model, micro, forward, reuse_old, device):
+    """One Before per micro-batch: old_logp (recomputed, or vLLM's with use_vllm_logprobs), the
+    reference's logp and, for the top-k KL, the sampling policy's top-k ids with the reference's
+    logp there (O(k) per token)."""
+    kl_heads = cfg.kl_estimator == "topk" and cfg.beta > 0
+    out = []
+    with torch.no_grad():
+        for b in micro:
+            before = Before()
+            if (not reuse_old and not cfg.use_vllm_logprobs) or kl_heads:
+                before.old_logp, _, _, before.head_ids = forward(policy, b, head_size=cfg.kl_topk if kl_heads else 0)
+            if cfg.use_vllm_logprobs:
+                before.old_logp = b["vllm_logp"]
+            if not kl_heads:
+                before.head_ids = None
+            if cfg.beta > 0:
+                before.ref_logp, _, before.ref_head_logp, _ = forward(ref_model, b, head_ids=before.head_ids)
+            if kl_heads:
+                targets = b["input_ids"][:, 1:][b["mask"]].to(device)
+                before.in_head = (before.head_ids == targets[:, None]).any(-1)
+            out.append(before)
+    return out
+
+
+def micro_batch_loss(cfg, logp, head_logp, b, before, denom, ess_value):
+    """grpo_loss of one micro-batch with the trainer/vLLM corrections the config asks for:
+    truncated importance sampling and the token or sequence mask. Returns (loss, sums, masked)."""
+    old_logp = logp.detach() if before.old_logp is None else before.old_logp
+    tis = keep = None
+    if cfg.truncated_importance_sampling_ratio_cap > 0:
+        tis = torch.exp(old_logp - b["vllm_logp"]).clamp(max=cfg.truncated_importance_sampling_ratio_cap)
+    if cfg.vllm_importance_sampling_mask != "none":
+        keep = mismatch_keep(old_logp, b["vllm_logp"], b["seq_ids"], cfg.vllm_importance_sampling_mask,
+                             cfg.vllm_importance_sampling_mask_cap)
+    kl_heads = (head_logp, before.ref_head_logp, before.in_head) if before.in_head is not None else None
+    loss, sums = grpo_loss(logp, old_logp, b["adv"], denom, loss_fn=cfg.loss_fn, clip_lower=cfg.clip_lower,
+                           clip_higher=cfg.clip_higher, ref_logp=before.ref_logp, beta=cfg.beta,
+                           kl_estimator=cfg.kl_estimator, tis_weight=tis, keep=keep, ess_value=ess_value,
+                           topk=kl_heads)
+    return loss, sums, (keep == 0).sum() if keep is not None else torch.zeros((), device=logp.device)
+
+
+def optimizer_step(cfg, policy, optimizer, scheduler, step_loss):
+    """Clip, then step unless the loss or the gradient norm is non-finite on some rank (every
+    rank takes the same decision). Returns (gradient norm, whether the update was skipped)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm or float("inf"))
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    finite = (torch.isfinite(grad_norm) & torch.isfinite(step_loss)).float()
+    dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    if finite.item():
+        optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm.item(), not finite.item()
+
+
+class StepMetrics:
+    """One step's statistics: float64 sums over this rank's tokens, reduced over ranks once,
+    then divided by the step's tokens; ESS values, gradient norms and skipped updates."""
+    SUMS = ("loss", "pg_loss", "kl", "clipped", "entropy", "ess_trust", "masked", "tokens",
+            "vllm_logp_diff", "vllm_logp_diff_tokens")
+
+    def __init__(self, device):
+        self.sums = {k: torch.zeros((), dtype=torch.float64, device=device) for k in self.SUMS}
+        self.vllm_logp_diff_max = torch.zeros((), device=device)
+        self.ess, self.grad_norms, self.skipped = [], [], 0
+
+    def add(self, **values):
+        for k, v in values.items():
+            self.sums[k] += v.double() if torch.is_tensor(v) else v
+
+    def add_vllm_diff(self, diff):
+        """|trainer logp - vLLM logp| over the tokens the current weights sampled: the sync check."""
+        self.add(vllm_logp_diff=diff.sum(), vllm_logp_diff_tokens=diff.numel())
+        if diff.numel():
+            self.vllm_logp_diff_max = torch.maximum(self.vllm_logp_diff_max, diff.max())
+
+    def reduce(self, cfg):
+        """Reduce over ranks (a collective) and return the metrics dict of the step."""
+        sums = torch.stack([self.sums[k] for k in self.SUMS])
+        dist.all_reduce(sums)
+        dist.all_reduce(self.vllm_logp_diff_max, op=dist.ReduceOp.MAX)
+        s = dict(zip(self.SUMS, sums.tolist()))
+        n = max(s["tokens"], 1)
+        m = dict(loss=s["loss"] / n, pg_loss=s["pg_loss"] / n, kl=s["kl"] / n, clip_frac=s["clipped"] / n,
+                 entropy=s["entropy"] / n, grad_norm=sum(self.grad_norms) / max(len(self.grad_norms), 1),
+                 grad_norm_max=max(self.grad_norms, default=0.0),
+                 vllm_logp_diff_mean=s["vllm_logp_diff"] / max(s["vllm_logp_diff_tokens"], 1.0),
+                 vllm_logp_diff_max=self.vllm_logp_diff_max.item(), skipped_steps=self.skipped,
+                 trained_tokens=int(s["tokens"]))
+        if cfg.loss_fn == "ess":
+            m.update(ess=sum(self.ess) / len(self.ess), ess_trust=s["ess_trust"] / n)
+        if cfg.vllm_importance_sampling_mask != "none":
+            m["vllm_importance_sampling_masked_frac"] = s["masked"] / n
+        return m
+
+
+def train_on_batch(cfg, policy, ref_model, optimizer, scheduler, samples, rank, world_size, device, pad_id):
+    """Mini-batches x epochs of GRPO updates on one rollout batch; the step's metrics."""
+    minis = split_for_ranks(samples, cfg.num_mini_batches, world_size, rank, cfg.num_samples_per_prompt_rollout)
+    micro = [[collate(mine[i:i + cfg.per_device_train_batch_size], pad_id) for i in
+              range(0, len(mine), cfg.per_device_train_batch_size)] for mine, _, _ in minis]
+    for b in (b for mbs in micro for b in mbs):
+        for key in ("vllm_logp", "adv", "seq_ids"):
+            b[key] = b[key].to(device)
+
+    def forward(model, b, **kw):  # logp, entropy, head_logp, head_ids of b's completion tokens
+        return model.sequence_logprobs(b["input_ids"].to(device), b["attention_mask"].to(device),
+                                       b["mask"].to(device), cfg.temperature, **kw)
+
+    kl_heads = cfg.kl_estimator == "topk" and cfg.beta > 0
+    reuse_old = cfg.num_mini_batches == 1 and cfg.num_epochs == 1 and not cfg.use_vllm_logprobs and not kl_heads
+    before = [logprobs_before_update(cfg, policy, ref_model, mbs, forward, reuse_old, device) for mbs in micro]
+    # Dr GRPO's constant denominator counts the configured sequences of a mini-batch, not those
+    # left after filtering: a token weighs the same at every step
+    configured = cfg.num_unique_prompts_rollout * cfg.num_samples_per_prompt_rollout // cfg.num_mini_batches
+    check = next(j for j, (_, _, n_seqs) in enumerate(minis) if n_seqs)  # the sync check's mini-batch
+    metrics = StepMetrics(device)
+    for epoch in range(cfg.num_epochs):
+        for j, ((_, n_tokens, n_seqs), mbs, befores) in enumerate(zip(minis, micro, before)):
+            if not n_seqs:  # every group of this mini-batch was filtered out (alike on every rank): no update
+                scheduler.step()
+                continue
+            denom = step_denominator(cfg.loss_denominator, n_tokens, configured)
+            step_loss = mini_batch_backward(cfg, policy, mbs, befores, forward, denom, world_size, metrics,
+                                            sync_check=epoch == 0 and j == check)
+            grad_norm, skipped = optimizer_step(cfg, policy, optimizer, scheduler, step_loss)
+            metrics.grad_norms.append(grad_norm)
+            metrics.skipped += skipped  # a non-finite loss or gradient norm on some rank: the weights are kept
+    return metrics.reduce(cfg)
+
+
+def mini_batch_backward(cfg, policy, mbs, befores, forward, denom, world_size, metrics, sync_check):
+    """Forward and backward of one mini-batch's micro-batches on this rank (gradients accumulate
+    until the last one reduce-scatters them); their summed loss."""
+    ess_value = 1.0
+    if cfg.loss_fn == "ess" and cfg.ess_scope == "step" and befores[0].old_logp is not None:
+        with torch.no_grad():  # ESS of the whole optimizer step's ratios: one extra forward
+            ess_value = ess(torch.cat([torch.exp(forward(policy, b, head_ids=bf.head_ids)[0] - bf.old_logp)
+                                       for b, bf in zip(mbs, befores)]))
+    losses = []
+    for i, (b, before) in enumerate(zip(mbs, befores)):
+        policy.set_requires_gradient_sync(i == len(mbs) - 1)  # reduce-scatter once per step
+        logp, entropy, head_logp, _ = forward(policy, b, head_ids=before.head_ids)
+        if cfg.loss_fn == "ess" and cfg.ess_scope == "micro_batch":  # over this micro-batch on every rank
+            old_logp = logp.detach() if before.old_logp is None else before.old_logp
+            ess_value = ess(torch.exp(logp.detach() - old_logp))
+        metrics.ess.append(ess_value)
+        loss, s, masked = micro_batch_loss(cfg, logp, head_logp, b, before, denom, ess_value)
+        # The loss is already divided by the step's global count; FSDP averages gradients over
+        # ranks, so scale by the world size to get their sum (gloo has no premul-sum).
+        (loss * world_size).backward()
+        losses.append(loss.detach())
+        metrics.add(loss=loss.detach().double() * denom, pg_loss=s["pg_loss"], kl=s["kl"], clipped=s["clip_frac"],
+                    entropy=entropy.sum(), ess_trust=s["ess_trust"], masked=masked, tokens=logp.numel())
+        if sync_check:  # trainer vs vLLM on the tokens the current weights sampled, before any update
+            metrics.add_vllm_diff((logp.detach() - b["vllm_logp"]).abs()[b["fresh"].to(logp.device)])
+    return torch.stack(losses).sum()
