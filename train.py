@@ -90,9 +90,8 @@ def micro_batch_loss(cfg, logp, old_logp, head_logp, b, denom, e, topk):
     if cfg.vllm_importance_sampling_mask != "none":
         keep = mismatch_keep(old_logp, b["vllm_logp"], b["seq_ids"], cfg.vllm_importance_sampling_mask,
                              cfg.vllm_importance_sampling_mask_cap)
-    loss, s = grpo_loss(logp, old_logp, b["adv"], denom, loss_fn=cfg.loss_fn, clip_lower=cfg.clip_lower,
-                        clip_higher=cfg.clip_higher, ref_logp=b.get("ref_logp"), beta=cfg.beta,
-                        kl_estimator=cfg.kl_estimator, tis_weight=tis, keep=keep, ess_value=e,
+    loss, s = grpo_loss(logp, old_logp, b["adv"], b["seq_ids"], denom, cfg, ref_logp=b.get("ref_logp"),
+                        tis_weight=tis, keep=keep, ess_value=e,
                         topk=(head_logp, b["ref_head_logp"], b["in_head"]) if topk else None)
     return loss, s, (keep == 0).sum() if keep is not None else torch.zeros((), device=logp.device)
 
