@@ -73,7 +73,7 @@ class Config:
     weight_decay: float = 0.0  # AdamW weight decay
     max_grad_norm: float = 1.0  # gradient clipping; 0 disables
     # --- objective
-    loss_fn: str = "dapo"  # dapo (asymmetric clip), cispo (capped weight x logp) or ess (batch-adaptive, "Trust the Batch" by Fakoor et al.; no clip constants)
+    loss_fn: str = "dapo"  # dapo (asymmetric clip), cispo (capped weight x logp), ess (batch-adaptive, "Trust the Batch" by Fakoor et al.; no clip constants) or gspo (clipped sequence ratio, GSPO by Zheng et al.; the paper clips at 3e-4 / 4e-4)
     clip_lower: float = 0.2  # dapo: ratio clipped below at 1 - clip_lower
     clip_higher: float = 0.28  # dapo: ratio clipped above at 1 + clip_higher; cispo: weight capped at 1 + clip_higher
     beta: float = 0.0  # KL coefficient toward the reference; 0 = no KL term
@@ -119,7 +119,7 @@ class Config:
             raise ValueError(msg)
 
         choices = {
-            "loss_fn": ("dapo", "cispo", "ess"),
+            "loss_fn": ("dapo", "cispo", "ess", "gspo"),
             "kl_estimator": ("k1", "k2", "k3", "k4", "topk"),
             "advantage_normalization_type": ("standard", "centered"),
             "lr_scheduler_type": ("constant", "linear", "cosine"),

@@ -99,6 +99,8 @@ def kl_k4(logp, ref_logp, rho):
     return rho * (logp - ref_logp)
 
 
+# kl_estimator names; each takes (logp, ref_logp, rho) (N,) and returns (N,). "topk" is apart: it
+# also needs the sampling policy's top-k head (kl_topk below).
 KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3, "k4": kl_k4}
 
 
@@ -136,85 +138,121 @@ def ess(rho, group=None):
     return (sums[0] ** 2 / (sums[2] * sums[1]).clamp(min=1e-300)).item()
 
 
-def ess_loss(logp, old_logp, adv, e):
-    """The batch-adaptive objective ("Trust the Batch", Fakoor et al., after P3O): with e = sg(ESS),
-    -sg(min(rho, e)) A logp + (1 - e) k3(pi || pi_old). Nearly uniform ratios (e ~ 1) give the
-    plain on-policy score-function update; concentrated ratios (stale or mismatched data)
-    cap the weight lower and pull harder toward the behaviour policy. No clip constants.
-    Returns (per-token policy term, per-token (1 - e) k3 trust term, flag of capped tokens):
-    the trust term is a KL, so importance corrections never multiply it."""
-    rho = torch.exp(logp - old_logp)
-    capped = (rho.detach() > e).float()
-    return -rho.detach().clamp(max=e) * adv * logp, (1 - e) * kl_k3(logp, old_logp), capped
+def sequence_mean(x, seq_ids):
+    """The mean of x (N,) over the tokens of each token's sequence, at every token (N,).
+    seq_ids (N,) numbers the sequence of each token (0..S-1; numbers may be skipped)."""
+    n_seqs = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
+    total = x.new_zeros(n_seqs).index_add(0, seq_ids, x)  # (S,)
+    count = x.new_zeros(n_seqs).index_add(0, seq_ids, torch.ones_like(x))  # (S,)
+    return (total / count.clamp(min=1))[seq_ids]
 
 
 def mismatch_keep(old_logp, vllm_logp, seq_ids, level, cap):
     """Which tokens the trainer/vLLM mismatch leaves in the policy term (1.0 kept, 0.0 masked),
     for ratios pi_old/pi_vllm: level "token" keeps tokens whose ratio lies in [1/cap, cap]
     (IcePop's token mask); "sequence" keeps whole sequences whose geometric-mean ratio
-    exp(mean over their tokens of log ratio) lies in that band. seq_ids (N,) numbers the
-    sequence of each token (0..S-1)."""
+    exp(mean over their tokens of log ratio) lies in that band."""
     log_ratio = (old_logp - vllm_logp).detach()  # (N,)
     if level == "sequence":
-        n_seqs = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
-        total = log_ratio.new_zeros(n_seqs).index_add_(0, seq_ids, log_ratio)  # (S,)
-        count = log_ratio.new_zeros(n_seqs).index_add_(0, seq_ids, torch.ones_like(log_ratio))
-        log_ratio = (total / count.clamp(min=1))[seq_ids]
+        log_ratio = sequence_mean(log_ratio, seq_ids)
     return (log_ratio.abs() <= math.log(cap)).to(log_ratio.dtype)
 
 
-# --- objectives, per token (all (N,) tensors)
+# --- objectives: one signature, one table
+#
+# objective(logp, old_logp, adv, seq_ids, cfg, ess_value) -> (policy term, trust term, clipped flag)
+# logp (with gradient), old_logp, adv and seq_ids (the sequence of each token) are the
+# micro-batch's (N,) tokens; cfg is the run's Config (or any object with the fields the
+# objective reads), so an objective's hyper-parameter is a Config field; ess_value is
+# sg(ESS), read by "ess" only. All three results are (N,). grpo_loss multiplies the policy
+# term by the importance corrections (TIS, masks), never the trust term (a KL to pi_old).
 
 
-def dapo_loss(logp, old_logp, adv, clip_lower, clip_higher):
-    """PPO's clipped surrogate with DAPO's asymmetric range [1 - clip_lower, 1 + clip_higher]:
-    max(-A rho, -A clip(rho)). Returns (per-token loss, per-token clipped flag)."""
-    rho = torch.exp(logp - old_logp)
-    unclipped, clipped = -adv * rho, -adv * rho.clamp(1 - clip_lower, 1 + clip_higher)
+def clipped_surrogate(ratio, adv, cfg):
+    """PPO's max(-A ratio, -A clip(ratio, 1 - clip_lower, 1 + clip_higher)) per token, and the
+    flag of tokens where the clipped branch wins (their gradient is zero)."""
+    unclipped, clipped = -adv * ratio, -adv * ratio.clamp(1 - cfg.clip_lower, 1 + cfg.clip_higher)
     return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
 
 
-def cispo_loss(logp, old_logp, adv, clip_higher):
+def dapo_loss(logp, old_logp, adv, seq_ids, cfg, ess_value):
+    """PPO's clipped surrogate on the token ratio rho = pi/pi_old with DAPO's asymmetric range
+    [1 - clip_lower, 1 + clip_higher]: max(-A rho, -A clip(rho))."""
+    pg, clipped = clipped_surrogate(torch.exp(logp - old_logp), adv, cfg)
+    return pg, torch.zeros_like(pg), clipped
+
+
+def cispo_loss(logp, old_logp, adv, seq_ids, cfg, ess_value):
     """CISPO (MiniMax-M1): -sg(min(rho, 1 + clip_higher)) A logp. Every token keeps a
-    gradient; only the weight is capped. Returns (per-token loss, capped flag)."""
+    gradient; only the weight is capped (flagged)."""
     rho = torch.exp(logp - old_logp).detach()
-    return -rho.clamp(max=1 + clip_higher) * adv * logp, (rho > 1 + clip_higher).float()
+    pg = -rho.clamp(max=1 + cfg.clip_higher) * adv * logp
+    return pg, torch.zeros_like(pg), (rho > 1 + cfg.clip_higher).float()
 
 
-def grpo_loss(logp, old_logp, adv, denominator, *, loss_fn="dapo", clip_lower=0.2, clip_higher=0.28,
-              ref_logp=None, beta=0.0, kl_estimator="k3", tis_weight=None, keep=None, ess_value=1.0, topk=None):
-    """The loss of one micro-batch: (sum over its tokens of policy term + beta * KL) / denominator.
+def ess_loss(logp, old_logp, adv, seq_ids, cfg, ess_value):
+    """The batch-adaptive objective ("Trust the Batch", Fakoor et al., after P3O): with e = sg(ESS),
+    -sg(min(rho, e)) A logp + (1 - e) k3(pi || pi_old). Nearly uniform ratios (e ~ 1) give the
+    plain on-policy score-function update; concentrated ratios (stale or mismatched data)
+    cap the weight lower and pull harder toward the behaviour policy. No clip constants.
+    The trust term (1 - e) k3 is a KL, so importance corrections never multiply it."""
+    e = ess_value
+    rho = torch.exp(logp - old_logp)
+    capped = (rho.detach() > e).float()
+    return -rho.detach().clamp(max=e) * adv * logp, (1 - e) * kl_k3(logp, old_logp), capped
+
+
+def gspo_loss(logp, old_logp, adv, seq_ids, cfg, ess_value):
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", Qwen), in its GSPO-token
+    form: the clipped surrogate on the sequence ratio s_i = exp(mean over the tokens of sequence
+    i of (logp - old_logp)), carried per token as s_it = sg(s_i) pi(y_t) / sg(pi(y_t)) (value s_i,
+    gradient s_i grad logp_t): max(-A s_it, -A clip(s_it, 1 - clip_lower, 1 + clip_higher)).
+    A sequence is clipped whole or not at all. With one advantage per sequence (GRPO's) this
+    is GSPO's sequence-level objective in value and gradient.
+    Where we differ from the paper: it divides each sequence's token sum by |y_i| and averages
+    over sequences; here, as for every objective, the token sum is divided by loss_denominator
+    (the step's tokens, or Dr GRPO's constant), so a sequence weighs in proportion to its
+    length. The paper clips in a tiny range (3e-4 below, 4e-4 above); the defaults 0.2 / 0.28
+    are DAPO's token-level ones: set clip_lower and clip_higher."""
+    s = torch.exp(sequence_mean(logp - old_logp, seq_ids)).detach()  # (N,) s_i at each token of sequence i
+    ratio = s * torch.exp(logp - logp.detach())  # (N,) value s_i, gradient s_i grad logp
+    pg, clipped = clipped_surrogate(ratio, adv, cfg)
+    return pg, torch.zeros_like(pg), clipped
+
+
+OBJECTIVES = {"dapo": dapo_loss, "cispo": cispo_loss, "ess": ess_loss, "gspo": gspo_loss}
+
+
+def grpo_loss(logp, old_logp, adv, seq_ids, denominator, cfg, *, ref_logp=None, tis_weight=None, keep=None,
+              ess_value=1.0, kl_heads=None):
+    """The loss of one micro-batch: (sum over its tokens of policy term + trust term + beta * KL)
+    / denominator, with the objective OBJECTIVES[cfg.loss_fn] and, when ref_logp is given, the
+    KL estimator cfg.kl_estimator weighted by cfg.beta.
 
     tis_weight (N,), truncated importance sampling min(pi_old/pi_vllm, cap), multiplies the
     policy term only; it also corrects the KL estimators that sample (k4 and the top-k tail),
     whose weight must be pi/mu with mu the policy that sampled: pi/pi_old x pi_old/pi_vllm.
     keep (N,) masks tokens out of the policy term (mismatch_keep). ess_value is sg(ESS) for
-    loss_fn="ess"; topk is the tuple (head_logp, ref_head_logp, in_head) for
+    loss_fn="ess"; kl_heads is the tuple (head_logp, ref_head_logp, in_head) for
     kl_estimator="topk". Returns (loss, sums) where sums holds per-micro-batch totals for
     logging (they are summed over micro-batches and ranks, then divided by the tokens).
     """
-    trust = torch.zeros_like(logp)
-    if loss_fn == "dapo":
-        pg, clipped = dapo_loss(logp, old_logp, adv, clip_lower, clip_higher)
-    elif loss_fn == "cispo":
-        pg, clipped = cispo_loss(logp, old_logp, adv, clip_higher)
-    elif loss_fn == "ess":
-        pg, trust, clipped = ess_loss(logp, old_logp, adv, ess_value)
-    else:
-        raise ValueError(f"loss_fn={loss_fn!r} is not implemented")
+    if cfg.loss_fn not in OBJECTIVES:
+        raise ValueError(f"loss_fn={cfg.loss_fn!r} is not implemented: add it to loss.OBJECTIVES")
+    pg, trust, clipped = OBJECTIVES[cfg.loss_fn](logp, old_logp, adv, seq_ids, cfg, ess_value)
     if tis_weight is not None:
         pg = pg * tis_weight
     if keep is not None:
         pg = pg * keep
     kl = torch.zeros_like(logp)
     if ref_logp is not None:
-        if kl_estimator == "topk":
-            kl = kl_topk(logp, ref_logp, old_logp, *topk, behaviour_weight=tis_weight)
+        if cfg.kl_estimator == "topk":  # needs the top-k heads, not just the sampled token
+            kl = kl_topk(logp, ref_logp, old_logp, *kl_heads, behaviour_weight=tis_weight)
         else:
             rho = torch.exp(logp - old_logp) * (1.0 if tis_weight is None else tis_weight)
-            kl = KL_ESTIMATORS[kl_estimator](logp, ref_logp, rho)
-    loss = (pg + trust + beta * kl).sum() / denominator
-    sums = dict(pg_loss=pg.detach().sum(), kl=kl.detach().sum(), clip_frac=clipped.sum(), ess_trust=trust.detach().sum())
+            kl = KL_ESTIMATORS[cfg.kl_estimator](logp, ref_logp, rho)
+    loss = (pg + trust + cfg.beta * kl).sum() / denominator
+    sums = dict(pg_loss=pg.detach().sum(), kl=kl.detach().sum(), clipped=clipped.sum(), ess_trust=trust.detach().sum())
     return loss, sums
 
 

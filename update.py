@@ -78,10 +78,8 @@ def micro_batch_loss(cfg, logp, head_logp, b, before, denom, ess_value):
         keep = mismatch_keep(old_logp, b["vllm_logp"], b["seq_ids"], cfg.vllm_importance_sampling_mask,
                              cfg.vllm_importance_sampling_mask_cap)
     kl_heads = (head_logp, before.ref_head_logp, before.in_head) if before.in_head is not None else None
-    loss, sums = grpo_loss(logp, old_logp, b["adv"], denom, loss_fn=cfg.loss_fn, clip_lower=cfg.clip_lower,
-                           clip_higher=cfg.clip_higher, ref_logp=before.ref_logp, beta=cfg.beta,
-                           kl_estimator=cfg.kl_estimator, tis_weight=tis, keep=keep, ess_value=ess_value,
-                           topk=kl_heads)
+    loss, sums = grpo_loss(logp, old_logp, b["adv"], b["seq_ids"], denom, cfg, ref_logp=before.ref_logp,
+                           tis_weight=tis, keep=keep, ess_value=ess_value, kl_heads=kl_heads)
     return loss, sums, (keep == 0).sum() if keep is not None else torch.zeros((), device=logp.device)
 
 
@@ -196,7 +194,7 @@ def mini_batch_backward(cfg, policy, mbs, befores, forward, denom, world_size, m
         # ranks, so scale by the world size to get their sum (gloo has no premul-sum).
         (loss * world_size).backward()
         losses.append(loss.detach())
-        metrics.add(loss=loss.detach().double() * denom, pg_loss=s["pg_loss"], kl=s["kl"], clipped=s["clip_frac"],
+        metrics.add(loss=loss.detach().double() * denom, pg_loss=s["pg_loss"], kl=s["kl"], clipped=s["clipped"],
                     entropy=entropy.sum(), ess_trust=s["ess_trust"], masked=masked, tokens=logp.numel())
         if sync_check:  # trainer vs vLLM on the tokens the current weights sampled, before any update
             metrics.add_vllm_diff((logp.detach() - b["vllm_logp"]).abs()[b["fresh"].to(logp.device)])

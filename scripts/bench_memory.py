@@ -27,12 +27,14 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 
 def step(model, batch, device):
     """One micro-batch of training: forward, loss, backward."""
+    from config import Config
     from loss import grpo_loss
 
     ids, attn, mask = (batch[k].to(device) for k in ("input_ids", "attention_mask", "mask"))
     logp, _, _, _ = model.sequence_logprobs(ids, attn, mask, 1.0)
     old_logp = logp.detach() - 0.01
-    loss, _ = grpo_loss(logp, old_logp, torch.ones_like(logp), float(logp.numel()), loss_fn="cispo")
+    seq_ids = mask.nonzero()[:, 0]  # the row of each completion token
+    loss, _ = grpo_loss(logp, old_logp, torch.ones_like(logp), seq_ids, float(logp.numel()), Config(loss_fn="cispo"))
     loss.backward()
     return loss.item()
 

@@ -106,8 +106,8 @@ elif mode == "grads":
     with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t.numel() * t.element_size()), t)[1],
                                                   lambda t: t):
         logp, _, _, _ = policy.sequence_logprobs(b["input_ids"], b["attention_mask"], b["mask"], 1.0)
-    loss, _ = grpo_loss(logp, b["vllm_logp"], b["adv"], float(logp.numel()), loss_fn="cispo",
-                        clip_lower=cfg.clip_lower, clip_higher=cfg.clip_higher)
+    loss, _ = grpo_loss(logp, b["vllm_logp"], b["adv"], b["seq_ids"], float(logp.numel()),
+                        dataclasses.replace(cfg, loss_fn="cispo"))
     loss.backward()
     names = [n.replace("_checkpoint_wrapped_module.", "") for n, _ in policy.named_parameters()]
     grads = {n: p.grad.full_tensor() for n, p in zip(names, policy.parameters())}

@@ -1,8 +1,10 @@
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from config import Config
 from loss import (cispo_loss, dapo_loss, group_advantages, grpo_loss, kl_k1, kl_k2, kl_k3, kl_k4, mismatch_keep,
                   step_denominator, token_logprobs)
 
@@ -73,7 +75,9 @@ ADV = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
 def test_dapo_by_hand():
     old = torch.zeros(6, dtype=torch.float64)
     logp = torch.log(RHO).requires_grad_()
-    per_token, clipped = dapo_loss(logp, old, ADV, clip_lower=0.2, clip_higher=0.28)
+    cfg = Config(clip_lower=0.2, clip_higher=0.28)
+    per_token, trust, clipped = dapo_loss(logp, old, ADV, torch.arange(6), cfg, 1.0)
+    assert not trust.any()
     assert torch.allclose(per_token, torch.tensor([-0.5, 0.9, -1.0, 1.5, -1.28, 0.8], dtype=torch.float64))
     assert clipped.tolist() == [0, 0, 0, 0, 1, 1]
     (grad,) = torch.autograd.grad(per_token.sum(), logp)  # d(-A rho)/dlogp = -A rho where unclipped, else 0
@@ -83,7 +87,8 @@ def test_dapo_by_hand():
 def test_cispo_by_hand():
     old = torch.zeros(6, dtype=torch.float64)
     logp = torch.log(RHO).requires_grad_()
-    per_token, capped = cispo_loss(logp, old, ADV, clip_higher=0.28)
+    per_token, trust, capped = cispo_loss(logp, old, ADV, torch.arange(6), Config(clip_higher=0.28), 1.0)
+    assert not trust.any()
     w = torch.tensor([0.5, 0.9, 1.0, 1.28, 1.28, 0.5], dtype=torch.float64)
     assert torch.allclose(per_token, -w * ADV * torch.log(RHO)) and capped.tolist() == [0, 0, 0, 1, 1, 0]
     (grad,) = torch.autograd.grad(per_token.sum(), logp)
@@ -109,7 +114,7 @@ def test_beta_kl_enters_the_loss():
     logp = torch.tensor([-1.0, -2.0], dtype=torch.float64)
     ref = torch.tensor([-1.5, -1.0], dtype=torch.float64)
     adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
-    loss, sums = grpo_loss(logp, logp, adv, 2.0, ref_logp=ref, beta=0.1, kl_estimator="k3")
+    loss, sums = grpo_loss(logp, logp, adv, torch.arange(2), 2.0, Config(beta=0.1, kl_estimator="k3"), ref_logp=ref)
     k3 = torch.exp(-(logp - ref)) - 1 + (logp - ref)
     assert torch.isclose(loss, ((-adv) + 0.1 * k3).sum() / 2) and torch.isclose(sums["kl"], k3.sum())
 
@@ -122,7 +127,8 @@ def test_token_denominator_weighs_per_token_across_uneven_micro_batches():
     long = torch.randn(300, dtype=torch.float64).requires_grad_()
     adv_s, adv_l = torch.full((3,), 2.0, dtype=torch.float64), torch.full((300,), -1.0, dtype=torch.float64)
     denom = step_denominator("token", n_tokens=303, n_sequences=2)
-    total = sum(grpo_loss(lp, lp.detach(), a, denom)[0] for lp, a in ((short, adv_s), (long, adv_l)))
+    total = sum(grpo_loss(lp, lp.detach(), a, torch.zeros(len(lp), dtype=torch.long), denom, Config())[0]
+                for lp, a in ((short, adv_s), (long, adv_l)))
     total.backward()
     assert torch.allclose(short.grad, torch.full((3,), -2.0 / 303, dtype=torch.float64))
     assert torch.allclose(long.grad, torch.full((300,), 1.0 / 303, dtype=torch.float64))
@@ -142,7 +148,7 @@ def test_tis_weight_multiplies_policy_term_only():
     ref = torch.tensor([-1.5, -1.0], dtype=torch.float64)
     adv = torch.tensor([1.0, 1.0], dtype=torch.float64)
     w = torch.tensor([0.5, 2.0], dtype=torch.float64)
-    loss, _ = grpo_loss(logp, logp, adv, 1.0, ref_logp=ref, beta=0.1, tis_weight=w)
+    loss, _ = grpo_loss(logp, logp, adv, torch.arange(2), 1.0, Config(beta=0.1), ref_logp=ref, tis_weight=w)
     k3 = torch.exp(-(logp - ref)) - 1 + (logp - ref)
     assert torch.isclose(loss, (-adv * w).sum() + 0.1 * k3.sum())
 
@@ -166,7 +172,7 @@ def test_mask_drops_the_policy_term_only():
     ref = torch.tensor([-1.5, -1.0], dtype=torch.float64)
     adv = torch.tensor([1.0, 1.0], dtype=torch.float64)
     keep = torch.tensor([0.0, 1.0], dtype=torch.float64)
-    loss, sums = grpo_loss(logp, logp.detach(), adv, 1.0, ref_logp=ref, beta=0.1, keep=keep)
+    loss, sums = grpo_loss(logp, logp.detach(), adv, torch.arange(2), 1.0, Config(beta=0.1), ref_logp=ref, keep=keep)
     k3 = torch.exp(-(logp - ref)) - 1 + (logp - ref)
     assert torch.isclose(loss, -adv[1] + 0.1 * k3.sum()) and torch.isclose(sums["pg_loss"], -adv[1])
     (grad,) = torch.autograd.grad(loss, logp)
@@ -174,5 +180,7 @@ def test_mask_drops_the_policy_term_only():
 
 
 def test_unknown_loss_fn():
+    """Config refuses the name first; an object that is not a Config gets one line too."""
     with pytest.raises(ValueError, match="not implemented"):
-        grpo_loss(torch.zeros(1), torch.zeros(1), torch.zeros(1), 1.0, loss_fn="ppo")
+        grpo_loss(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1, dtype=torch.long), 1.0,
+                  SimpleNamespace(loss_fn="ppo"))

@@ -1,9 +1,111 @@
-"""Top-k KL by exact enumeration, ESS and the ESS objective by hand."""
+"""The objectives and KL estimators: their tables agree with Config, GSPO and the ESS objective
+by hand, the README's example objective runs, top-k KL by exact enumeration."""
+
+import math
+import os
+import re
 
 import pytest
 import torch
 
-from loss import ess, ess_loss, grpo_loss, kl_topk
+import loss
+from config import Config
+from loss import KL_ESTIMATORS, OBJECTIVES, dapo_loss, ess, ess_loss, grpo_loss, gspo_loss, kl_topk
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def config_choices(field):
+    """The names Config accepts for a field, in its order, read from its refusal of another."""
+    with pytest.raises(ValueError) as refused:
+        Config(**{field: "no-such-name"})
+    return re.search(r"is not one of (.*)", str(refused.value)).group(1).split(", ")
+
+
+def test_objective_and_kl_tables_agree_with_config():
+    assert set(config_choices("loss_fn")) == set(OBJECTIVES)
+    assert set(config_choices("kl_estimator")) == set(KL_ESTIMATORS) | {"topk"}  # topk needs the heads: apart
+
+
+def test_gspo_by_hand():
+    """Two sequences of 2 and 3 tokens, range [0.9, 1.1]. Sequence 0: log ratios 0.1, 0.3, so
+    s_0 = exp(0.2) = 1.22 > 1.1 with A = 1: clipped, -1.1 per token, no gradient. Sequence 1:
+    -0.2, 0, -0.4, s_1 = exp(-0.2) = 0.82 < 0.9 with A = 0.5: kept, -A s_1 per token, and each
+    token's gradient is -A s_1 / denominator, s_1 not its own ratio (0.82, 1, 0.67)."""
+    old = torch.tensor([-1.0, -2.0, -0.5, -1.5, -3.0], dtype=torch.float64)
+    logp = (old + torch.tensor([0.1, 0.3, -0.2, 0.0, -0.4], dtype=torch.float64)).requires_grad_()
+    adv = torch.tensor([1.0, 1.0, 0.5, 0.5, 0.5], dtype=torch.float64)
+    seq_ids = torch.tensor([0, 0, 1, 1, 1])
+    cfg = Config(loss_fn="gspo", clip_lower=0.1, clip_higher=0.1)
+    s1 = math.exp(-0.2)
+    pg, trust, clipped = gspo_loss(logp, old, adv, seq_ids, cfg, 1.0)
+    assert torch.allclose(pg, torch.tensor([-1.1, -1.1, -0.5 * s1, -0.5 * s1, -0.5 * s1], dtype=torch.float64))
+    assert clipped.tolist() == [1, 1, 0, 0, 0] and not trust.any()
+    value, sums = grpo_loss(logp, old, adv, seq_ids, 5.0, cfg)
+    assert value.item() == pytest.approx((2 * -1.1 + 3 * -0.5 * s1) / 5) and sums["clipped"] == 2
+    (grad,) = torch.autograd.grad(value, logp)
+    assert torch.allclose(grad, torch.tensor([0, 0, -0.5 * s1 / 5, -0.5 * s1 / 5, -0.5 * s1 / 5], dtype=torch.float64))
+
+
+def test_gspo_of_one_token_sequences_is_dapo():
+    """s_i = rho when every sequence has one token: same values, clipped flags and gradients."""
+    g = torch.Generator().manual_seed(0)
+    old = -3 * torch.rand(9, generator=g, dtype=torch.float64)
+    logp = (old + 0.5 * torch.randn(9, generator=g, dtype=torch.float64)).requires_grad_()
+    adv = torch.randn(9, generator=g, dtype=torch.float64)
+    cfg = Config(clip_lower=0.2, clip_higher=0.28)
+    gspo, dapo = (fn(logp, old, adv, torch.arange(9), cfg, 1.0) for fn in (gspo_loss, dapo_loss))
+    assert 0 < dapo[2].sum() < 9  # some tokens clipped, some not
+    for a, b in zip(gspo, dapo):
+        assert torch.allclose(a, b, atol=1e-12)
+    grads = [torch.autograd.grad(pg.sum(), logp)[0] for pg, _, _ in (gspo, dapo)]
+    assert torch.allclose(*grads, atol=1e-12)
+
+
+def test_gspo_trains_in_one_process(tiny_model_dir, tmp_path):
+    """loss_fn=gspo through the trainer's step (3 rollout batches, 2 mini-batches each, so the
+    second is off-policy) with the paper's clip range: finite, the sequence clip acts, the
+    policy moves."""
+    from test_distributed import run
+    from transformers import AutoModelForCausalLM
+
+    got = run("train", tiny_model_dir, tmp_path / "gspo.pt", 1, 0, "gspo", "k3", "clip_lower=0.0003",
+              "clip_higher=0.0004")
+    losses = torch.tensor(got["losses"])  # loss, kl, clip_frac, grad_norm, ess, grad_norm_max per step
+    assert torch.isfinite(losses).all() and (losses[:, 2] <= 1).all() and (losses[:, 2] > 0).any()
+    init = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    k = "model.layers.0.mlp.up_proj.weight"
+    assert (got["policy"][k] - init[k]).abs().max() > 1e-3
+
+
+def readme_section(title):
+    """The text of a README section, up to the next heading."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    return re.split(r"\n#{2,3} ", text.split(f"\n### {title}\n", 1)[1])[0]
+
+
+def test_readme_example_objective_runs(monkeypatch):
+    """The README's "Adding an objective", as written: its python blocks define a function and
+    a table with every objective of loss.py plus the new one; grpo_loss trains with it. Its
+    config.py line is config's choices plus the new name, and it shows the command."""
+    section = readme_section("Adding an objective")
+    namespace = dict(vars(loss))
+    for block in re.findall(r"```python\n(.*?)```", section, re.S):
+        exec(block, namespace)
+    (name,) = set(namespace["OBJECTIVES"]) - set(OBJECTIVES)
+    assert set(OBJECTIVES) < set(namespace["OBJECTIVES"])
+    assert '"loss_fn": (' + ", ".join(f'"{n}"' for n in config_choices("loss_fn") + [name]) + ")," in section
+    assert f"--loss_fn {name}" in section
+    monkeypatch.setattr(loss, "OBJECTIVES", namespace["OBJECTIVES"])
+    cfg = Config()
+    cfg.loss_fn = name  # what config.py accepts once the name is added to its choices
+    g = torch.Generator().manual_seed(0)
+    old = -3 * torch.rand(6, generator=g, dtype=torch.float64)
+    logp = (old + 0.1 * torch.randn(6, generator=g, dtype=torch.float64)).requires_grad_()
+    adv = torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0, -1.0], dtype=torch.float64)
+    value, _ = grpo_loss(logp, old, adv, torch.tensor([0, 0, 1, 1, 1, 2]), 6.0, cfg)
+    (grad,) = torch.autograd.grad(value, logp)
+    assert torch.isfinite(value) and torch.isfinite(grad).all() and grad.abs().sum() > 0
 
 V = 12
 
@@ -76,12 +178,14 @@ def test_grpo_loss_weights_the_kl_by_the_policy_that_sampled(kl_estimator):
     tis = torch.exp(logold - logmu).clamp(max=100.0)
     assert tis.max() < 100.0
     q = logold.topk(3).indices
+    cfg = Config(beta=1.0, kl_estimator=kl_estimator)
     value = 0.0
     for p in range(V):  # one sampled token per call, weighted by its probability under mu
         one = slice(p, p + 1)
-        topk = (logpi[q][None], logref[q][None], torch.isin(torch.tensor([p]), q)) if kl_estimator == "topk" else None
-        loss, _ = grpo_loss(logpi[one], logold[one], torch.zeros(1, dtype=torch.float64), 1.0, ref_logp=logref[one],
-                            beta=1.0, kl_estimator=kl_estimator, tis_weight=tis[one], topk=topk)
+        heads = (logpi[q][None], logref[q][None], torch.isin(torch.tensor([p]), q)) if kl_estimator == "topk" else None
+        no_adv, one_seq = torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.long)
+        loss, _ = grpo_loss(logpi[one], logold[one], no_adv, one_seq, 1.0, cfg, ref_logp=logref[one],
+                            tis_weight=tis[one], kl_heads=heads)
         value = value + logmu[p].exp().detach() * loss
     (grad,) = torch.autograd.grad(value, theta)
     kl, kl_grad = exact_kl(theta, logits(1))
@@ -109,8 +213,8 @@ def test_topk_enters_grpo_loss_with_beta():
     ref_head = torch.log(torch.tensor([[0.4, 0.3], [0.4, 0.1]], dtype=torch.float64))
     in_head = torch.tensor([True, False])
     ref_logp = torch.tensor([-1.5, -1.0], dtype=torch.float64)
-    loss, sums = grpo_loss(logp, logp, torch.zeros(2, dtype=torch.float64), 1.0, ref_logp=ref_logp, beta=1.0,
-                           kl_estimator="topk", topk=(head, ref_head, in_head))
+    loss, sums = grpo_loss(logp, logp, torch.zeros(2, dtype=torch.float64), torch.arange(2), 1.0,
+                           Config(beta=1.0, kl_estimator="topk"), ref_logp=ref_logp, kl_heads=(head, ref_head, in_head))
     h = (head.exp() * (head - ref_head)).sum(-1)
     assert torch.allclose(sums["kl"], h.sum() + (logp[1] - ref_logp[1])) and torch.isclose(loss, sums["kl"])
 
@@ -131,7 +235,7 @@ def test_ess_objective_by_hand():
     logp = torch.log(rho).requires_grad_()
     e = ess(rho)  # (4.6)^2 / (4 * 6.5) = 0.8138...
     assert e == pytest.approx(4.6 ** 2 / (4 * 6.5))
-    pg, trust, capped = ess_loss(logp, old, adv, e)
+    pg, trust, capped = ess_loss(logp, old, adv, torch.arange(4), Config(loss_fn="ess"), e)
     per_token = pg + trust
     w = rho.clamp(max=e)
     d = torch.log(rho)
@@ -139,7 +243,7 @@ def test_ess_objective_by_hand():
     assert capped.tolist() == [0, 1, 1, 1]
     (grad,) = torch.autograd.grad(per_token.sum(), logp)
     assert torch.allclose(grad, -w * adv + (1 - e) * (1 - torch.exp(-d)))
-    loss, _ = grpo_loss(logp, old, adv, 4.0, loss_fn="ess", ess_value=e)
+    loss, _ = grpo_loss(logp, old, adv, torch.arange(4), 4.0, Config(loss_fn="ess"), ess_value=e)
     assert torch.isclose(loss, per_token.sum() / 4)
 
 
@@ -148,8 +252,9 @@ def test_ess_trust_term_is_not_weighted_by_tis_nor_logged_as_pg_loss():
     logp = torch.log(torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64))
     adv = torch.tensor([1.0, -1.0, 0.5], dtype=torch.float64)
     tis = torch.tensor([0.5, 2.0, 1.5], dtype=torch.float64)
-    pg, trust, _ = ess_loss(logp, old, adv, 0.7)
-    loss, sums = grpo_loss(logp, old, adv, 3.0, loss_fn="ess", ess_value=0.7, tis_weight=tis)
+    cfg = Config(loss_fn="ess")
+    pg, trust, _ = ess_loss(logp, old, adv, torch.arange(3), cfg, 0.7)
+    loss, sums = grpo_loss(logp, old, adv, torch.arange(3), 3.0, cfg, ess_value=0.7, tis_weight=tis)
     assert trust.abs().sum() > 0.1
     assert torch.isclose(loss, (tis * pg + trust).sum() / 3)
     assert torch.isclose(sums["pg_loss"], (tis * pg).sum()) and torch.isclose(sums["ess_trust"], trust.sum())
@@ -159,6 +264,6 @@ def test_ess_trust_term_is_not_weighted_by_tis_nor_logged_as_pg_loss():
 def test_ess_of_uniform_ratios_is_the_plain_policy_gradient():
     logp = torch.tensor([-1.0, -2.0, -0.5], dtype=torch.float64, requires_grad=True)
     adv = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64)
-    pg, trust, _ = ess_loss(logp, logp.detach(), adv, ess(torch.ones(3)))
+    pg, trust, _ = ess_loss(logp, logp.detach(), adv, torch.arange(3), Config(loss_fn="ess"), ess(torch.ones(3)))
     (grad,) = torch.autograd.grad((pg + trust).sum(), logp)
     assert torch.allclose(grad, -adv)
