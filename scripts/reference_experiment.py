@@ -1,6 +1,7 @@
 """Which reference should the KL term pull toward? SmolLM2-135M-Instruct on the math task.
 
-    .venv/bin/python scripts/reference_experiment.py                    # 4 runs x 3 seeds, hours on 2 CPU cores
+    .venv/bin/python scripts/reference_experiment.py                    # 4 runs x 3 seeds, ~8 h on 2 CPU cores
+    .venv/bin/python scripts/reference_experiment.py --max_new_runs 2   # two more runs, then the report so far
     .venv/bin/python scripts/reference_experiment.py --seeds 1 --steps 10          # a quick look
     .venv/bin/python scripts/reference_experiment.py --tiny --seeds 1 --steps 2    # checks the script (random model)
 
@@ -14,7 +15,9 @@ One vLLM CPU server serves every run (each run pushes its initial weights into i
 each run is `torchrun --nproc_per_node NPROC train.py`. Greedy accuracy on the held-out
 prompts every EVAL steps. Writes OUT/reference_experiment.png (accuracy curves, mean and
 +- std over seeds), copies it to docs/, and prints a markdown table (accuracy at step 0
-and at the end, per seed and mean +- std) with the command of each run.
+and at the end, per seed and mean +- std) with the command of each run. Runs already
+finished in OUT are read back, not run again, so the experiment can be done a few runs
+at a time; the runs go seed by seed (every configuration's seed 1 first).
 """
 
 import argparse
@@ -45,22 +48,40 @@ TINY = ["--max_prompt_length", "256", "--response_length", "16", "--num_eval_pro
         "--per_device_train_batch_size", "4"]
 
 
+def run_dir(args, name, seed):
+    return os.path.join(args.out, name.split(" /")[0].replace(" ", "_") + f"-s{seed}")
+
+
+def finished(args, name, seed):
+    """The metrics rows of a run that reached its last step and evaluation, else None."""
+    path = os.path.join(run_dir(args, name, seed), "metrics.jsonl")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        rows = [json.loads(line) for line in f]
+    last = [r for r in rows if r["step"] == args.steps and r.get("eval_accuracy") is not None]
+    return rows if last else None
+
+
+def command(args, name, flags, seed, url):
+    """The torchrun command line of one run."""
+    return ["torchrun", "--nproc_per_node", str(args.nproc), "--master_port", str(args.master_port), "train.py",
+            "--model_name_or_path", args.model, "--output_dir", run_dir(args, name, seed),
+            "--num_training_steps", str(args.steps), "--seed", str(seed), "--eval_freq", str(args.eval_freq),
+            "--vllm_server_urls", url] + TASK + (TINY if args.tiny else []) \
+        + [args.beta if f == "BETA" else f for f in flags]
+
+
 def run_one(args, name, flags, seed, url):
     """Train one run against the shared server; its metrics rows."""
-    out_dir = os.path.join(args.out, name.split(" /")[0].replace(" ", "_") + f"-s{seed}")
-    cmd = ["torchrun", "--nproc_per_node", str(args.nproc), "--master_port", str(args.master_port), "train.py",
-           "--model_name_or_path", args.model, "--output_dir", out_dir, "--num_training_steps", str(args.steps),
-           "--seed", str(seed), "--eval_freq", str(args.eval_freq), "--vllm_server_urls", url] + TASK \
-        + (TINY if args.tiny else []) + [args.beta if f == "BETA" else f for f in flags]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    launcher = [sys.executable, "-m", "torch.distributed.run"] + cmd[1:]
+    launcher = [sys.executable, "-m", "torch.distributed.run"] + command(args, name, flags, seed, url)[1:]
     r = subprocess.run(launcher, env=env, capture_output=True, text=True, cwd=ROOT)
     if r.returncode:
         sys.exit(f"{name} seed {seed} failed:\n{r.stderr[-3000:]}")
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f], " ".join(cmd)
+    return finished(args, name, seed)
 
 
 def start_server(args):
@@ -92,14 +113,14 @@ def plot(results, args, path):
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, runs in results.items():
-        per_seed = [curves(rows) for rows, _ in runs]
+        per_seed = [curves(rows) for rows in runs]
         steps = [s for s, _ in per_seed[0]]
         acc = [[c[i][1] for c in per_seed] for i in range(len(steps))]
         mean = [statistics.mean(a) for a in acc]
         std = [statistics.stdev(a) if len(a) > 1 else 0.0 for a in acc]
-        ax.plot(steps, mean, marker="o", markersize=3, label=name)
+        ax.plot(steps, mean, marker="o", markersize=3, label=f"{name} ({len(runs)} seed(s))")
         ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.15)
-    ax.set(title=f"held-out greedy accuracy, mean +- std of {args.seeds} seed(s)", xlabel="step", ylabel="accuracy")
+    ax.set(title="held-out greedy accuracy, mean +- std over seeds", xlabel="step", ylabel="accuracy")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -108,14 +129,15 @@ def plot(results, args, path):
 
 def table(results, args):
     fmt = lambda xs: f"{statistics.mean(xs):.3f} +- {statistics.stdev(xs) if len(xs) > 1 else 0:.3f}"  # noqa: E731
-    lines = [f"{args.steps} steps, {args.seeds} seed(s), beta {args.beta} (k3) where there is a KL term\n",
-             "| run | accuracy at step 0 | final accuracy (per seed) | final mean +- std | command (seed 1) |",
-             "|---|---|---|---|---|"]
+    lines = [f"{args.steps} steps, beta {args.beta} (k3) where there is a KL term\n",
+             "| run | seeds | accuracy at step 0 | final accuracy (per seed) | final mean +- std | command (seed 1) |",
+             "|---|---|---|---|---|---|"]
     for name, runs in results.items():
-        first = [curves(rows)[0][1] for rows, _ in runs]
-        last = [curves(rows)[-1][1] for rows, _ in runs]
-        lines.append(f"| {name} | {fmt(first)} | {', '.join(f'{x:.3f}' for x in last)} | {fmt(last)} | "
-                     f"`{runs[0][1].replace(args.out, 'OUT').replace(ROOT + os.sep, '')}` |")
+        first = [curves(rows)[0][1] for rows in runs]
+        last = [curves(rows)[-1][1] for rows in runs]
+        cmd = " ".join(command(args, name, RUNS[name], 1, "URL")).replace(args.out, "OUT").replace(ROOT + os.sep, "")
+        lines.append(f"| {name} | {len(runs)} | {fmt(first)} | {', '.join(f'{x:.3f}' for x in last)} | {fmt(last)} | "
+                     f"`{cmd}` |")
     return "\n".join(lines)
 
 
@@ -125,12 +147,13 @@ def main():
     p.add_argument("--tiny", action="store_true", help="the random tiny model (models/tiny, built if missing)")
     p.add_argument("--out", default=os.path.join(ROOT, "output", "reference_experiment"))
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=40)
     p.add_argument("--eval_freq", type=int, default=10)
     p.add_argument("--beta", default="0.05")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--port", type=int, default=8061)
     p.add_argument("--master_port", type=int, default=29561)
+    p.add_argument("--max_new_runs", type=int, default=None, help="run at most this many unfinished runs, then report")
     args = p.parse_args()
     if args.tiny:
         import make_tiny_model
@@ -145,15 +168,20 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     import rollout
 
-    server, url = start_server(args)
-    results = {}
+    # Seed-major, so an interrupted experiment has every run at its first seeds; finished runs
+    # (their last step evaluated in OUT) are read back, not run again.
+    todo = [(seed, name) for seed in range(1, args.seeds + 1) for name in RUNS if not finished(args, name, seed)]
+    todo = todo[:args.max_new_runs] if args.max_new_runs is not None else todo
+    server, url = start_server(args) if todo else (None, None)
     try:
-        for name, flags in RUNS.items():
-            for seed in range(1, args.seeds + 1):
-                results.setdefault(name, []).append(run_one(args, name, flags, seed, url))
-                print(f"{name} seed {seed}: accuracy {curves(results[name][-1][0])}", flush=True)
+        for seed, name in todo:
+            run_one(args, name, RUNS[name], seed, url)
+            print(f"{name} seed {seed}: accuracy {curves(finished(args, name, seed))}", flush=True)
     finally:
         rollout.stop_server(server)
+    results = {name: [rows for rows in (finished(args, name, seed) for seed in range(1, args.seeds + 1)) if rows]
+               for name in RUNS}
+    results = {name: runs for name, runs in results.items() if runs}
     png = os.path.join(args.out, "reference_experiment.png")
     plot(results, args, png)
     if not args.tiny:
