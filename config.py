@@ -1,19 +1,13 @@
 """One flat config for the whole trainer.
 
-Every field has a default and a one-line comment; `python train.py --help` prints them.
+Every field has a default and a one-line comment; `python train.py --help` prints them
+(cli.py reads the command line and TOML file).
 The field name, the command-line flag and the metric key are the same string. Names
 follow open-instruct's grpo_fast where it has one. `Config.__post_init__` refuses every
 contradiction before any process group, model or server starts.
-
-    python train.py --config run.toml --learning_rate 3e-4 --beta=0.0 --vllm_server_urls a,b
 """
 
 import dataclasses
-import difflib
-import re
-import sys
-import tomllib
-import typing
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -316,121 +310,3 @@ class Config:
                     per_rank=per_rank, accumulation_steps=per_rank // self.per_device_train_batch_size,
                     optimizer_steps=self.num_mini_batches * self.num_epochs)
 
-
-# --- command line and config file
-
-def field_comments() -> dict:
-    """The one-line comment of each field, read from this file's source."""
-    with open(__file__) as f:
-        src = f.read()
-    return dict(re.findall(r"^    (\w+): [^\n]*?  # ([^\n]*)$", src, flags=re.M))
-
-
-def convert(name: str, text, tp):
-    """Turn a flag's text (or a TOML value) into the field's type; ValueError if it does not fit."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is typing.Union:  # Optional[X]
-        if isinstance(text, str) and text.lower() in ("none", "null"):
-            return None
-        return convert(name, text, next(a for a in args if a is not type(None)))
-    if origin is list:
-        items = text if isinstance(text, list) else [t for t in str(text).split(",") if t]
-        return [convert(name, t, args[0]) for t in items]
-    if tp is bool:
-        if isinstance(text, bool):
-            return text
-        if str(text).lower() in ("true", "1", "yes"):
-            return True
-        if str(text).lower() in ("false", "0", "no"):
-            return False
-        raise ValueError(f"--{name} expects true or false, got {text!r}")
-    if tp is str and isinstance(text, str):
-        return text
-    if tp is int and isinstance(text, int) and not isinstance(text, bool):
-        return text
-    if tp is int and isinstance(text, str) and re.fullmatch(r"[+-]?\d+", text.strip()):
-        return int(text)
-    if tp is float and not isinstance(text, (bool, list, dict)):
-        try:
-            return float(text)
-        except ValueError:
-            pass
-    raise ValueError(f"--{name} expects {tp.__name__}, got {text!r}")
-
-
-def help_text() -> str:
-    comments = field_comments()
-    lines = ["usage: train.py [--config FILE.toml] [--key value | --key=value ...]", "",
-             "Every field of Config (also valid as a key in the TOML file; flags override it):"]
-    for f in dataclasses.fields(Config):
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        lines.append(f"  --{f.name} (default {default!r})\n      {comments.get(f.name, '')}")
-    return "\n".join(lines)
-
-
-def unknown(name: str, names: list) -> str:
-    close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
-    return f"unknown option {name!r}" + (f"; did you mean {close[0]!r}?" if close else "; see --help")
-
-
-def parse_args(argv=None) -> Config:
-    """`--key value`, `--key=value`, bare `--flag` for booleans, `--config FILE.toml` (flags win).
-
-    Unknown keys and values of the wrong type exit with status 2 and one line on stderr;
-    contradictions between fields raise ValueError from Config.
-    """
-    argv = sys.argv[1:] if argv is None else list(argv)
-    types = {f.name: f.type for f in dataclasses.fields(Config)}
-    types = {k: eval(v, globals()) if isinstance(v, str) else v for k, v in types.items()}
-
-    def fail(msg):
-        print(f"error: {msg}", file=sys.stderr)
-        raise SystemExit(2)
-
-    if "-h" in argv or "--help" in argv:
-        print(help_text())
-        raise SystemExit(0)
-    pairs, i = [], 0
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--"):
-            fail(f"unexpected argument {arg!r}; options look like --key value")
-        key, eq, value = arg[2:].partition("=")
-        if not eq:
-            nxt = argv[i + 1] if i + 1 < len(argv) else None
-            if types.get(key) is bool and (nxt is None or nxt.startswith("--")):
-                value = "true"
-            elif nxt is None:
-                fail(f"--{key} needs a value")
-            else:
-                value, i = nxt, i + 1
-        pairs.append((key, value))
-        i += 1
-
-    values = {}
-    for key, value in pairs:
-        if key == "config":
-            try:
-                with open(value, "rb") as f:
-                    file_values = tomllib.load(f)
-            except FileNotFoundError:
-                fail(f"config file {value!r} does not exist; pass the path of a TOML file")
-            except tomllib.TOMLDecodeError as e:
-                fail(f"config file {value!r} is not valid TOML: {e}")
-            for k, v in file_values.items():
-                if k not in types:
-                    fail(f"{value}: " + unknown(k, list(types)))
-                values.setdefault(k, (v, "file"))
-    for key, value in pairs:
-        if key == "config":
-            continue
-        if key not in types:
-            fail(unknown(key, list(types)))
-        values[key] = (value, "cli")
-    kwargs = {}
-    for key, (value, _) in values.items():
-        try:
-            kwargs[key] = convert(key, value, types[key])
-        except ValueError as e:
-            fail(str(e))
-    return Config(**kwargs)

@@ -43,7 +43,8 @@ import checkpoint
 import rollout
 import tracking
 from weight_sync import full_state_dict, make_weight_sync, write_serving_dir
-from config import Config, parse_args
+from cli import parse_args
+from config import Config
 from data import PromptSampler, collate, load_prompts, load_tokenizer, split_for_ranks
 from episodes import Rollouts, drop_stale, evaluate, rollout_batch
 from loss import ess, grpo_loss, mismatch_keep, step_denominator

@@ -18,7 +18,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 import dataclasses
 
 import train
-from config import Config, convert
+from cli import convert
+from config import Config
 from reference import EMAReference, local
 from weight_sync import full_state_dict
 
