@@ -40,6 +40,8 @@ def convert(name: str, text, tp):
         if isinstance(text, str) and text.lower() in ("none", "null"):
             return None
         return convert(name, text, next(a for a in args if a is not type(None)))
+    if origin is typing.Literal:  # the type of its values; Config refuses a value it does not list
+        return convert(name, text, type(args[0]))
     if origin is list:
         items = text if isinstance(text, list) else [t for t in str(text).split(",") if t]
         return [convert(name, t, args[0]) for t in items]
