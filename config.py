@@ -1,21 +1,11 @@
-"""One flat config for the whole trainer.
-
-Every field has a default and a one-line comment; `python train.py --help` prints them.
-The field name, the command-line flag and the metric key are the same string. Names
-follow open-instruct's grpo_fast where it has one. `Config.__post_init__` refuses every
-contradiction before any process group, model or server starts.
-
-    python train.py --config run.toml --learning_rate 3e-4 --beta=0.0 --vllm_server_urls a,b
+"""One flat config for the whole trainer: every field has a default and a one-line comment, which
+`python train.py --help` prints (cli.py reads the command line and TOML file). The field name, the
+flag and the metric key are the same string; names follow open-instruct's grpo_fast where it has
+one. `Config.__post_init__` refuses every contradiction before any process group, model or server starts.
 """
 
-import dataclasses
-import difflib
-import re
-import sys
-import tomllib
-import typing
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass, field, fields
+from typing import Literal, Optional, get_args, get_origin
 
 
 @dataclass
@@ -54,7 +44,7 @@ class Config:
     async_steps: int = 0  # generate the batches of the next N steps while training on this one; 0 = synchronous (exact)
     max_sample_staleness: Optional[int] = None  # drop samples whose weights are more than this many updates old; None = async_steps
     vllm_max_restarts: int = 3  # times a server we launched is restarted after it dies; a server you run is never restarted
-    weight_sync_transport: str = "filesystem"  # filesystem (safetensors + reload_weights, CPU and GPU) or nccl (GPU servers)
+    weight_sync_transport: Literal["filesystem", "nccl"] = "filesystem"  # filesystem (safetensors + reload_weights, CPU and GPU) or nccl (GPU servers)
     weight_sync_master_address: str = "127.0.0.1"  # nccl: address of trainer rank 0 as the vLLM server sees it
     weight_sync_master_port: int = 29555  # nccl: port of the weight-transfer rendezvous on trainer rank 0
     weight_sync_dir: Optional[str] = None  # filesystem: where rank 0 writes weights for every server to read; None = /dev/shm (servers on its node)
@@ -68,26 +58,26 @@ class Config:
     num_training_steps: int = 100  # rollout batches to train on
     # --- optimizer
     learning_rate: float = 1e-3  # peak learning rate of AdamW
-    lr_scheduler_type: str = "constant"  # constant, linear or cosine (after warm-up)
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"  # constant, linear or cosine (after warm-up)
     warm_up_steps: int = 0  # linear warm-up, in optimizer steps
     weight_decay: float = 0.0  # AdamW weight decay
     max_grad_norm: float = 1.0  # gradient clipping; 0 disables
     # --- objective
-    loss_fn: str = "dapo"  # dapo (asymmetric clip), cispo (capped weight x logp), ess (batch-adaptive, "Trust the Batch" by Fakoor et al.; no clip constants) or gspo (clipped sequence ratio, GSPO by Zheng et al.; the paper clips at 3e-4 / 4e-4)
+    loss_fn: Literal["dapo", "cispo", "ess", "gspo"] = "dapo"  # dapo (asymmetric clip), cispo (capped weight x logp), ess (batch-adaptive, "Trust the Batch" by Fakoor et al.; no clip constants) or gspo (clipped sequence ratio, GSPO by Zheng et al.; the paper clips at 3e-4 / 4e-4)
     clip_lower: float = 0.2  # dapo: ratio clipped below at 1 - clip_lower
     clip_higher: float = 0.28  # dapo: ratio clipped above at 1 + clip_higher; cispo: weight capped at 1 + clip_higher
     beta: float = 0.0  # KL coefficient toward the reference; 0 = no KL term
-    kl_estimator: str = "k3"  # k1, k2, k3, k4 or topk
+    kl_estimator: Literal["k1", "k2", "k3", "k4", "topk"] = "k3"  # k1, k2, k3, k4 or topk
     kl_topk: int = 0  # topk: tokens of the sampling policy summed exactly per position (0 = sampled k4)
-    ess_scope: str = "step"  # ess: ESS over the optimizer step's tokens (one extra forward) or per micro_batch
+    ess_scope: Literal["step", "micro_batch"] = "step"  # ess: ESS over the optimizer step's tokens (one extra forward) or per micro_batch
     loss_denominator: str = "token"  # "token" (valid tokens of the whole optimizer step) or a positive number (Dr GRPO)
-    advantage_normalization_type: str = "standard"  # standard (r - mean)/(std + eps) or centered (r - mean)
+    advantage_normalization_type: Literal["standard", "centered"] = "standard"  # standard (r - mean)/(std + eps) or centered (r - mean)
     filter_zero_std_samples: bool = True  # drop groups whose rewards all agree (no learning signal)
     active_sampling: bool = False  # DAPO's dynamic sampling: refill filtered groups with new prompts until the batch is full
     active_sampling_max_rounds: int = 4  # active_sampling: extra generation rounds per step at most; then train on what is kept
     use_vllm_logprobs: bool = False  # take vLLM's sampling logprobs as old_logp instead of recomputing them
     truncated_importance_sampling_ratio_cap: float = 0.0  # cap of exp(old_logp - vllm_logp) on the policy term; 0 disables
-    vllm_importance_sampling_mask: str = "none"  # none, token (IcePop: drop tokens whose ratio pi_old/pi_vllm leaves the band) or sequence (drop sequences by geometric-mean ratio)
+    vllm_importance_sampling_mask: Literal["none", "token", "sequence"] = "none"  # none, token (IcePop: drop tokens whose ratio pi_old/pi_vllm leaves the band) or sequence (drop sequences by geometric-mean ratio)
     vllm_importance_sampling_mask_cap: float = 2.0  # the mask's band is [1/cap, cap]; the sequence mask wants a tighter one (1.1 say)
     # --- reference policy
     load_ref_policy: bool = True  # allow a reference policy; it is built only when beta > 0 (its only use)
@@ -115,165 +105,159 @@ class Config:
     seed: int = 1  # seeds data order, sampling and initialisation
 
     def __post_init__(self):
-        def refuse(msg):
-            raise ValueError(msg)
-
-        choices = {
-            "loss_fn": ("dapo", "cispo", "ess", "gspo"),
-            "kl_estimator": ("k1", "k2", "k3", "k4", "topk"),
-            "advantage_normalization_type": ("standard", "centered"),
-            "lr_scheduler_type": ("constant", "linear", "cosine"),
-            "weight_sync_transport": ("filesystem", "nccl"),
-            "ess_scope": ("step", "micro_batch"),
-            "vllm_importance_sampling_mask": ("none", "token", "sequence"),
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                refuse(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
-        if not 1 <= self.math_digits <= 9 or self.math_steps < 1:
-            refuse(f"math_digits={self.math_digits} must be in 1..9 and math_steps={self.math_steps} >= 1")
-        if not self.math_operations or set(self.math_operations) - set("+-*"):
-            refuse(f"math_operations={self.math_operations!r} must be made of + - * (for example '+-' or '+-*')")
-        if self.reward_workers < 0 or self.reward_timeout <= 0 or self.log_samples_freq < 0:
-            refuse(f"reward_workers={self.reward_workers} and log_samples_freq={self.log_samples_freq} must be >= 0, "
-                   f"reward_timeout={self.reward_timeout} > 0")
+        """Refuse a contradiction before any process group, model or server starts: first each field alone (the
+        values its Literal lists, lower bounds), then each section's _check_, which returns a message or None."""
         self.loss_denominator = str(self.loss_denominator)
-        if self.loss_denominator != "token":
-            try:
-                ok = float(self.loss_denominator) > 0
-            except ValueError:
-                ok = False
-            if not ok:
-                refuse(f"loss_denominator={self.loss_denominator!r} must be 'token' or a positive number such as 1024")
-        if self.use_vllm_logprobs and self.truncated_importance_sampling_ratio_cap > 0:
-            refuse("use_vllm_logprobs=True with truncated_importance_sampling_ratio_cap > 0 is a contradiction: "
-                   "with vLLM's logprobs as old_logp the ratio is 1; set one of them off")
-        if (self.checkpoint_state_dir is None) != (self.checkpoint_state_freq <= 0):
-            refuse("checkpoint_state_dir and checkpoint_state_freq go together: set both "
-                   "(a directory and a frequency > 0) or neither")
-        if self.async_steps < 0:
-            refuse(f"async_steps={self.async_steps} must be >= 0 (0: generate each batch after the last sync)")
-        if self.max_sample_staleness is not None and not 0 <= self.max_sample_staleness <= self.async_steps:
-            refuse(f"max_sample_staleness={self.max_sample_staleness} must be between 0 and async_steps="
-                   f"{self.async_steps} (samples are never older than async_steps); leave it None")
-        if self.async_steps and not self.use_vllm_logprobs and self.truncated_importance_sampling_ratio_cap <= 0:
-            refuse(f"async_steps={self.async_steps} trains on samples from older weights: set use_vllm_logprobs=True "
-                   "(ratios against the weights that sampled) or truncated_importance_sampling_ratio_cap > 0 "
-                   "(a truncated correction exp(old_logp - vllm_logp)); otherwise the staleness goes uncorrected")
-        if self.async_steps and self.single_gpu_mode:
-            refuse("async_steps > 0 generates while the trainer trains; single_gpu_mode=True puts the server to "
-                   "sleep while training: set one of them off")
-        if self.async_steps and self.loss_fn == "ess" and not self.use_vllm_logprobs:
-            refuse("loss_fn='ess' with async_steps > 0 needs use_vllm_logprobs=True: the ESS must measure the "
-                   "ratios against the weights that sampled the batch")
-        for name in ("keep_last_n_checkpoints", "max_consecutive_skipped_steps"):
-            if getattr(self, name) < 1:
-                refuse(f"{name}={getattr(self, name)} must be >= 1")
-        if self.vllm_max_restarts < 0:
-            refuse(f"vllm_max_restarts={self.vllm_max_restarts} must be >= 0 (0: never restart the server)")
-        if self.save_freq == 0 or self.save_freq < -1:
-            refuse(f"save_freq={self.save_freq} must be a positive number of steps, or -1 for only the final export")
-        if not self.load_ref_policy and self.beta != 0:
-            refuse(f"load_ref_policy=False needs beta=0 (got beta={self.beta}): the KL term needs a reference")
-        if not self.load_ref_policy and self.ref_policy_update_freq is not None:
-            refuse("ref_policy_update_freq is set but load_ref_policy=False: there is no reference to update")
-        if self.ref_policy_update_freq is not None and self.beta == 0:
-            refuse(f"ref_policy_update_freq={self.ref_policy_update_freq} has no effect with beta=0: nothing uses "
-                   "the reference (it is not built); set beta > 0 or leave ref_policy_update_freq None")
-        if self.ref_policy_update_freq is not None and self.ref_policy_update_freq <= 0:
-            refuse(f"ref_policy_update_freq={self.ref_policy_update_freq} must be a positive number of steps, or None")
-        if not 0.0 < self.alpha <= 1.0:
-            refuse(f"alpha={self.alpha} must be in (0, 1]: ref = alpha * policy + (1 - alpha) * ref")
-        if self.weight_sync_dir is not None and self.weight_sync_transport != "filesystem":
-            refuse("weight_sync_dir is where the filesystem transport writes; with weight_sync_transport="
-                   f"{self.weight_sync_transport!r} nothing is written there: unset one of them")
-        if self.weight_sync_transport == "nccl" and len(self.vllm_server_urls) > 1:
-            refuse("weight_sync_transport='nccl' supports one vLLM server; give one vllm_server_urls entry "
-                   "or use weight_sync_transport='filesystem'")
-        if self.sequence_parallel_size != 1:
-            refuse(f"sequence_parallel_size={self.sequence_parallel_size}: sequence parallelism is not implemented "
-                   "in this FSDP2 trainer (every rank holds whole sequences); set it to 1 (for long sequences, "
-                   "activation_checkpointing=True cuts activation memory instead)")
-        if self.fsdp_shard_size < 0:
-            refuse(f"fsdp_shard_size={self.fsdp_shard_size} must be 0 (shard over all ranks) or a number of ranks "
-                   "that divides the world size")
-        if self.offload_ref_policy and not self.load_ref_policy:
-            refuse("offload_ref_policy=True but load_ref_policy=False: there is no reference to offload")
-        if self.single_gpu_mode and self.vllm_server_urls:
-            refuse("single_gpu_mode=True shares the trainer's GPU with a server we launch (in sleep mode); "
-                   "remove vllm_server_urls or set single_gpu_mode=False")
-        if self.single_gpu_mode and self.weight_sync_transport == "nccl":
-            refuse("single_gpu_mode=True cannot use weight_sync_transport='nccl' (NCCL cannot link two processes "
-                   "on one GPU); use weight_sync_transport='filesystem'")
-        if not 0 < self.vllm_gpu_memory_utilization <= 1:
-            refuse(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1]")
-        if self.single_gpu_mode and self.vllm_gpu_memory_utilization > 0.5:
-            refuse(f"single_gpu_mode=True with vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} "
-                   "leaves too little of the GPU for the trainer's weights and AdamW state, which stay on it "
-                   "while vLLM generates; set it to at most 0.5 (0.3 is a start)")
-        for name in ("backend_timeout", "vllm_startup_timeout", "vllm_request_timeout", "weight_sync_timeout"):
+        for f in fields(self):
+            if get_origin(f.type) is Literal and getattr(self, f.name) not in get_args(f.type):
+                raise ValueError(f"{f.name}={getattr(self, f.name)!r} is not one of {', '.join(get_args(f.type))}")
+        # lower bounds that many fields share; a note after the bound says what the edge value means
+        notes = {"async_steps": " (0: generate each batch after the last sync)",
+                 "vllm_max_restarts": " (0: never restart the server)",
+                 "truncated_importance_sampling_ratio_cap": " (0 disables it)",
+                 "vllm_logp_tolerance": " (1e-2 catches a sync that did not take)",
+                 "temperature": " for training rollouts (greedy is used for evaluation)",
+                 "num_samples_per_prompt_rollout": ": GRPO's advantage compares samples of one prompt"}
+        at_least = {0: ("reward_workers", "log_samples_freq", "num_eval_prompts", "eval_freq", "async_steps",
+                        "vllm_max_restarts", "vllm_max_retries", "learning_rate", "warm_up_steps", "weight_decay",
+                        "max_grad_norm", "beta", "truncated_importance_sampling_ratio_cap"),
+                    1: ("max_prompt_length", "response_length", "vllm_kv_cache_space_gb", "num_unique_prompts_rollout",
+                        "per_device_train_batch_size", "num_mini_batches", "num_epochs", "num_training_steps",
+                        "active_sampling_max_rounds", "keep_last_n_checkpoints", "max_consecutive_skipped_steps"),
+                    2: ("num_samples_per_prompt_rollout",)}
+        for low, names in at_least.items():
+            for name in names:
+                if getattr(self, name) < low:
+                    raise ValueError(f"{name}={getattr(self, name)} must be >= {low}{notes.get(name, '')}")
+        for name in ("reward_timeout", "temperature", "vllm_startup_timeout", "vllm_request_timeout",
+                     "vllm_logp_tolerance", "backend_timeout", "weight_sync_timeout"):
             if getattr(self, name) <= 0:
-                refuse(f"{name}={getattr(self, name)} must be > 0")
-        if self.weight_sync_timeout >= 60 * self.backend_timeout:
-            refuse(f"weight_sync_timeout={self.weight_sync_timeout}s must be below backend_timeout="
-                   f"{self.backend_timeout} min: the other ranks wait for rank 0's sync in a collective that "
-                   "backend_timeout ends first; lower weight_sync_timeout or raise backend_timeout")
-        if self.kl_topk != 0 and self.kl_estimator != "topk":
-            refuse(f"kl_topk={self.kl_topk} only applies to kl_estimator='topk' (got {self.kl_estimator!r})")
-        if self.kl_topk > 0 and self.beta == 0:
-            refuse(f"kl_topk={self.kl_topk} has no effect with beta=0 (no KL term); set beta > 0 or kl_topk=0")
-        defaults = {f.name: f.default for f in dataclasses.fields(Config)}
-        if self.loss_fn == "ess" and (self.clip_lower, self.clip_higher) != (defaults["clip_lower"], defaults["clip_higher"]):
-            refuse("loss_fn='ess' has no clip constants (the batch's ESS sets the cap); leave clip_lower and "
-                   "clip_higher at their defaults or pick loss_fn='dapo'")
-        if self.loss_fn == "cispo" and self.clip_lower != defaults["clip_lower"]:
-            refuse("loss_fn='cispo' caps the weight above only (clip_higher); clip_lower has no effect, leave it")
-        if self.loss_fn != "ess" and self.ess_scope != defaults["ess_scope"]:
-            refuse(f"ess_scope={self.ess_scope!r} only applies to loss_fn='ess'")
-        if self.kl_topk < 0:
-            refuse(f"kl_topk={self.kl_topk} must be >= 0")
-        if self.clip_lower < 0 or self.clip_lower >= 1 or self.clip_higher < 0:
-            refuse(f"clip_lower={self.clip_lower} must be in [0, 1) and clip_higher={self.clip_higher} >= 0")
-        if self.truncated_importance_sampling_ratio_cap < 0:
-            refuse("truncated_importance_sampling_ratio_cap must be >= 0 (0 disables it)")
-        if self.beta < 0:
-            refuse(f"beta={self.beta} must be >= 0")
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0{notes.get(name, '')}")
+        if problem := (self._check_data() or self._check_rollouts() or self._check_batch() or self._check_objective()
+                       or self._check_reference() or self._check_distributed() or self._check_output()):
+            raise ValueError(problem)
+
+    def _check_data(self):
+        if not 1 <= self.math_digits <= 9 or self.math_steps < 1:
+            return f"math_digits={self.math_digits} must be in 1..9 and math_steps={self.math_steps} >= 1"
+        if not self.math_operations or set(self.math_operations) - set("+-*"):
+            return f"math_operations={self.math_operations!r} must be made of + - * (for example '+-' or '+-*')"
+
+    def _check_rollouts(self):
         if self.top_p != 1.0:
-            refuse(f"top_p={self.top_p} is not supported: vLLM reports logprobs renormalised over the nucleus while "
-                   "the trainer's cover the whole vocabulary, so every ratio and TIS weight would be biased; set top_p=1")
-        if self.use_vllm_logprobs and self.vllm_importance_sampling_mask != "none":
-            refuse("use_vllm_logprobs=True makes old_logp vLLM's own, so the ratio the vllm_importance_sampling_mask "
-                   "tests is 1; set vllm_importance_sampling_mask='none' or use_vllm_logprobs=False")
-        if self.vllm_importance_sampling_mask_cap <= 1:
-            refuse(f"vllm_importance_sampling_mask_cap={self.vllm_importance_sampling_mask_cap} must be > 1: the band "
-                   "is [1/cap, cap] (2 is IcePop's range)")
-        if self.active_sampling and not self.filter_zero_std_samples:
-            refuse("active_sampling=True refills groups that filter_zero_std_samples drops; with "
-                   "filter_zero_std_samples=False nothing is dropped: set it True or active_sampling=False")
-        if self.active_sampling_max_rounds < 1:
-            refuse(f"active_sampling_max_rounds={self.active_sampling_max_rounds} must be >= 1")
-        for name in ("learning_rate", "weight_decay", "max_grad_norm", "warm_up_steps", "eval_freq", "num_eval_prompts"):
-            if getattr(self, name) < 0:
-                refuse(f"{name}={getattr(self, name)} must be >= 0")
-        if self.vllm_logp_tolerance <= 0:
-            refuse(f"vllm_logp_tolerance={self.vllm_logp_tolerance} must be > 0 (1e-2 catches a sync that did not take)")
-        if self.vllm_kv_cache_space_gb < 1 or self.vllm_max_retries < 0 or not 0 < self.vllm_port < 65536:
-            refuse(f"vllm_kv_cache_space_gb={self.vllm_kv_cache_space_gb} must be >= 1, vllm_max_retries="
-                   f"{self.vllm_max_retries} >= 0 and vllm_port={self.vllm_port} in 1..65535")
-        if self.temperature <= 0:
-            refuse(f"temperature={self.temperature} must be > 0 for training rollouts (greedy is used for evaluation)")
-        for name in ("num_unique_prompts_rollout", "num_samples_per_prompt_rollout", "per_device_train_batch_size",
-                     "num_mini_batches", "num_epochs", "num_training_steps", "response_length", "max_prompt_length"):
-            if getattr(self, name) < 1:
-                refuse(f"{name}={getattr(self, name)} must be >= 1")
-        if self.num_samples_per_prompt_rollout < 2:
-            refuse("num_samples_per_prompt_rollout must be >= 2: GRPO's advantage compares samples of one prompt")
-        if self.num_unique_prompts_rollout % self.num_mini_batches:
-            refuse(f"num_unique_prompts_rollout={self.num_unique_prompts_rollout} must be divisible by "
-                   f"num_mini_batches={self.num_mini_batches} (each mini-batch takes whole groups)")
+            return (f"top_p={self.top_p} is not supported: vLLM reports logprobs renormalised over the nucleus while "
+                    "the trainer's cover the whole vocabulary, so every ratio and TIS weight would be biased; set top_p=1")
+        if not 0 < self.vllm_port < 65536:
+            return f"vllm_port={self.vllm_port} must be in 1..65535"
         if self.vllm_max_model_len is not None and self.vllm_max_model_len < self.max_prompt_length + self.response_length:
-            refuse(f"vllm_max_model_len={self.vllm_max_model_len} is below max_prompt_length + response_length = "
-                   f"{self.max_prompt_length + self.response_length}; raise it or leave it None")
+            return (f"vllm_max_model_len={self.vllm_max_model_len} is below max_prompt_length + response_length = "
+                    f"{self.max_prompt_length + self.response_length}; raise it or leave it None")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            return f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1]"
+        if self.max_sample_staleness is not None and not 0 <= self.max_sample_staleness <= self.async_steps:
+            return (f"max_sample_staleness={self.max_sample_staleness} must be between 0 and async_steps="
+                    f"{self.async_steps} (samples are never older than async_steps); leave it None")
+        if self.async_steps and not self.use_vllm_logprobs and self.truncated_importance_sampling_ratio_cap <= 0:
+            return (f"async_steps={self.async_steps} trains on samples from older weights: set use_vllm_logprobs=True "
+                    "(ratios against the weights that sampled) or truncated_importance_sampling_ratio_cap > 0 "
+                    "(a truncated correction exp(old_logp - vllm_logp)); otherwise the staleness goes uncorrected")
+        if self.async_steps and self.single_gpu_mode:
+            return ("async_steps > 0 generates while the trainer trains; single_gpu_mode=True puts the server to "
+                    "sleep while training: set one of them off")
+        if self.async_steps and self.loss_fn == "ess" and not self.use_vllm_logprobs:
+            return ("loss_fn='ess' with async_steps > 0 needs use_vllm_logprobs=True: the ESS must measure the "
+                    "ratios against the weights that sampled the batch")
+        if self.weight_sync_dir is not None and self.weight_sync_transport != "filesystem":
+            return ("weight_sync_dir is where the filesystem transport writes; with weight_sync_transport="
+                    f"{self.weight_sync_transport!r} nothing is written there: unset one of them")
+        if self.weight_sync_transport == "nccl" and len(self.vllm_server_urls) > 1:
+            return ("weight_sync_transport='nccl' supports one vLLM server; give one vllm_server_urls entry "
+                    "or use weight_sync_transport='filesystem'")
+
+    def _check_batch(self):
+        if self.num_unique_prompts_rollout % self.num_mini_batches:
+            return (f"num_unique_prompts_rollout={self.num_unique_prompts_rollout} must be divisible by "
+                    f"num_mini_batches={self.num_mini_batches} (each mini-batch takes whole groups)")
+
+    def _check_objective(self):
+        try:
+            ok = self.loss_denominator == "token" or float(self.loss_denominator) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            return f"loss_denominator={self.loss_denominator!r} must be 'token' or a positive number such as 1024"
+        if not 0 <= self.clip_lower < 1 or self.clip_higher < 0:
+            return f"clip_lower={self.clip_lower} must be in [0, 1) and clip_higher={self.clip_higher} >= 0"
+        if self.loss_fn == "ess" and (self.clip_lower, self.clip_higher) != (Config.clip_lower, Config.clip_higher):
+            return ("loss_fn='ess' has no clip constants (the batch's ESS sets the cap); leave clip_lower and "
+                    "clip_higher at their defaults or pick loss_fn='dapo'")
+        if self.loss_fn == "cispo" and self.clip_lower != Config.clip_lower:
+            return "loss_fn='cispo' caps the weight above only (clip_higher); clip_lower has no effect, leave it"
+        if self.loss_fn != "ess" and self.ess_scope != Config.ess_scope:
+            return f"ess_scope={self.ess_scope!r} only applies to loss_fn='ess'"
+        if self.kl_topk != 0 and self.kl_estimator != "topk":
+            return f"kl_topk={self.kl_topk} only applies to kl_estimator='topk' (got {self.kl_estimator!r})"
+        if self.kl_topk > 0 and self.beta == 0:
+            return f"kl_topk={self.kl_topk} has no effect with beta=0 (no KL term); set beta > 0 or kl_topk=0"
+        if self.kl_topk < 0:
+            return f"kl_topk={self.kl_topk} must be >= 0"
+        if self.use_vllm_logprobs and self.truncated_importance_sampling_ratio_cap > 0:
+            return ("use_vllm_logprobs=True with truncated_importance_sampling_ratio_cap > 0 is a contradiction: "
+                    "with vLLM's logprobs as old_logp the ratio is 1; set one of them off")
+        if self.use_vllm_logprobs and self.vllm_importance_sampling_mask != "none":
+            return ("use_vllm_logprobs=True makes old_logp vLLM's own, so the ratio the vllm_importance_sampling_mask "
+                    "tests is 1; set vllm_importance_sampling_mask='none' or use_vllm_logprobs=False")
+        if self.vllm_importance_sampling_mask_cap <= 1:
+            return (f"vllm_importance_sampling_mask_cap={self.vllm_importance_sampling_mask_cap} must be > 1: the band "
+                    "is [1/cap, cap] (2 is IcePop's range)")
+        if self.active_sampling and not self.filter_zero_std_samples:
+            return ("active_sampling=True refills groups that filter_zero_std_samples drops; with "
+                    "filter_zero_std_samples=False nothing is dropped: set it True or active_sampling=False")
+
+    def _check_reference(self):
+        if not self.load_ref_policy and self.beta != 0:
+            return f"load_ref_policy=False needs beta=0 (got beta={self.beta}): the KL term needs a reference"
+        if not self.load_ref_policy and self.ref_policy_update_freq is not None:
+            return "ref_policy_update_freq is set but load_ref_policy=False: there is no reference to update"
+        if self.ref_policy_update_freq is not None and self.beta == 0:
+            return (f"ref_policy_update_freq={self.ref_policy_update_freq} has no effect with beta=0: nothing uses "
+                    "the reference (it is not built); set beta > 0 or leave ref_policy_update_freq None")
+        if self.ref_policy_update_freq is not None and self.ref_policy_update_freq <= 0:
+            return f"ref_policy_update_freq={self.ref_policy_update_freq} must be a positive number of steps, or None"
+        if not 0.0 < self.alpha <= 1.0:
+            return f"alpha={self.alpha} must be in (0, 1]: ref = alpha * policy + (1 - alpha) * ref"
+        if self.offload_ref_policy and not self.load_ref_policy:
+            return "offload_ref_policy=True but load_ref_policy=False: there is no reference to offload"
+
+    def _check_distributed(self):
+        if self.sequence_parallel_size != 1:
+            return (f"sequence_parallel_size={self.sequence_parallel_size}: sequence parallelism is not implemented "
+                    "in this FSDP2 trainer (every rank holds whole sequences); set it to 1 (for long sequences, "
+                    "activation_checkpointing=True cuts activation memory instead)")
+        if self.fsdp_shard_size < 0:
+            return (f"fsdp_shard_size={self.fsdp_shard_size} must be 0 (shard over all ranks) or a number of ranks "
+                    "that divides the world size")
+        if self.single_gpu_mode and self.vllm_server_urls:
+            return ("single_gpu_mode=True shares the trainer's GPU with a server we launch (in sleep mode); "
+                    "remove vllm_server_urls or set single_gpu_mode=False")
+        if self.single_gpu_mode and self.weight_sync_transport == "nccl":
+            return ("single_gpu_mode=True cannot use weight_sync_transport='nccl' (NCCL cannot link two processes "
+                    "on one GPU); use weight_sync_transport='filesystem'")
+        if self.single_gpu_mode and self.vllm_gpu_memory_utilization > 0.5:
+            return (f"single_gpu_mode=True with vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} "
+                    "leaves too little of the GPU for the trainer's weights and AdamW state, which stay on it "
+                    "while vLLM generates; set it to at most 0.5 (0.3 is a start)")
+        if self.weight_sync_timeout >= 60 * self.backend_timeout:
+            return (f"weight_sync_timeout={self.weight_sync_timeout}s must be below backend_timeout="
+                    f"{self.backend_timeout} min: the other ranks wait for rank 0's sync in a collective that "
+                    "backend_timeout ends first; lower weight_sync_timeout or raise backend_timeout")
+
+    def _check_output(self):
+        if (self.checkpoint_state_dir is None) != (self.checkpoint_state_freq <= 0):
+            return ("checkpoint_state_dir and checkpoint_state_freq go together: set both "
+                    "(a directory and a frequency > 0) or neither")
+        if self.save_freq == 0 or self.save_freq < -1:
+            return f"save_freq={self.save_freq} must be a positive number of steps, or -1 for only the final export"
 
     @property
     def uses_reference(self) -> bool:
@@ -293,14 +277,10 @@ class Config:
         return world_size // shard, shard
 
     def batch_plan(self, world_size: int) -> dict:
-        """Derive the per-rank batch arithmetic; refuse numbers that do not divide, and
-        meshes that do not fit the world (mesh_shape).
-
-        Rollout: prompts x samples sequences, split into num_mini_batches optimizer steps,
-        each spread over world_size ranks and cut into micro-batches of
-        per_device_train_batch_size (gradient accumulation). Whole groups stay together
-        only at the mini-batch level; ranks may hold parts of a group.
-        """
+        """Derive the per-rank batch arithmetic; refuse numbers that do not divide, and meshes that do not fit the
+        world (mesh_shape). Rollout: prompts x samples sequences, split into num_mini_batches optimizer steps, each
+        spread over world_size ranks and cut into micro-batches of per_device_train_batch_size (gradient
+        accumulation). Whole groups stay together only at the mini-batch level; ranks may hold parts of a group."""
         self.mesh_shape(world_size)
         seqs = self.num_unique_prompts_rollout * self.num_samples_per_prompt_rollout
         per_mini = seqs // self.num_mini_batches
@@ -316,121 +296,3 @@ class Config:
                     per_rank=per_rank, accumulation_steps=per_rank // self.per_device_train_batch_size,
                     optimizer_steps=self.num_mini_batches * self.num_epochs)
 
-
-# --- command line and config file
-
-def field_comments() -> dict:
-    """The one-line comment of each field, read from this file's source."""
-    with open(__file__) as f:
-        src = f.read()
-    return dict(re.findall(r"^    (\w+): [^\n]*?  # ([^\n]*)$", src, flags=re.M))
-
-
-def convert(name: str, text, tp):
-    """Turn a flag's text (or a TOML value) into the field's type; ValueError if it does not fit."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is typing.Union:  # Optional[X]
-        if isinstance(text, str) and text.lower() in ("none", "null"):
-            return None
-        return convert(name, text, next(a for a in args if a is not type(None)))
-    if origin is list:
-        items = text if isinstance(text, list) else [t for t in str(text).split(",") if t]
-        return [convert(name, t, args[0]) for t in items]
-    if tp is bool:
-        if isinstance(text, bool):
-            return text
-        if str(text).lower() in ("true", "1", "yes"):
-            return True
-        if str(text).lower() in ("false", "0", "no"):
-            return False
-        raise ValueError(f"--{name} expects true or false, got {text!r}")
-    if tp is str and isinstance(text, str):
-        return text
-    if tp is int and isinstance(text, int) and not isinstance(text, bool):
-        return text
-    if tp is int and isinstance(text, str) and re.fullmatch(r"[+-]?\d+", text.strip()):
-        return int(text)
-    if tp is float and not isinstance(text, (bool, list, dict)):
-        try:
-            return float(text)
-        except ValueError:
-            pass
-    raise ValueError(f"--{name} expects {tp.__name__}, got {text!r}")
-
-
-def help_text() -> str:
-    comments = field_comments()
-    lines = ["usage: train.py [--config FILE.toml] [--key value | --key=value ...]", "",
-             "Every field of Config (also valid as a key in the TOML file; flags override it):"]
-    for f in dataclasses.fields(Config):
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        lines.append(f"  --{f.name} (default {default!r})\n      {comments.get(f.name, '')}")
-    return "\n".join(lines)
-
-
-def unknown(name: str, names: list) -> str:
-    close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
-    return f"unknown option {name!r}" + (f"; did you mean {close[0]!r}?" if close else "; see --help")
-
-
-def parse_args(argv=None) -> Config:
-    """`--key value`, `--key=value`, bare `--flag` for booleans, `--config FILE.toml` (flags win).
-
-    Unknown keys and values of the wrong type exit with status 2 and one line on stderr;
-    contradictions between fields raise ValueError from Config.
-    """
-    argv = sys.argv[1:] if argv is None else list(argv)
-    types = {f.name: f.type for f in dataclasses.fields(Config)}
-    types = {k: eval(v, globals()) if isinstance(v, str) else v for k, v in types.items()}
-
-    def fail(msg):
-        print(f"error: {msg}", file=sys.stderr)
-        raise SystemExit(2)
-
-    if "-h" in argv or "--help" in argv:
-        print(help_text())
-        raise SystemExit(0)
-    pairs, i = [], 0
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--"):
-            fail(f"unexpected argument {arg!r}; options look like --key value")
-        key, eq, value = arg[2:].partition("=")
-        if not eq:
-            nxt = argv[i + 1] if i + 1 < len(argv) else None
-            if types.get(key) is bool and (nxt is None or nxt.startswith("--")):
-                value = "true"
-            elif nxt is None:
-                fail(f"--{key} needs a value")
-            else:
-                value, i = nxt, i + 1
-        pairs.append((key, value))
-        i += 1
-
-    values = {}
-    for key, value in pairs:
-        if key == "config":
-            try:
-                with open(value, "rb") as f:
-                    file_values = tomllib.load(f)
-            except FileNotFoundError:
-                fail(f"config file {value!r} does not exist; pass the path of a TOML file")
-            except tomllib.TOMLDecodeError as e:
-                fail(f"config file {value!r} is not valid TOML: {e}")
-            for k, v in file_values.items():
-                if k not in types:
-                    fail(f"{value}: " + unknown(k, list(types)))
-                values.setdefault(k, (v, "file"))
-    for key, value in pairs:
-        if key == "config":
-            continue
-        if key not in types:
-            fail(unknown(key, list(types)))
-        values[key] = (value, "cli")
-    kwargs = {}
-    for key, (value, _) in values.items():
-        try:
-            kwargs[key] = convert(key, value, types[key])
-        except ValueError as e:
-            fail(str(e))
-    return Config(**kwargs)

@@ -43,7 +43,8 @@ from tqdm import tqdm
 import checkpoint
 import rollout
 import tracking
-from config import Config, parse_args
+from cli import parse_args
+from config import Config
 from data import PromptSampler, load_prompts, load_tokenizer
 from generator import Generator
 from parallel import close_distributed, load_model, setup_distributed

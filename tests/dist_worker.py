@@ -19,7 +19,8 @@ import dataclasses
 
 import train
 import update
-from config import Config, convert
+from cli import convert
+from config import Config
 from reference import EMAReference, local
 from weight_sync import full_state_dict
 

@@ -12,7 +12,7 @@ import checkpoint
 import generator
 import train
 import update
-from config import parse_args
+from cli import parse_args
 
 if __name__ == "__main__":  # the reward pool's workers import this script again as __mp_main__
     kind, steps = sys.argv[1].split("=")

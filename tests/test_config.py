@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from config import Config, help_text, parse_args
+from cli import help_text, parse_args
+from config import Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
