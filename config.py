@@ -64,8 +64,8 @@ class Config:
     max_grad_norm: float = 1.0  # gradient clipping; 0 disables
     # --- objective
     loss_fn: Literal["dapo", "cispo", "ess", "gspo"] = "dapo"  # dapo (asymmetric clip), cispo (capped weight x logp), ess (batch-adaptive, "Trust the Batch" by Fakoor et al.; no clip constants) or gspo (clipped sequence ratio, GSPO by Zheng et al.; the paper clips at 3e-4 / 4e-4)
-    clip_lower: float = 0.2  # dapo: ratio clipped below at 1 - clip_lower
-    clip_higher: float = 0.28  # dapo: ratio clipped above at 1 + clip_higher; cispo: weight capped at 1 + clip_higher
+    clip_lower: float = 0.2  # dapo, gspo: ratio (gspo: the sequence ratio) clipped below at 1 - clip_lower
+    clip_higher: float = 0.28  # dapo, gspo: ratio clipped above at 1 + clip_higher; cispo: weight capped at 1 + clip_higher
     beta: float = 0.0  # KL coefficient toward the reference; 0 = no KL term
     kl_estimator: Literal["k1", "k2", "k3", "k4", "topk"] = "k3"  # k1, k2, k3, k4 or topk
     kl_topk: int = 0  # topk: tokens of the sampling policy summed exactly per position (0 = sampled k4)

@@ -94,7 +94,7 @@ def test_readme_example_objective_runs(monkeypatch):
         exec(block, namespace)
     (name,) = set(namespace["OBJECTIVES"]) - set(OBJECTIVES)
     assert set(OBJECTIVES) < set(namespace["OBJECTIVES"])
-    assert '"loss_fn": (' + ", ".join(f'"{n}"' for n in config_choices("loss_fn") + [name]) + ")," in section
+    assert "loss_fn: Literal[" + ", ".join(f'"{n}"' for n in config_choices("loss_fn") + [name]) + "]" in section
     assert f"--loss_fn {name}" in section
     monkeypatch.setattr(loss, "OBJECTIVES", namespace["OBJECTIVES"])
     cfg = Config()
