@@ -24,14 +24,15 @@ if [ "${1:-}" = "--tiny" ]; then
           --per_device_train_batch_size 4)
 else
     .venv/bin/python scripts/prepare_smollm2.py
-    # 4 prompts x 8 samples at T 0.7, 128 new tokens; one AdamW step per batch, lr 5e-6 after
-    # 5 warm-up steps; no KL.
+    # 20 steps of 4 prompts x 8 samples at T 0.7, 128 new tokens; one AdamW step per batch, lr
+    # 5e-6 after 5 warm-up steps; no KL. Measured: greedy accuracy 0.30 -> 0.64 at step 20 and
+    # 0.91 at step 40 (--num_training_steps 40: 39 min on a busy 2-core machine).
     # Sampled answers are right less often than greedy ones (0.09 at T 0.8 against 0.30): groups
     # of 8 at a lower temperature leave fewer groups with all-zero rewards (filtered, no signal).
     # lr 2e-5 without warm-up took greedy accuracy from 0.30 to 0.09 in 3 steps: Adam's first
     # steps move every weight by about lr whatever the gradient's size.
     args=(--model_name_or_path models/smollm2-135m-instruct --max_prompt_length 128 --response_length 128
-          --num_training_steps 40 --eval_freq 20 --num_eval_prompts 64 --temperature 0.7
+          --num_training_steps 20 --eval_freq 10 --num_eval_prompts 64 --temperature 0.7
           --learning_rate 5e-6 --warm_up_steps 5
           --num_unique_prompts_rollout 4 --num_samples_per_prompt_rollout 8 --per_device_train_batch_size 8
           --beta 0 --load_ref_policy false)
