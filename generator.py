@@ -24,7 +24,7 @@ from weight_sync import full_state_dict, make_weight_sync, write_serving_dir
 class Generator:
     def __init__(self, cfg, policy, tokenizer, sampler, pool, rank, device):
         self.cfg, self.tokenizer, self.sampler, self.pool, self.rank, self.device = cfg, tokenizer, sampler, pool, rank, device
-        self.client = self.server = self.weights = self.rollouts = None
+        self.client = self.server = self.weight_sync = self.rollouts = None
         self.restarts, self.position = 0, sampler.position  # the sampler's position after the last batch taken
         self.max_staleness = cfg.async_steps if cfg.max_sample_staleness is None else cfg.max_sample_staleness
         self.log_path = os.path.join(cfg.output_dir, "vllm.log")
@@ -40,9 +40,9 @@ class Generator:
                 self.client = rollout.VLLMClient([url], self.served, cfg.vllm_request_timeout, cfg.vllm_max_retries,
                                                  proc=self.server, log_path=self.log_path)
             del full
-            self.weights = make_weight_sync(cfg, self.client, rank, device)
+            self.weight_sync = make_weight_sync(cfg, self.client, rank, device)
             if cfg.vllm_server_urls:  # the user's server starts from our weights
-                self.weights.sync(policy)
+                self.weight_sync.sync(policy)
         except BaseException:
             self.close()
             raise
@@ -86,13 +86,13 @@ class Generator:
             rollout.stop_server(self.server)
             self.server, _ = rollout.launch_server(self.served, self.cfg, self.log_path)
             self.client.proc = self.server
-        self.weights.close()
-        self.weights = make_weight_sync(self.cfg, self.client, self.rank, self.device)
-        self.weights.sync(policy)
+        self.weight_sync.close()
+        self.weight_sync = make_weight_sync(self.cfg, self.client, self.rank, self.device)
+        self.weight_sync.sync(policy)
 
     def sync(self, policy):
         """The policy's weights into every server (every rank takes part); VLLMError if that fails."""
-        self.weights.sync(policy)
+        self.weight_sync.sync(policy)
 
     def evaluate(self, eval_rows):
         """Rank 0: greedy accuracy on the held-out prompts."""
@@ -107,7 +107,7 @@ class Generator:
     def close(self):
         if self.rollouts:
             self.rollouts.close()
-        if self.weights:
-            self.weights.close()
+        if self.weight_sync:
+            self.weight_sync.close()
         if self.rank == 0:
             rollout.stop_server(self.server)
