@@ -63,10 +63,14 @@ def test_two_ranks_learn_with_generation_one_step_ahead(tiny_model_dir, tmp_path
     assert out.returncode == 0, out.stderr[-4000:]
     steps = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in steps] == list(range(1, 41))
-    # step 1 was made from the start weights; later batches while the step before trained, one update
-    # behind, unless their requests went out after that step's sync (or the step had nothing to sync)
+    # Step 1 was made from the start weights. Later batches are requested while the step before
+    # trains: a group whose request goes out before that step's weight sync is one update behind,
+    # one sent after it (a race the machine's load decides) is not. After a step with no update
+    # (every group filtered) nothing can be behind.
     assert steps[0]["staleness_mean"] == 0 and all(0 <= r["staleness_mean"] <= 1 for r in steps)
-    assert sum(r["staleness_mean"] for r in steps) / len(steps) > 0.7  # generation did run ahead
+    assert all(r["staleness_mean"] == 0 for prev, r in zip(steps, steps[1:]) if "trained_tokens" not in prev)
+    # generation did run ahead: measured 0.66 to 0.98 of the groups a run behind, however loaded
+    assert sum(r["staleness_mean"] for r in steps) / len(steps) > 0.25
     assert all(r["stale_dropped"] == 0 for r in steps)
     first = sum(r["reward_mean"] for r in steps[:10]) / 10
     last = sum(r["reward_mean"] for r in steps[-10:]) / 10
