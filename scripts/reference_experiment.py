@@ -1,6 +1,6 @@
 """Which reference should the KL term pull toward? SmolLM2-135M-Instruct on the math task.
 
-    .venv/bin/python scripts/reference_experiment.py                    # 4 runs x 3 seeds, ~8 h on 2 CPU cores
+    .venv/bin/python scripts/reference_experiment.py                    # 4 runs x 3 seeds, ~4.5 h on 2 CPU cores
     .venv/bin/python scripts/reference_experiment.py --max_new_runs 2   # two more runs, then the report so far
     .venv/bin/python scripts/reference_experiment.py --seeds 1 --steps 10          # a quick look
     .venv/bin/python scripts/reference_experiment.py --tiny --seeds 1 --steps 2    # checks the script (random model)
@@ -147,7 +147,7 @@ def main():
     p.add_argument("--tiny", action="store_true", help="the random tiny model (models/tiny, built if missing)")
     p.add_argument("--out", default=os.path.join(ROOT, "output", "reference_experiment"))
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--eval_freq", type=int, default=10)
     p.add_argument("--beta", default="0.05")
     p.add_argument("--nproc", type=int, default=2)
