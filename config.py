@@ -52,7 +52,7 @@ class Config:
     # --- batch
     num_unique_prompts_rollout: int = 16  # prompts per step
     num_samples_per_prompt_rollout: int = 8  # completions per prompt (the GRPO group)
-    per_device_train_batch_size: int = 8  # sequences per forward/backward on one rank
+    max_tokens_per_micro_batch: int = 4096  # tokens (prompt + completion) packed into one forward/backward on one rank; at least max_prompt_length + response_length
     num_mini_batches: int = 1  # optimizer steps per rollout batch (per epoch)
     num_epochs: int = 1  # passes over each rollout batch
     num_training_steps: int = 100  # rollout batches to train on
@@ -122,7 +122,7 @@ class Config:
                         "vllm_max_restarts", "vllm_max_retries", "learning_rate", "warm_up_steps", "weight_decay",
                         "max_grad_norm", "beta", "truncated_importance_sampling_ratio_cap"),
                     1: ("max_prompt_length", "response_length", "vllm_kv_cache_space_gb", "num_unique_prompts_rollout",
-                        "per_device_train_batch_size", "num_mini_batches", "num_epochs", "num_training_steps",
+                        "num_mini_batches", "num_epochs", "num_training_steps",
                         "active_sampling_max_rounds", "keep_last_n_checkpoints", "max_consecutive_skipped_steps"),
                     2: ("num_samples_per_prompt_rollout",)}
         for low, names in at_least.items():
@@ -175,6 +175,10 @@ class Config:
                     "or use weight_sync_transport='filesystem'")
 
     def _check_batch(self):
+        if self.max_tokens_per_micro_batch < self.max_prompt_length + self.response_length:
+            return (f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} cannot hold one sequence of "
+                    f"max_prompt_length + response_length = {self.max_prompt_length + self.response_length} tokens; "
+                    f"raise it to at least {self.max_prompt_length + self.response_length}")
         if self.num_unique_prompts_rollout % self.num_mini_batches:
             return (f"num_unique_prompts_rollout={self.num_unique_prompts_rollout} must be divisible by "
                     f"num_mini_batches={self.num_mini_batches} (each mini-batch takes whole groups)")
@@ -277,22 +281,16 @@ class Config:
         return world_size // shard, shard
 
     def batch_plan(self, world_size: int) -> dict:
-        """Derive the per-rank batch arithmetic; refuse numbers that do not divide, and meshes that do not fit the
-        world (mesh_shape). Rollout: prompts x samples sequences, split into num_mini_batches optimizer steps, each
-        spread over world_size ranks and cut into micro-batches of per_device_train_batch_size (gradient
-        accumulation). Whole groups stay together only at the mini-batch level; ranks may hold parts of a group."""
+        """Derive the per-rank batch arithmetic; refuse meshes that do not fit the world (mesh_shape). Rollout:
+        prompts x samples sequences, split into num_mini_batches optimizer steps of whole groups, each spread over
+        world_size ranks by tokens (packing.py) and packed into micro-batches of at most max_tokens_per_micro_batch
+        tokens (gradient accumulation). How many depends on the completions' lengths: the plan gives the count
+        when every sequence has its full length, an upper estimate."""
         self.mesh_shape(world_size)
         seqs = self.num_unique_prompts_rollout * self.num_samples_per_prompt_rollout
         per_mini = seqs // self.num_mini_batches
-        if per_mini % world_size:
-            raise ValueError(f"{per_mini} sequences per mini-batch (num_unique_prompts_rollout x "
-                             f"num_samples_per_prompt_rollout / num_mini_batches) do not split over {world_size} ranks; "
-                             f"make it a multiple of the world size")
-        per_rank = per_mini // world_size
-        if per_rank % self.per_device_train_batch_size:
-            raise ValueError(f"{per_rank} sequences per rank per mini-batch is not a multiple of "
-                             f"per_device_train_batch_size={self.per_device_train_batch_size}; pick a divisor of {per_rank}")
-        return dict(sequences=seqs, mini_batches=self.num_mini_batches, per_mini_batch=per_mini,
-                    per_rank=per_rank, accumulation_steps=per_rank // self.per_device_train_batch_size,
+        per_rank = -(-per_mini // world_size)
+        full = per_rank * (self.max_prompt_length + self.response_length)
+        return dict(sequences=seqs, mini_batches=self.num_mini_batches, per_mini_batch=per_mini, per_rank=per_rank,
+                    micro_batches_at_full_length=-(-full // self.max_tokens_per_micro_batch),
                     optimizer_steps=self.num_mini_batches * self.num_epochs)
-

@@ -90,13 +90,19 @@ def close_distributed():
     gc.collect()  # FSDP2 modules sit in reference cycles: free them, and the group with them
 
 
-def sequence_logprobs(self, input_ids, attention_mask, mask, temperature, head_ids=None, head_size=0):
+def sequence_logprobs(self, input_ids, mask, temperature, position_ids=None, attention_mask=None, head_ids=None,
+                      head_size=0):
     """logp and entropy (N,) of the completion tokens selected by mask (B, T-1), and logp at
-    head_ids (or this policy's top-k) (N, k). A forward method of the model, so FSDP2
-    gathers the LM head for it as for forward()."""
+    head_ids (or this policy's top-k) (N, k). Packed rows (packing.py) pass position_ids that
+    restart at 0 per sequence and no attention_mask; padded rows pass attention_mask. A forward
+    method of the model, so FSDP2 gathers the LM head for it as for forward()."""
+    if position_ids is not None and attention_mask is not None:
+        raise ValueError("pass position_ids (packed rows) or attention_mask (padded rows), not both: transformers "
+                         "skips the per-sequence mask of packed position_ids when a 2-D attention mask is given")
     # use_cache=False: no KV cache is reused here, and a checkpointed layer would append
-    # to it a second time when it recomputes in backward.
-    hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    # to it a second time when it recomputes in backward (a cache would also turn packing off).
+    hidden = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                        use_cache=False)
     hidden = hidden.last_hidden_state  # (B, T, H)
     return token_logprobs(hidden[:, :-1][mask], self.lm_head.weight, input_ids[:, 1:][mask], temperature,
                           head_ids=head_ids, head_size=head_size)

@@ -116,15 +116,16 @@ def announce(cfg, plan, world_size, device, data, resumed_from, start):
     print(f"run: {json.dumps(info['versions'])}, git {info['git_sha']}, world size {world_size}, device {device}")
     print(f"batch: {cfg.num_unique_prompts_rollout} prompts x {cfg.num_samples_per_prompt_rollout} samples = "
           f"{plan['sequences']} sequences -> {plan['mini_batches']} mini-batch(es) of {plan['per_mini_batch']} -> "
-          f"{plan['per_rank']} per rank -> {plan['accumulation_steps']} micro-batch(es) of "
-          f"{cfg.per_device_train_batch_size}; {plan['optimizer_steps']} optimizer step(s) per rollout")
+          f"about {plan['per_rank']} per rank, balanced by tokens -> micro-batches of at most "
+          f"{cfg.max_tokens_per_micro_batch} tokens ({plan['micro_batches_at_full_length']} if every sequence had "
+          f"its full length); {plan['optimizer_steps']} optimizer step(s) per rollout")
     print(f"data: {len(train_rows)} train / {len(eval_rows)} eval prompts from {cfg.dataset!r}, skipped {skipped}; "
           f"reward {reward_fn.__name__}")
     if resumed_from:
         print(f"resumed from {resumed_from} (step {start})")
 
 
-def train_step(cfg, policy, ref, optimizer, scheduler, samples, plan, gen, world_size, device, pad_id):
+def train_step(cfg, policy, ref, optimizer, scheduler, samples, plan, gen, world_size, device):
     """The update on this step's batch (update.py); its metrics. In single_gpu_mode the server
     sleeps meanwhile (its weights go to CPU memory) and is woken before the weight sync."""
     if cfg.single_gpu_mode:
@@ -132,7 +133,7 @@ def train_step(cfg, policy, ref, optimizer, scheduler, samples, plan, gen, world
     m = {}
     if samples:
         m = train_on_batch(cfg, policy, ref.model if ref else None, optimizer, scheduler, samples,
-                           dist.get_rank(), world_size, device, pad_id)
+                           dist.get_rank(), world_size, device)
     else:  # every group was filtered out: no update, the schedule still moves
         for _ in range(plan["optimizer_steps"]):
             scheduler.step()
@@ -207,8 +208,7 @@ def main(cfg: Config):
                     log.write_samples(m.pop("samples", None))
                 # --- train: old/ref logprobs, mini-batches x epochs, optimizer steps
                 t1 = time.perf_counter()
-                m.update(train_step(cfg, policy, ref, optimizer, scheduler, samples, plan, gen, world_size, device,
-                                    tokenizer.pad_token_id))
+                m.update(train_step(cfg, policy, ref, optimizer, scheduler, samples, plan, gen, world_size, device))
                 if samples:
                     skipped_in_a_row = skipped_in_a_row + 1 if m["skipped_steps"] else 0
                     check_health(cfg, m, step, skipped_in_a_row)

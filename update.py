@@ -18,8 +18,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from data import collate, split_for_ranks
 from loss import ess, grpo_loss, mismatch_keep, step_denominator
+from packing import micro_batches
 
 
 def make_optimizer(cfg, policy, total_updates, device):
@@ -138,18 +138,19 @@ class StepMetrics:
         return m
 
 
-def train_on_batch(cfg, policy, ref_model, optimizer, scheduler, samples, rank, world_size, device, pad_id):
+def train_on_batch(cfg, policy, ref_model, optimizer, scheduler, samples, rank, world_size, device):
     """Mini-batches x epochs of GRPO updates on one rollout batch; the step's metrics."""
-    minis = split_for_ranks(samples, cfg.num_mini_batches, world_size, rank, cfg.num_samples_per_prompt_rollout)
-    micro = [[collate(mine[i:i + cfg.per_device_train_batch_size], pad_id) for i in
-              range(0, len(mine), cfg.per_device_train_batch_size)] for mine, _, _ in minis]
+    # Each mini-batch's sequences, tokens balanced over ranks and packed into micro-batches of at most
+    # max_tokens_per_micro_batch tokens; every rank runs as many as the others (packing.py)
+    minis = micro_batches(samples, cfg, world_size, rank)
+    micro = [mbs for mbs, _, _ in minis]
     for b in (b for mbs in micro for b in mbs):
         for key in ("vllm_logp", "adv", "seq_ids"):
             b[key] = b[key].to(device)
 
     def forward(model, b, **kw):  # logp, entropy, head_logp, head_ids of b's completion tokens
-        return model.sequence_logprobs(b["input_ids"].to(device), b["attention_mask"].to(device),
-                                       b["mask"].to(device), cfg.temperature, **kw)
+        return model.sequence_logprobs(b["input_ids"].to(device), b["mask"].to(device), cfg.temperature,
+                                       position_ids=b["position_ids"].to(device), **kw)
 
     kl_heads = cfg.kl_estimator == "topk" and cfg.beta > 0
     reuse_old = cfg.num_mini_batches == 1 and cfg.num_epochs == 1 and not cfg.use_vllm_logprobs and not kl_heads

@@ -31,7 +31,7 @@ def step(model, batch, device):
     from loss import grpo_loss
 
     ids, attn, mask = (batch[k].to(device) for k in ("input_ids", "attention_mask", "mask"))
-    logp, _, _, _ = model.sequence_logprobs(ids, attn, mask, 1.0)
+    logp, _, _, _ = model.sequence_logprobs(ids, mask, 1.0, attention_mask=attn)
     old_logp = logp.detach() - 0.01
     seq_ids = mask.nonzero()[:, 0]  # the row of each completion token
     loss, _ = grpo_loss(logp, old_logp, torch.ones_like(logp), seq_ids, float(logp.numel()), Config(loss_fn="cispo"))

@@ -3,7 +3,7 @@ excluded: the step trains on fixed synthetic rollouts, no vLLM server is involve
 
     .venv/bin/python scripts/bench_scaling.py                                   # tiny, 24m, 0.5b x 1, 2 ranks
     .venv/bin/python scripts/bench_scaling.py --models tiny,24m --steps 5
-    python scripts/bench_scaling.py --models 0.5b,1.5b --worlds 1 --micro_batch 64   # one GPU: adds MFU
+    python scripts/bench_scaling.py --models 0.5b,1.5b --worlds 1 --max_tokens 16384   # one GPU: adds MFU
 
 The step is update.train_on_batch followed by EMAReference.update(), exactly as
 train.py runs them: old logprobs (one no-grad forward, needed since the batch is cut
@@ -74,7 +74,7 @@ def worker(args):
 
     cfg = Config(model_name_or_path=args.model_dir, num_unique_prompts_rollout=args.prompts,
                  num_samples_per_prompt_rollout=args.samples, response_length=args.new_tokens,
-                 per_device_train_batch_size=args.micro_batch, num_mini_batches=args.num_mini_batches,
+                 max_tokens_per_micro_batch=args.max_tokens, num_mini_batches=args.num_mini_batches,
                  beta=args.beta, ref_policy_update_freq=1, learning_rate=1e-6)
     rank, world, device, mesh = train.setup_distributed(cfg)
     cfg.batch_plan(world)
@@ -102,18 +102,19 @@ def worker(args):
         return t.tolist()
 
     def step():
-        update.train_on_batch(cfg, policy, ref.model, optimizer, scheduler, samples, rank, world, device, 0)
+        update.train_on_batch(cfg, policy, ref.model, optimizer, scheduler, samples, rank, world, device)
         ref.update()
 
-    from data import collate, split_for_ranks
-    mine = [s for part, _, _ in split_for_ranks(samples, 1, world, rank, cfg.num_samples_per_prompt_rollout) for s in part]
-    batches = [collate(mine[i:i + args.micro_batch], 0) for i in range(0, len(mine), args.micro_batch)]
+    from dataclasses import replace
+
+    from packing import micro_batches
+    batches = [b for mbs, _, _ in micro_batches(samples, replace(cfg, num_mini_batches=1), world, rank) for b in mbs]
 
     @torch.no_grad()
     def logprob_pass():  # what the old or the reference logprobs cost
         for b in batches:
-            policy.sequence_logprobs(b["input_ids"].to(device), b["attention_mask"].to(device), b["mask"].to(device),
-                                     cfg.temperature)
+            policy.sequence_logprobs(b["input_ids"].to(device), b["mask"].to(device), cfg.temperature,
+                                     position_ids=b["position_ids"].to(device))
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -159,7 +160,7 @@ def run_cell(args, name, model_dir, world, port):
     env["OMP_NUM_THREADS"] = str(threads)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", str(port),
            os.path.abspath(__file__), "--_worker", model_dir, "--_name", name]
-    for k in ("steps", "warmup", "prompts", "samples", "new_tokens", "micro_batch", "num_mini_batches", "beta",
+    for k in ("steps", "warmup", "prompts", "samples", "new_tokens", "max_tokens", "num_mini_batches", "beta",
               "profile"):
         cmd += [f"--{k}", str(getattr(args, k))]
     t0 = time.perf_counter()
@@ -188,7 +189,7 @@ def main():
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--new_tokens", type=int, default=64)
-    p.add_argument("--micro_batch", type=int, default=8, help="per_device_train_batch_size")
+    p.add_argument("--max_tokens", type=int, default=4096, help="max_tokens_per_micro_batch (packed)")
     p.add_argument("--num_mini_batches", type=int, default=2, help="> 1 makes the step compute old logprobs")
     p.add_argument("--beta", type=float, default=0.1, help="> 0 makes the step compute reference logprobs")
     p.add_argument("--profile", type=int, default=0, help="print this many top operators of one profiled step")

@@ -20,7 +20,8 @@ batch (AdamW, lr --learning_rate constant, no weight decay, grad clip 1.0); floa
 - TRL: GRPOTrainer in .venv-trl (TRL has no CPU vLLM there, so it generates with
   transformers' generate), one process with all cores (--trl_threads; on a shared
   2-core machine one thread was 3x faster at 24 M, see BENCHMARKS.md), micro-batch --micro_batch and
-  gradient accumulation to 128 completions, one generation per optimizer step. Step
+  gradient accumulation to 128 completions (ours packs sequences into micro-batches of
+  max_tokens_per_micro_batch tokens instead), one generation per optimizer step. Step
   time is between the Trainer's on_step_begin and on_step_end callbacks (generation,
   scoring, forward, backward, optimizer). Model loading is reported apart.
 
@@ -101,7 +102,7 @@ def run_ours(args, name, model_dir, out, extra):
            "--model_name_or_path", model_dir, "--dataset", "copy", "--output_dir", out,
            "--num_training_steps", str(args.steps), "--num_unique_prompts_rollout", str(args.prompts),
            "--num_samples_per_prompt_rollout", str(args.samples), "--response_length", str(args.new_tokens),
-           "--per_device_train_batch_size", str(args.micro_batch), "--temperature", "1.0", "--top_p", "1.0",
+           "--temperature", "1.0", "--top_p", "1.0",
            "--loss_fn", "dapo", "--clip_lower", "0.2", "--clip_higher", "0.28", "--beta", "0",
            "--load_ref_policy", "false", "--advantage_normalization_type", "standard",
            "--filter_zero_std_samples", "false", "--learning_rate", str(args.learning_rate),
@@ -169,7 +170,7 @@ def main():
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--new_tokens", type=int, default=64)
-    p.add_argument("--micro_batch", type=int, default=16, help="sequences per forward/backward, both sides")
+    p.add_argument("--micro_batch", type=int, default=16, help="TRL's sequences per forward/backward (ours packs by tokens)")
     p.add_argument("--learning_rate", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default=os.path.join(ROOT, "output", "bench_trl"))

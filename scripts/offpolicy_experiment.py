@@ -23,7 +23,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 
-STALE = ["--num_mini_batches", "4", "--num_epochs", "2", "--per_device_train_batch_size", "8"]
+STALE = ["--num_mini_batches", "4", "--num_epochs", "2"]
 RUNS = {  # name -> flags
     "dapo": ["--loss_fn", "dapo"],
     "cispo": ["--loss_fn", "cispo"],

@@ -41,11 +41,9 @@ RUNS = {  # name -> flags
 TASK = ["--dataset", "math", "--reward_fn", "rewards:math_reward_last_number", "--max_prompt_length", "128",
         "--response_length", "128", "--learning_rate", "5e-6", "--warm_up_steps", "5", "--temperature", "0.7",
         "--num_eval_prompts", "64",
-        "--num_unique_prompts_rollout", "4", "--num_samples_per_prompt_rollout", "8",
-        "--per_device_train_batch_size", "8", "--log_samples_freq", "0"]
+        "--num_unique_prompts_rollout", "4", "--num_samples_per_prompt_rollout", "8", "--log_samples_freq", "0"]
 TINY = ["--max_prompt_length", "256", "--response_length", "16", "--num_eval_prompts", "8",
-        "--num_unique_prompts_rollout", "2", "--num_samples_per_prompt_rollout", "4",
-        "--per_device_train_batch_size", "4"]
+        "--num_unique_prompts_rollout", "2", "--num_samples_per_prompt_rollout", "4"]
 
 
 def run_dir(args, name, seed):

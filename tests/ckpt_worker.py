@@ -25,7 +25,7 @@ from weight_sync import full_state_dict
 mode, model_dir, out = sys.argv[1:4]
 root = os.path.join(out, "ckpt")
 cfg = Config(model_name_or_path=model_dir, num_unique_prompts_rollout=4, num_samples_per_prompt_rollout=4,
-             per_device_train_batch_size=2, beta=0.1, num_mini_batches=2, ref_policy_update_freq=1, alpha=0.3,
+             max_prompt_length=8, response_length=16, max_tokens_per_micro_batch=24, beta=0.1, num_mini_batches=2, ref_policy_update_freq=1, alpha=0.3,
              lr_scheduler_type="cosine", warm_up_steps=2)
 rank, world_size, device, mesh = train.setup_distributed(cfg)
 
@@ -58,7 +58,7 @@ if mode == "save":
     policy, ref, optimizer, scheduler, sampler = fresh()
     for step in (1, 2, 3):
         update.train_on_batch(cfg, policy, ref.model, optimizer, scheduler, rollouts(step), rank, world_size,
-                                device, pad_id=0)
+                                device)
         ref.update()
         sampler.next_batch(3)
         checkpoint.save(root, step, policy, ref, optimizer, scheduler, sampler.position, cfg, keep=2)

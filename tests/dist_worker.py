@@ -33,7 +33,7 @@ overrides = {k: convert(k, v, eval(types[k]) if isinstance(types[k], str) else t
              if k != "groups"}
 loss_fn, kl_estimator = (positional + ["dapo", "k3"][len(positional):])
 cfg = Config(**{**dict(model_name_or_path=model_dir, num_unique_prompts_rollout=4, num_samples_per_prompt_rollout=4,
-                      per_device_train_batch_size=2, beta=0.1, kl_estimator=kl_estimator, learning_rate=1e-3,
+                      max_prompt_length=6, response_length=12, max_tokens_per_micro_batch=24, beta=0.1, kl_estimator=kl_estimator, learning_rate=1e-3,
                       alpha=0.3, num_mini_batches=2, ref_policy_update_freq=1, loss_fn=loss_fn,
                       kl_topk=4 if kl_estimator == "topk" else 0), **overrides})
 rank, world_size, device, mesh = train.setup_distributed(cfg)
@@ -62,7 +62,7 @@ if mode == "train":
     losses = []
     for step in range(3):
         m = update.train_on_batch(cfg, policy, ref.model, optimizer, scheduler, fixed_rollouts(step), rank,
-                                    world_size, device, pad_id=0)
+                                    world_size, device)
         ref.update()
         losses.append([m["loss"], m["kl"], m["clip_frac"], m["grad_norm"], m.get("ess", 1.0), m["grad_norm_max"]])
     policy_sd, ref_sd = full_state_dict(policy), full_state_dict(ref.model)
@@ -73,7 +73,7 @@ elif mode == "filtered":
     n = cfg.num_samples_per_prompt_rollout
     batch = fixed_rollouts(0)
     kept = [s for g in kept_groups for s in batch[g * n:(g + 1) * n]]
-    m = update.train_on_batch(cfg, policy, ref.model, optimizer, scheduler, kept, rank, world_size, device, pad_id=0)
+    m = update.train_on_batch(cfg, policy, ref.model, optimizer, scheduler, kept, rank, world_size, device)
     policy_sd = full_state_dict(policy)
     if rank == 0:
         torch.save(dict(m=m, policy=policy_sd, scheduler_steps=scheduler.last_epoch), out)
@@ -99,14 +99,14 @@ elif mode == "ema":
         torch.save(dict(ref0=ref0, pol0=pol0, ref_k=ref_k, calls=calls, comm=comm.get_total_counts(), mesh=mesh_info),
                    out)
 elif mode == "grads":
-    from data import collate
     from loss import grpo_loss
+    from packing import collate
 
-    b = {k: v.to(device) for k, v in collate(fixed_rollouts(0)[:4], pad_id=0).items()}
+    b = {k: v.to(device) for k, v in collate(fixed_rollouts(0)[:4]).items()}
     saved = []  # bytes autograd keeps for backward outside checkpointed regions (which keep their own)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t.numel() * t.element_size()), t)[1],
                                                   lambda t: t):
-        logp, _, _, _ = policy.sequence_logprobs(b["input_ids"], b["attention_mask"], b["mask"], 1.0)
+        logp, _, _, _ = policy.sequence_logprobs(b["input_ids"], b["mask"], 1.0, position_ids=b["position_ids"])
     loss, _ = grpo_loss(logp, b["vllm_logp"], b["adv"], b["seq_ids"], float(logp.numel()),
                         dataclasses.replace(cfg, loss_fn="cispo"))
     loss.backward()

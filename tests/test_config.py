@@ -109,16 +109,15 @@ def test_defaults_follow_seed_002():
     assert (c.alpha, c.ref_policy_update_freq, c.loss_denominator, c.clip_lower) == (0.6, None, "token", 0.2)
 
 
-def test_batch_plan_divides_and_names_the_numbers():
+def test_batch_plan_names_the_numbers():
     c = Config(num_unique_prompts_rollout=16, num_samples_per_prompt_rollout=8, num_mini_batches=2,
-               per_device_train_batch_size=8)
-    plan = c.batch_plan(world_size=2)
-    assert plan == dict(sequences=128, mini_batches=2, per_mini_batch=64, per_rank=32, accumulation_steps=4,
+               max_prompt_length=64, response_length=8, max_tokens_per_micro_batch=1000)
+    plan = c.batch_plan(world_size=2)  # 32 sequences of up to 72 tokens per rank: 2304 tokens, 3 micro-batches
+    assert plan == dict(sequences=128, mini_batches=2, per_mini_batch=64, per_rank=32, micro_batches_at_full_length=3,
                         optimizer_steps=2)
-    with pytest.raises(ValueError, match="3 ranks"):
-        c.batch_plan(world_size=3)
-    with pytest.raises(ValueError, match="per_device_train_batch_size=5"):
-        Config(per_device_train_batch_size=5).batch_plan(world_size=2)
+    assert c.batch_plan(world_size=3)["per_rank"] == 22  # ranks are balanced by tokens: no need to divide evenly
+    with pytest.raises(ValueError, match="raise it to at least 72"):
+        Config(max_prompt_length=64, response_length=8, max_tokens_per_micro_batch=71)
 
 
 @pytest.mark.parametrize("cfg,world,fragment", [

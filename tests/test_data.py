@@ -133,21 +133,3 @@ def test_sampler_is_seeded_epoch_shuffled_and_resumable():
     s2 = data.PromptSampler(rows, seed=1)
     s2.position = 4
     assert s2.next_batch(10) == first[4:] + data.PromptSampler(rows, seed=1).next_batch(20)[10:14]
-
-
-def test_mini_batches_take_whole_groups_and_may_be_empty():
-    """3 groups of 4 survive (a 4th was filtered); 2 mini-batches over 2 ranks: groups 0-1 and
-    group 2, never 6 and 6 samples with group 1 cut in two. 1 group over 3 mini-batches leaves
-    two empty on every rank; a rank short of samples gets tokenless padding."""
-    samples = [dict(prompt_ids=[1], token_ids=[g] * (g + 1), logprobs=[0.0] * (g + 1), adv=0.0, group=g)
-               for g in range(3) for _ in range(4)]
-    for rank in (0, 1):
-        minis = data.split_for_ranks(samples, 2, 2, rank, group_size=4)
-        assert [(tokens, seqs) for _, tokens, seqs in minis] == [(4 * 1 + 4 * 2, 8), (4 * 3, 4)]
-        assert [{s["group"] for s in mine} for mine, _, _ in minis] == [{0, 1}, {2}]
-        assert [len(mine) for mine, _, _ in minis] == [4, 2]
-    minis = [data.split_for_ranks(samples[:2], 3, 2, rank, group_size=2) for rank in (0, 1)]
-    assert [[seqs for _, _, seqs in m] for m in minis] == [[0, 2, 0]] * 2
-    assert [[len(mine) for mine, _, _ in m] for m in minis] == [[0, 1, 0]] * 2
-    odd = data.split_for_ranks(samples[:4], 1, 3, 2, group_size=4)[0][0]  # 4 samples over 3 ranks: rank 2 pads
-    assert len(odd) == 2 and odd[1].get("valid") is False

@@ -31,7 +31,7 @@ def test_smollm2_trains_on_math_with_2_ranks_and_vllm_in_sync(smollm2, tmp_path)
     out = train(["--model_name_or_path", smollm2, "--output_dir", str(out_dir), "--dataset", "math",
                  "--reward_fn", "rewards:math_reward_last_number", "--num_training_steps", "2", "--eval_freq", "0",
                  "--num_unique_prompts_rollout", "4", "--num_samples_per_prompt_rollout", "4",
-                 "--per_device_train_batch_size", "4", "--max_prompt_length", "128", "--response_length", "64",
+                 "--max_prompt_length", "128", "--response_length", "64",
                  "--learning_rate", "2e-5", "--temperature", "0.8", "--filter_zero_std_samples", "false",
                  "--log_samples_freq", "1", "--vllm_port", "8044"], nproc=2, timeout=1800)
     assert out.returncode == 0, out.stderr[-4000:]

@@ -1,0 +1,127 @@
+"""Rollouts to micro-batches: whole groups per mini-batch, tokens balanced over ranks, sequences packed.
+
+    micro_batches(samples, cfg, world_size, rank)   [(this rank's packed micro-batches, tokens, sequences)]
+      mini_batches    whole groups per optimizer step
+      balance         sequences onto ranks (or micro-batches), longest first onto the lightest
+      collate         one packed row (1, L) per micro-batch, position_ids restarting at 0
+    collate_padded    the right-padded (B, T) twin the tests and benchmarks compare against
+
+Padding-free packing: a micro-batch is one row of sequences laid end to end, with no attention
+mask and position_ids that restart at 0 at every sequence. transformers (masking_utils,
+find_packed_sequence_indices) cuts such a row into sequences wherever a position does not
+follow its predecessor by exactly 1, and ANDs "same sequence" into the causal mask, for sdpa,
+eager, flex and flash attention alike. It does so only when no 2-D attention mask is passed
+and no KV cache is in use: a mask of ones next to packed position_ids silently lets every
+token attend to the sequences before it (tests/test_packing.py checks both).
+
+Why balance tokens, not sequences: the cost of a forward is its tokens, and FSDP makes every
+rank wait for the slowest at each layer's all-gather. RL completions spread from a few tokens
+to the response length, so equal sequence counts leave ranks and micro-batches uneven.
+"""
+
+import torch
+
+
+def length(s):
+    """Tokens of one sample in the forward pass: prompt and completion."""
+    return len(s["prompt_ids"]) + len(s["token_ids"])
+
+
+# A sample that carries no tokens to the loss: it fills a rank's micro-batch so that every rank
+# runs the same number of forward passes (FSDP's all-gathers are collectives).
+PADDING = dict(prompt_ids=[0], token_ids=[0], logprobs=[0.0], adv=0.0, valid=False)
+
+
+def mini_batches(samples, num_mini_batches, group_size):
+    """num_mini_batches lists of whole groups (samples come group after group, group_size each;
+    filtering drops whole groups, so no group straddles two optimizer steps). When fewer groups
+    survive than there are mini-batches, some mini-batches are empty."""
+    groups = [samples[i:i + group_size] for i in range(0, len(samples), group_size)]
+    bounds = [round(i * len(groups) / num_mini_batches) for i in range(num_mini_batches + 1)]
+    return [[s for g in groups[lo:hi] for s in g] for lo, hi in zip(bounds, bounds[1:])]
+
+
+def balance(samples, bins, budget=None):
+    """Longest first, each sample onto the bin with the fewest tokens so far (the LPT rule): bin
+    totals end within one sample's length of each other. Within a bin the samples keep their
+    order. None when a sample would push the lightest bin past `budget` tokens."""
+    loads, out = [0] * bins, [[] for _ in range(bins)]
+    for i in sorted(range(len(samples)), key=lambda i: -length(samples[i])):  # stable: ties by position
+        lightest = min(range(bins), key=loads.__getitem__)
+        if budget is not None and loads[lightest] + length(samples[i]) > budget:
+            return None
+        loads[lightest] += length(samples[i])
+        out[lightest].append(i)
+    return [[samples[i] for i in sorted(b)] for b in out]
+
+
+def pack_ranks(mini, world_size, budget):
+    """Every rank's share of one mini-batch cut into the same number of micro-batches of at most
+    `budget` tokens each, tokens balanced between ranks and between micro-batches. A micro-batch
+    left empty gets a PADDING sample. [rank][micro-batch] -> list of samples."""
+    shares = balance(mini, world_size)
+    n_micro = max(-(-sum(map(length, share)) // budget) for share in shares)
+    while True:  # the fewest micro-batches every rank can fill under the budget (each sample fits alone)
+        packed = [balance(share, n_micro, budget) for share in shares]
+        if all(p is not None for p in packed):
+            return [[mb or [PADDING] for mb in p] for p in packed]
+        n_micro += 1
+
+
+def collate(samples):
+    """One packed row: input_ids and position_ids (1, L), the completion mask over next-token
+    targets (1, L-1), and per-token vllm_logp, adv, fresh and seq_ids (the sample of each token
+    within this micro-batch) (N,) in the mask's order. The last token of a sequence predicts
+    nothing: the token after it begins the next sequence."""
+    ids, positions, mask, vllm_logp, adv, fresh, seq_ids = [], [], [], [], [], [], []
+    for i, s in enumerate(samples):
+        p, c, valid = len(s["prompt_ids"]), len(s["token_ids"]), s.get("valid", True)
+        ids += s["prompt_ids"] + s["token_ids"]
+        positions += range(p + c)
+        # position j predicts token j+1: the prompt's last token predicts the first completion token
+        mask += [False] * (p - 1) + [valid] * c + [False]
+        if valid:
+            vllm_logp += s["logprobs"]
+            adv += [s["adv"]] * c
+            fresh += [s.get("staleness", 0) == 0] * c  # sampled by the weights the trainer holds now
+            seq_ids += [i] * c
+    return dict(input_ids=torch.tensor([ids]), position_ids=torch.tensor([positions]),
+                mask=torch.tensor([mask[:-1]], dtype=torch.bool), **per_token(vllm_logp, adv, fresh, seq_ids))
+
+
+def per_token(vllm_logp, adv, fresh, seq_ids):
+    return dict(vllm_logp=torch.tensor(vllm_logp, dtype=torch.float32), adv=torch.tensor(adv, dtype=torch.float32),
+                fresh=torch.tensor(fresh, dtype=torch.bool), seq_ids=torch.tensor(seq_ids, dtype=torch.long))
+
+
+def micro_batches(samples, cfg, world_size, rank):
+    """This rank's packed micro-batches of each mini-batch, with the whole mini-batch's completion
+    tokens and sequences: [(micro-batches, tokens, sequences)]. Every rank computes the same
+    assignment from the same samples and keeps its own part."""
+    out = []
+    for mini in mini_batches(samples, cfg.num_mini_batches, cfg.num_samples_per_prompt_rollout):
+        mine = pack_ranks(mini, world_size, cfg.max_tokens_per_micro_batch)[rank] if mini else []
+        out.append(([collate(mb) for mb in mine], sum(len(s["token_ids"]) for s in mini), len(mini)))
+    return out
+
+
+def collate_padded(samples, pad_id):
+    """The padded twin of collate: right-padded input_ids and attention_mask (B, T), the mask
+    (B, T-1), and the same per-token tensors in the mask's row-major order."""
+    width = max(map(length, samples))
+    input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(samples), width), dtype=torch.long)
+    mask = torch.zeros((len(samples), width - 1), dtype=torch.bool)
+    vllm_logp, adv, fresh, seq_ids = [], [], [], []
+    for i, s in enumerate(samples):
+        p, c = len(s["prompt_ids"]), len(s["token_ids"])
+        input_ids[i, :p + c] = torch.tensor(s["prompt_ids"] + s["token_ids"])
+        attention_mask[i, :p + c] = 1
+        if s.get("valid", True):
+            mask[i, p - 1:p + c - 1] = True
+            vllm_logp += s["logprobs"]
+            adv += [s["adv"]] * c
+            fresh += [s.get("staleness", 0) == 0] * c
+            seq_ids += [i] * c
+    return dict(input_ids=input_ids, attention_mask=attention_mask, mask=mask,
+                **per_token(vllm_logp, adv, fresh, seq_ids))

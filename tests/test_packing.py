@@ -1,0 +1,162 @@
+"""Padding-free packing against its padded twin on the tiny model, the boundary mask, and the
+token balancer's promises (whole groups, every sequence once, balanced ranks, equal forward passes)."""
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+import packing
+from config import Config
+from loss import grpo_loss
+from parallel import sequence_logprobs
+
+
+def rollouts(n, seed, prompt=(2, 12), completion=(1, 30)):
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        p, c = rng.randint(*prompt), rng.randint(*completion)
+        out.append(dict(prompt_ids=[rng.randint(3, 63) for _ in range(p)],
+                        token_ids=[rng.randint(3, 63) for _ in range(c)],
+                        logprobs=[-4 * rng.random() for _ in range(c)], adv=rng.gauss(0, 1), index=i))
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128))
+    return dict(qwen2=AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), llama=llama)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_packed_position_ids_give_per_sequence_attention(models, arch, impl):
+    """A packed row with position_ids restarting at 0 and no attention mask gives each sequence
+    the logprobs it has alone; a 2-D mask of ones beside the same position_ids lets tokens see
+    the sequences before them (transformers then skips its packed-sequence detection)."""
+    model = models[arch]
+    model.config._attn_implementation = impl
+    seqs = [s["prompt_ids"] + s["token_ids"] for s in rollouts(4, seed=1)]
+    ids = torch.tensor([sum(seqs, [])])
+    positions = torch.tensor([[j for s in seqs for j in range(len(s))]])
+    with torch.no_grad():
+        alone = torch.cat([model(input_ids=torch.tensor([s]), use_cache=False).logits[0] for s in seqs])
+        packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
+        masked = model(input_ids=ids, position_ids=positions, attention_mask=torch.ones_like(ids),
+                       use_cache=False).logits[0]
+    model.config._attn_implementation = "sdpa"
+    assert torch.allclose(packed.log_softmax(-1), alone.log_softmax(-1), atol=1e-5, rtol=0)
+    assert (masked.log_softmax(-1) - alone.log_softmax(-1)).abs().max() > 1e-2
+
+
+def test_boundary_mask_and_per_token_order():
+    """Hand-built: (prompt 2, completion 2), padding, (prompt 1, completion 3). Position j predicts
+    token j+1; the last token of each sequence predicts the next one's first token: masked out."""
+    a = dict(prompt_ids=[10, 11], token_ids=[12, 13], logprobs=[-1.0, -2.0], adv=0.5, staleness=1)
+    b = dict(prompt_ids=[20], token_ids=[21, 22, 23], logprobs=[-3.0, -4.0, -5.0], adv=-1.0)
+    got = packing.collate([a, packing.PADDING, b])
+    assert got["input_ids"].tolist() == [[10, 11, 12, 13, 0, 0, 20, 21, 22, 23]]
+    assert got["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 0, 1, 2, 3]]
+    #              10->11 11->12 12->13 13->0  0->0   0->20  20->21 21->22 22->23
+    assert got["mask"].tolist() == [[False, True, True, False, False, False, True, True, True]]
+    assert got["seq_ids"].tolist() == [0, 0, 2, 2, 2]  # the sample within the micro-batch
+    assert got["vllm_logp"].tolist() == [-1.0, -2.0, -3.0, -4.0, -5.0]
+    assert got["adv"].tolist() == [0.5, 0.5, -1.0, -1.0, -1.0]
+    assert got["fresh"].tolist() == [False, False, True, True, True]
+
+
+def mini_batch_loss(model, batches, cfg, denom, key):
+    """Per-sample logp and the summed loss of a mini-batch's micro-batches (backward on each);
+    key: position_ids (packed rows) or attention_mask (padded rows)."""
+    logps, total = {}, 0.0
+    for samples, b in batches:
+        logp, _, _, _ = sequence_logprobs(model, b["input_ids"], b["mask"], 1.0, **{key: b[key]})
+        loss, _ = grpo_loss(logp, b["vllm_logp"], b["adv"], b["seq_ids"], denom, cfg)
+        loss.backward()
+        total += loss.item()
+        parts = logp.detach().split([len(s["token_ids"]) for s in samples if s.get("valid", True)])
+        logps.update({s["index"]: part for s, part in zip([s for s in samples if s.get("valid", True)], parts)})
+    return logps, total
+
+
+@pytest.mark.parametrize("loss_fn", ["dapo", "gspo"])
+def test_packed_matches_padded_logprobs_loss_and_gradients(models, loss_fn):
+    """One mini-batch of 12 sequences (lengths 3 to 42) packed under a 64-token budget (several
+    micro-batches, sequences reordered) and padded in rows of 5: same per-token logp, same loss
+    (denominator: the mini-batch's tokens) and same gradients to 1e-5. gspo reads seq_ids."""
+    model = models["qwen2"]
+    samples = rollouts(12, seed=2)
+    cfg = Config(loss_fn=loss_fn, max_prompt_length=12, response_length=30, max_tokens_per_micro_batch=64,
+                 num_unique_prompts_rollout=3, num_samples_per_prompt_rollout=4)
+    denom = float(sum(len(s["token_ids"]) for s in samples))
+    shares = packing.pack_ranks(samples, 1, 64)[0]
+    assert len(shares) >= 3 and all(sum(map(packing.length, mb)) <= 64 for mb in shares)
+    packed = [(mb, packing.collate(mb)) for mb in shares]
+    padded = [(samples[i:i + 5], packing.collate_padded(samples[i:i + 5], pad_id=0)) for i in range(0, 12, 5)]
+    results = []
+    for batches, key in ((packed, "position_ids"), (padded, "attention_mask")):
+        model.zero_grad()
+        logps, loss = mini_batch_loss(model, batches, cfg, denom, key)
+        results.append((logps, loss, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (lp_packed, loss_packed, g_packed), (lp_padded, loss_padded, g_padded) = results
+    assert sorted(lp_packed) == list(range(12))
+    for i in range(12):
+        assert torch.allclose(lp_packed[i], lp_padded[i], atol=1e-5, rtol=0), i
+    assert loss_packed == pytest.approx(loss_padded, abs=1e-5) and loss_packed != 0
+    for n, g in g_packed.items():
+        assert g.abs().max() > 0 or "bias" in n, n
+        assert torch.allclose(g, g_padded[n], atol=1e-5, rtol=0), n
+
+
+def test_a_2d_mask_beside_packed_position_ids_is_refused(models):
+    b = packing.collate(rollouts(2, seed=3))
+    with pytest.raises(ValueError, match="not both"):
+        sequence_logprobs(models["qwen2"], b["input_ids"], b["mask"], 1.0, position_ids=b["position_ids"],
+                          attention_mask=torch.ones_like(b["input_ids"]))
+
+
+@pytest.mark.parametrize("world_size,budget", [(1, 300), (2, 300), (3, 512), (4, 2048)])
+def test_balancer_whole_groups_every_sequence_once_balanced_ranks(world_size, budget):
+    """12 groups of 8, completions of 8 to 256 tokens, 3 mini-batches: each mini-batch holds 4
+    whole groups; across ranks and micro-batches every sequence appears once; rank totals lie
+    within one sequence's length of each other; every rank runs the same number of micro-batches,
+    each under the budget; padding micro-batches carry no tokens."""
+    samples = rollouts(96, seed=world_size, prompt=(4, 40), completion=(8, 256))
+    for s in samples:
+        s["group"] = s["index"] // 8
+    cfg = Config(num_unique_prompts_rollout=12, num_samples_per_prompt_rollout=8, num_mini_batches=3,
+                 max_prompt_length=40, response_length=256, max_tokens_per_micro_batch=budget)
+    minis = packing.mini_batches(samples, 3, 8)
+    for j, mini in enumerate(minis):
+        assert {s["group"] for s in mini} == set(range(4 * j, 4 * j + 4)) and len(mini) == 32
+        ranks = packing.pack_ranks(mini, world_size, budget)
+        assert len({len(r) for r in ranks}) == 1  # the same number of forward passes on every rank
+        got = [s["index"] for r in ranks for mb in r for s in mb if s.get("valid", True)]
+        assert sorted(got) == sorted(s["index"] for s in mini)
+        loads = [sum(packing.length(s) for mb in r for s in mb if s.get("valid", True)) for r in ranks]
+        assert max(loads) - min(loads) <= max(map(packing.length, mini))
+        assert all(sum(map(packing.length, mb)) <= budget for r in ranks for mb in r)
+    per_rank = [packing.micro_batches(samples, cfg, world_size, rank) for rank in range(world_size)]
+    for j in range(3):
+        assert len({len(p[j][0]) for p in per_rank}) == 1
+        assert {(p[j][1], p[j][2]) for p in per_rank} == {(sum(len(s["token_ids"]) for s in minis[j]), 32)}
+        tokens = sum(b["mask"].sum().item() for p in per_rank for b in p[j][0])
+        assert tokens == per_rank[0][j][1]  # the denominator counts exactly the masked tokens
+
+
+def test_mini_batches_may_be_empty_and_short_ranks_get_padding():
+    """1 group of 2 over 3 mini-batches leaves two empty on every rank (no micro-batch at all);
+    a group of 2 over 3 ranks gives the third rank a padding micro-batch with no tokens."""
+    samples = rollouts(2, seed=4)
+    cfg = Config(num_unique_prompts_rollout=3, num_samples_per_prompt_rollout=2, num_mini_batches=3,
+                 max_prompt_length=12, response_length=30)
+    minis = [packing.micro_batches(samples, cfg, 2, rank) for rank in (0, 1)]
+    assert [[(len(mbs), seqs) for mbs, _, seqs in m] for m in minis] == [[(0, 0), (1, 2), (0, 0)]] * 2
+    third = packing.micro_batches(samples, replace(cfg, num_mini_batches=1), 3, 2)[0][0]
+    assert len(third) == 1 and third[0]["mask"].sum() == 0 and third[0]["seq_ids"].numel() == 0
