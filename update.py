@@ -182,6 +182,8 @@ def mini_batch_backward(cfg, policy, mbs, befores, forward, denom, world_size, m
         with torch.no_grad():  # ESS of the whole optimizer step's ratios: one extra forward
             ess_value = ess(torch.cat([torch.exp(forward(policy, b, head_ids=bf.head_ids)[0] - bf.old_logp)
                                        for b, bf in zip(mbs, befores)]))
+    if cfg.ess_scope == "step":
+        metrics.ess.append(ess_value)  # once per optimizer step, however many micro-batches it packs
     losses = []
     for i, (b, before) in enumerate(zip(mbs, befores)):
         policy.set_requires_gradient_sync(i == len(mbs) - 1)  # reduce-scatter once per step
@@ -189,7 +191,7 @@ def mini_batch_backward(cfg, policy, mbs, befores, forward, denom, world_size, m
         if cfg.loss_fn == "ess" and cfg.ess_scope == "micro_batch":  # over this micro-batch on every rank
             old_logp = logp.detach() if before.old_logp is None else before.old_logp
             ess_value = ess(torch.exp(logp.detach() - old_logp))
-        metrics.ess.append(ess_value)
+            metrics.ess.append(ess_value)
         loss, s, masked = micro_batch_loss(cfg, logp, head_logp, b, before, denom, ess_value)
         # The loss is already divided by the step's global count; FSDP averages gradients over
         # ranks, so scale by the world size to get their sum (gloo has no premul-sum).

@@ -93,8 +93,12 @@ def test_fewer_groups_than_mini_batches_on_two_ranks(tiny_model_dir, tmp_path, n
     one = run("filtered", tiny_model_dir, tmp_path / "one.pt", 1, 0, *args) if nproc == 2 else got
     assert got["m"]["trained_tokens"] == one["m"]["trained_tokens"] > 0
     assert got["m"]["loss"] == pytest.approx(one["m"]["loss"], rel=1e-5, abs=1e-6)
+    # One AdamW step from the same gradients up to float32 rounding (one packed row of both
+    # samples against one row each): AdamW divides each gradient by its own size, so where one
+    # is near eps a rounding difference moves that weight by up to a few 1e-5 (seen: 2.1e-5
+    # at 1 element of 32,768, whose step was 2.4e-4 against the usual 1e-3)
     for k in one["policy"]:
-        assert torch.allclose(one["policy"][k], got["policy"][k], atol=2e-5, rtol=0), k
+        assert torch.allclose(one["policy"][k], got["policy"][k], atol=5e-5, rtol=0), k
 
 
 def test_training_moved_the_weights(train_run, tiny_model_dir):
