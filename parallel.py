@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
                                     register_fsdp_forward_method)
 
+import packing  # noqa: F401 - registers attn_implementation="packed_sdpa" with transformers
 from loss import token_logprobs
 
 
@@ -114,7 +115,8 @@ def load_model(cfg, device, mesh, reference=False):
     offloaded with offload_ref_policy instead of offload_params."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=torch.float32,
+                                                 attn_implementation=cfg.attn_implementation)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" \
         else MixedPrecisionPolicy()
     offload = cfg.offload_ref_policy if reference else cfg.offload_params

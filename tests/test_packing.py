@@ -34,12 +34,14 @@ def models(tiny_model_dir):
     return dict(qwen2=AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), llama=llama)
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("impl", ["sdpa", "eager", "packed_sdpa"])
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_packed_position_ids_give_per_sequence_attention(models, arch, impl):
     """A packed row with position_ids restarting at 0 and no attention mask gives each sequence
-    the logprobs it has alone; a 2-D mask of ones beside the same position_ids lets tokens see
-    the sequences before them (transformers then skips its packed-sequence detection)."""
+    the logprobs it has alone (transformers' mask for sdpa and eager, a slice per sequence for
+    packed_sdpa); a 2-D mask of ones beside the same position_ids lets tokens see the sequences
+    before them under transformers' attention (its packed-sequence detection is skipped), not
+    under packed_sdpa, which cuts the row by position_ids alone."""
     model = models[arch]
     model.config._attn_implementation = impl
     seqs = [s["prompt_ids"] + s["token_ids"] for s in rollouts(4, seed=1)]
@@ -52,7 +54,8 @@ def test_packed_position_ids_give_per_sequence_attention(models, arch, impl):
                        use_cache=False).logits[0]
     model.config._attn_implementation = "sdpa"
     assert torch.allclose(packed.log_softmax(-1), alone.log_softmax(-1), atol=1e-5, rtol=0)
-    assert (masked.log_softmax(-1) - alone.log_softmax(-1)).abs().max() > 1e-2
+    leak = (masked.log_softmax(-1) - alone.log_softmax(-1)).abs().max()
+    assert leak < 1e-5 if impl == "packed_sdpa" else leak > 1e-2
 
 
 def test_boundary_mask_and_per_token_order():
@@ -85,11 +88,12 @@ def mini_batch_loss(model, batches, cfg, denom, key):
     return logps, total
 
 
-@pytest.mark.parametrize("loss_fn", ["dapo", "gspo"])
-def test_packed_matches_padded_logprobs_loss_and_gradients(models, loss_fn):
+@pytest.mark.parametrize("loss_fn,impl", [("dapo", "packed_sdpa"), ("gspo", "packed_sdpa"), ("dapo", "sdpa")])
+def test_packed_matches_padded_logprobs_loss_and_gradients(models, loss_fn, impl):
     """One mini-batch of 12 sequences (lengths 3 to 42) packed under a 64-token budget (several
-    micro-batches, sequences reordered) and padded in rows of 5: same per-token logp, same loss
-    (denominator: the mini-batch's tokens) and same gradients to 1e-5. gspo reads seq_ids."""
+    micro-batches, sequences reordered; attention by impl) and padded in rows of 5 (transformers'
+    sdpa with the padding mask): same per-token logp, same loss (denominator: the mini-batch's
+    tokens) and same gradients to 1e-5. gspo reads seq_ids."""
     model = models["qwen2"]
     samples = rollouts(12, seed=2)
     cfg = Config(loss_fn=loss_fn, max_prompt_length=12, response_length=30, max_tokens_per_micro_batch=64,
@@ -100,10 +104,12 @@ def test_packed_matches_padded_logprobs_loss_and_gradients(models, loss_fn):
     packed = [(mb, packing.collate(mb)) for mb in shares]
     padded = [(samples[i:i + 5], packing.collate_padded(samples[i:i + 5], pad_id=0)) for i in range(0, 12, 5)]
     results = []
-    for batches, key in ((packed, "position_ids"), (padded, "attention_mask")):
+    for batches, key, attn in ((packed, "position_ids", impl), (padded, "attention_mask", "sdpa")):
         model.zero_grad()
+        model.config._attn_implementation = attn
         logps, loss = mini_batch_loss(model, batches, cfg, denom, key)
         results.append((logps, loss, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    model.config._attn_implementation = "sdpa"
     (lp_packed, loss_packed, g_packed), (lp_padded, loss_padded, g_padded) = results
     assert sorted(lp_packed) == list(range(12))
     for i in range(12):
