@@ -10,9 +10,10 @@ sequence_logprobs, a DAPO loss over the mini-batch's tokens and backward for eve
 micro-batch of the mini-batch:
 
 - padded: rows of --micro_batch sequences in rollout order, right-padded to the longest,
-  with a 2-D attention mask (the trainer's layout before packing);
+  with a 2-D attention mask, transformers' sdpa (the trainer's layout before packing);
 - packed: the trainer's layout (packing.py), one row of up to --max_tokens tokens per
-  micro-batch, position_ids restarting per sequence, no attention mask.
+  micro-batch, position_ids restarting per sequence, no attention mask, attention by
+  --attn_implementation (packed_sdpa: a slice per sequence; sdpa: one mask over the row).
 
 The model is make_tiny_model.SHAPES[--model] with random weights, float32, not sharded (the
 step's compute without FSDP's collectives). The two sides alternate (A B B A ...) in one
@@ -45,11 +46,12 @@ def rollouts(n_prompts, n_samples, min_new, max_new, seed=0):
     return samples
 
 
-def mini_batch(model, batches, key, cfg, denom):
+def mini_batch(model, batches, key, attn, cfg, denom):
     """Forward, loss and backward of every micro-batch; key: position_ids or attention_mask."""
     from loss import grpo_loss
     from parallel import sequence_logprobs
 
+    model.config._attn_implementation = attn
     for b in batches:
         logp, _, _, _ = sequence_logprobs(model, b["input_ids"], b["mask"], 1.0, **{key: b[key]})
         loss, _ = grpo_loss(logp, b["vllm_logp"], b["adv"], b["seq_ids"], denom, cfg)
@@ -73,6 +75,7 @@ def main(argv=None):
     p.add_argument("--micro_batch", type=int, default=8, help="padded: sequences per row batch")
     p.add_argument("--max_tokens", type=int, default=Config.max_tokens_per_micro_batch,
                    help="packed: max_tokens_per_micro_batch")
+    p.add_argument("--attn_implementation", default=Config.attn_implementation, help="packed side's attention")
     p.add_argument("--reps", type=int, default=3, help="timed mini-batches per side, after one untimed each")
     args = p.parse_args(argv)
 
@@ -85,7 +88,7 @@ def main(argv=None):
     padded = [packing.collate_padded(samples[i:i + args.micro_batch], pad_id=0)
               for i in range(0, len(samples), args.micro_batch)]
     packed = [b for mbs, _, _ in packing.micro_batches(samples, cfg, 1, 0) for b in mbs]
-    sides = {"padded": (padded, "attention_mask"), "packed": (packed, "position_ids")}
+    sides = {"padded": (padded, "attention_mask", "sdpa"), "packed": (packed, "position_ids", args.attn_implementation)}
     times = {name: [] for name in sides}
     for rep in range(args.reps + 1):
         for name in (("padded", "packed") if rep % 2 == 0 else ("packed", "padded")):
@@ -99,7 +102,8 @@ def main(argv=None):
         model=args.model, threads=torch.get_num_threads(), sequences=len(samples),
         tokens=sum(map(packing.length, samples)), completion_tokens=int(denom),
         padded_tokens=sum(b["input_ids"].numel() for b in padded), padded_micro_batches=len(padded),
-        packed_micro_batches=len(packed), max_tokens=args.max_tokens, seconds=times,
+        packed_micro_batches=len(packed), max_tokens=args.max_tokens, attn_implementation=args.attn_implementation,
+        seconds=times,
         padded_s=med["padded"], packed_s=med["packed"], speedup=med["padded"] / med["packed"],
         load=os.getloadavg()), indent=1))
 
