@@ -68,12 +68,13 @@ def pack_ranks(mini, world_size, budget):
     `budget` tokens each, tokens balanced between ranks and between micro-batches. A micro-batch
     left empty gets a PADDING sample. [rank][micro-batch] -> list of samples."""
     shares = balance(mini, world_size)
-    n_micro = max(-(-sum(map(length, share)) // budget) for share in shares)
-    while True:  # the fewest micro-batches every rank can fill under the budget (each sample fits alone)
+    fewest = max(-(-sum(map(length, share)) // budget) for share in shares)
+    for n_micro in range(fewest, max(map(len, shares)) + 1):  # the fewest every rank can fill under the budget
         packed = [balance(share, n_micro, budget) for share in shares]
         if all(p is not None for p in packed):
             return [[mb or [PADDING] for mb in p] for p in packed]
-        n_micro += 1
+    raise ValueError(f"a sequence of {max(map(length, mini))} tokens does not fit max_tokens_per_micro_batch={budget}; "
+                     "raise it to at least max_prompt_length + response_length")
 
 
 def collate(samples):

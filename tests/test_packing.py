@@ -166,3 +166,8 @@ def test_mini_batches_may_be_empty_and_short_ranks_get_padding():
     assert [[(len(mbs), seqs) for mbs, _, seqs in m] for m in minis] == [[(0, 0), (1, 2), (0, 0)]] * 2
     third = packing.micro_batches(samples, replace(cfg, num_mini_batches=1), 3, 2)[0][0]
     assert len(third) == 1 and third[0]["mask"].sum() == 0 and third[0]["seq_ids"].numel() == 0
+
+
+def test_a_sequence_longer_than_the_budget_is_refused():
+    with pytest.raises(ValueError, match="raise it to at least"):
+        packing.pack_ranks(rollouts(4, seed=5, prompt=(10, 10), completion=(30, 30)), 2, budget=39)
