@@ -10,10 +10,11 @@
 Padding-free packing: a micro-batch is one row of sequences laid end to end, with no attention
 mask and position_ids that restart at 0 at every sequence. transformers (masking_utils,
 find_packed_sequence_indices) cuts such a row into sequences wherever a position does not
-follow its predecessor by exactly 1, and ANDs "same sequence" into the causal mask, for sdpa,
-eager, flex and flash attention alike. It does so only when no 2-D attention mask is passed
-and no KV cache is in use: a mask of ones next to packed position_ids silently lets every
-token attend to the sequences before it (tests/test_packing.py checks both).
+follow its predecessor by exactly 1, and ANDs "same sequence" into the causal mask it builds
+(checked here for sdpa and eager, on Qwen2 and Llama). It does so only when position_ids are
+passed, no 2-D attention mask is and no KV cache is in use: a mask of ones next to packed
+position_ids silently lets every token attend to the sequences before it
+(tests/test_packing.py checks both).
 
 transformers' sdpa then attends over the whole row under that L x L mask: a cost in L^2, which
 at 4,096 tokens made a packed step slower than a padded one on the CPU (0.68x at the 24 M

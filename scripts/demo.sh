@@ -20,8 +20,7 @@ if [ "${1:-}" = "--tiny" ]; then
     out=output/demo-tiny
     [ -f models/tiny/config.json ] || .venv/bin/python scripts/make_tiny_model.py --out models/tiny
     args=(--model_name_or_path models/tiny --max_prompt_length 256 --response_length 16 --num_training_steps 5
-          --eval_freq 5 --num_eval_prompts 16 --num_unique_prompts_rollout 2 --num_samples_per_prompt_rollout 4
-          --per_device_train_batch_size 4)
+          --eval_freq 5 --num_eval_prompts 16 --num_unique_prompts_rollout 2 --num_samples_per_prompt_rollout 4)
 else
     .venv/bin/python scripts/prepare_smollm2.py
     # 20 steps of 4 prompts x 8 samples at T 0.7, 128 new tokens; one AdamW step per batch, lr
@@ -34,7 +33,7 @@ else
     args=(--model_name_or_path models/smollm2-135m-instruct --max_prompt_length 128 --response_length 128
           --num_training_steps 20 --eval_freq 10 --num_eval_prompts 64 --temperature 0.7
           --learning_rate 5e-6 --warm_up_steps 5
-          --num_unique_prompts_rollout 4 --num_samples_per_prompt_rollout 8 --per_device_train_batch_size 8
+          --num_unique_prompts_rollout 4 --num_samples_per_prompt_rollout 8
           --beta 0 --load_ref_policy false)
 fi
 start=$(date +%s)

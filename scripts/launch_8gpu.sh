@@ -73,13 +73,13 @@ ntrain=$(($(tr -cd , <<<"$TRAIN_GPUS" | wc -c) + 1))
 #   --weight_sync_transport          filesystem: rank 0 writes safetensors to /dev/shm on this node and
 #                                    each server reloads them (the servers must share this node);
 #                                    nccl: vLLM's weight-transfer API, rank 0 broadcasts to one server
-#   --num_unique_prompts_rollout 48  48 prompts x 8 samples = 384 sequences: 64 per rank on 6 ranks
-#                                    (the batch must divide by the number of ranks; train.py says so)
-#   --per_device_train_batch_size 16 sequences per forward/backward on one GPU
+#   --num_unique_prompts_rollout 48  48 prompts x 8 samples = 384 sequences: about 64 per rank on 6
+#                                    ranks, spread by tokens
+#   --max_tokens_per_micro_batch 16384  tokens packed into one forward/backward on one GPU
 #   --response_length 1024           max new tokens per completion
 #   --max_prompt_length 1024         longer prompts are skipped and counted
 CUDA_VISIBLE_DEVICES=$TRAIN_GPUS "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$ntrain" \
     train.py --model_name_or_path "$MODEL" --output_dir "$OUT" \
     --vllm_server_urls "$(IFS=,; echo "${urls[*]}")" --weight_sync_transport "$TRANSPORT" \
-    --num_unique_prompts_rollout 48 --num_samples_per_prompt_rollout 8 --per_device_train_batch_size 16 \
+    --num_unique_prompts_rollout 48 --num_samples_per_prompt_rollout 8 --max_tokens_per_micro_batch 16384 \
     --response_length 1024 --max_prompt_length 1024 "$@"

@@ -40,11 +40,11 @@ PYTHON=${PYTHON:-.venv/bin/python}
 #   --vllm_server_urls            the servers; rank 0 alone talks to them and broadcasts the batch
 #   --weight_sync_transport       see above
 #   --weight_sync_master_address  nccl transport only: where the server finds trainer rank 0
-#   --num_unique_prompts_rollout  prompts x samples must divide by NNODES x GPUS_PER_NODE ranks
-#                                 (64 x 8 = 512 sequences: 32 a rank on 16 GPUs)
+#   --num_unique_prompts_rollout  prompts x samples, spread over NNODES x GPUS_PER_NODE ranks by tokens
+#                                 (64 x 8 = 512 sequences: about 32 a rank on 16 GPUs)
 "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$GPUS_PER_NODE" \
     --rdzv_backend c10d --rdzv_endpoint "$MASTER" --rdzv_id "${RDZV_ID:-flatgrpo}" \
     train.py --model_name_or_path "$MODEL" --output_dir "$OUT" --vllm_server_urls "$VLLM_URLS" \
     --weight_sync_transport "$TRANSPORT" --weight_sync_master_address "$WEIGHT_SYNC_ADDR" \
-    --num_unique_prompts_rollout 64 --num_samples_per_prompt_rollout 8 --per_device_train_batch_size 16 \
+    --num_unique_prompts_rollout 64 --num_samples_per_prompt_rollout 8 --max_tokens_per_micro_batch 16384 \
     --response_length 1024 --max_prompt_length 1024 "$@"
