@@ -77,7 +77,17 @@ def help_text() -> str:
     return "\n".join(lines)
 
 
+# open-instruct names with no field of their own here, and what takes their place.
+REPLACED = {
+    "per_device_train_batch_size": "micro-batches are packed by tokens, not counted in sequences: set "
+                                   "max_tokens_per_micro_batch (open-instruct's pack_length x per_device_train_batch_size)",
+    "pack_length": "a micro-batch is one packed row: set max_tokens_per_micro_batch",
+}
+
+
 def unknown(name: str, names: list) -> str:
+    if name in REPLACED:
+        return f"{name!r} is not an option here; {REPLACED[name]}"
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
     return f"unknown option {name!r}" + (f"; did you mean {close[0]!r}?" if close else "; see --help")
 

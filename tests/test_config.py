@@ -165,6 +165,7 @@ def test_cli_forms():
     (["--beta"], "needs a value"),
     (["beta", "1"], "unexpected argument"),
     (["--config", "/nonexistent.toml"], "does not exist"),
+    (["--per_device_train_batch_size", "8"], "set max_tokens_per_micro_batch"),
 ])
 def test_cli_rejects_with_exit_2(argv, fragment, capsys):
     with pytest.raises(SystemExit) as e:
