@@ -91,7 +91,7 @@ class Config:
     offload_params: bool = False  # policy's parameter shards, gradients and AdamW state in CPU memory (FSDP2 CPUOffloadPolicy: all three)
     offload_ref_policy: bool = False  # the reference's parameter shards in CPU memory (copied to the GPU layer by layer for its forward)
     single_gpu_mode: bool = False  # trainer and our vLLM server share one GPU; the server sleeps while training (untested here)
-    sequence_parallel_size: int = 1  # sequence parallelism is not implemented; values > 1 are refused
+    sequence_parallel_size: int = 1  # ranks that split each packed row (DeepSpeed-Ulysses: all-to-all around attention, sequence_parallel.py); 1 = off
     backend_timeout: int = 30  # minutes before a stuck collective fails the process group
     weight_sync_timeout: float = 600.0  # seconds one weight sync into vLLM may take (the reload request, or the NCCL transfer)
     # --- checkpoints, output, logging
@@ -118,13 +118,15 @@ class Config:
                  "truncated_importance_sampling_ratio_cap": " (0 disables it)",
                  "vllm_logp_tolerance": " (1e-2 catches a sync that did not take)",
                  "temperature": " for training rollouts (greedy is used for evaluation)",
-                 "num_samples_per_prompt_rollout": ": GRPO's advantage compares samples of one prompt"}
+                 "num_samples_per_prompt_rollout": ": GRPO's advantage compares samples of one prompt",
+                 "sequence_parallel_size": " (1: every rank holds whole sequences)"}
         at_least = {0: ("reward_workers", "log_samples_freq", "num_eval_prompts", "eval_freq", "async_steps",
                         "vllm_max_restarts", "vllm_max_retries", "learning_rate", "warm_up_steps", "weight_decay",
                         "max_grad_norm", "beta", "truncated_importance_sampling_ratio_cap"),
                     1: ("max_prompt_length", "response_length", "vllm_kv_cache_space_gb", "num_unique_prompts_rollout",
                         "num_mini_batches", "num_epochs", "num_training_steps",
-                        "active_sampling_max_rounds", "keep_last_n_checkpoints", "max_consecutive_skipped_steps"),
+                        "active_sampling_max_rounds", "keep_last_n_checkpoints", "max_consecutive_skipped_steps",
+                        "sequence_parallel_size"),
                     2: ("num_samples_per_prompt_rollout",)}
         for low, names in at_least.items():
             for name in names:
@@ -235,10 +237,8 @@ class Config:
             return "offload_ref_policy=True but load_ref_policy=False: there is no reference to offload"
 
     def _check_distributed(self):
-        if self.sequence_parallel_size != 1:
-            return (f"sequence_parallel_size={self.sequence_parallel_size}: sequence parallelism is not implemented "
-                    "in this FSDP2 trainer (every rank holds whole sequences); set it to 1 (for long sequences, "
-                    "activation_checkpointing=True cuts activation memory instead)")
+        if problem := self._check_sequence_parallel():
+            return problem
         if self.fsdp_shard_size < 0:
             return (f"fsdp_shard_size={self.fsdp_shard_size} must be 0 (shard over all ranks) or a number of ranks "
                     "that divides the world size")
@@ -256,6 +256,23 @@ class Config:
             return (f"weight_sync_timeout={self.weight_sync_timeout}s must be below backend_timeout="
                     f"{self.backend_timeout} min: the other ranks wait for rank 0's sync in a collective that "
                     "backend_timeout ends first; lower weight_sync_timeout or raise backend_timeout")
+
+    def _check_sequence_parallel(self):
+        sp = self.sequence_parallel_size
+        if sp > 1 and self.fsdp_shard_size and self.fsdp_shard_size % sp:
+            return (f"sequence_parallel_size={sp} must divide fsdp_shard_size={self.fsdp_shard_size}: a sequence's "
+                    "ranks sit in one shard group (one node), where the all-to-alls run on the fast links")
+        if sp > 1 and self.attn_implementation != "packed_sdpa":
+            return (f"sequence_parallel_size={sp} runs packed_sdpa on whole rows between its all-to-alls; "
+                    f"attn_implementation={self.attn_implementation!r} is not supported with it: set packed_sdpa")
+        if sp > 1 and self.loss_fn == "gspo":
+            return (f"loss_fn='gspo' with sequence_parallel_size={sp}: the sequence ratio needs all of a sequence's "
+                    "tokens, which may sit on two ranks; pick another loss_fn or sequence_parallel_size=1")
+        if sp > 1 and self.vllm_importance_sampling_mask == "sequence":
+            return (f"vllm_importance_sampling_mask='sequence' with sequence_parallel_size={sp}: a sequence's tokens "
+                    "may sit on two ranks; use the token mask or sequence_parallel_size=1")
+        if sp > 1 and self.single_gpu_mode:
+            return f"single_gpu_mode=True runs one trainer process; sequence_parallel_size={sp} needs {sp} ranks"
 
     def _check_output(self):
         if (self.checkpoint_state_dir is None) != (self.checkpoint_state_freq <= 0):
@@ -279,6 +296,9 @@ class Config:
             raise ValueError(f"fsdp_shard_size={self.fsdp_shard_size} does not divide the world of {world_size} "
                              f"ranks into equal groups; pick a divisor of {world_size} (ranks per node is usual) "
                              "or 0 to shard over all ranks")
+        if world_size % self.sequence_parallel_size:
+            raise ValueError(f"sequence_parallel_size={self.sequence_parallel_size} does not divide the world of "
+                             f"{world_size} ranks into sequence-parallel groups; pick a divisor of {world_size}")
         return world_size // shard, shard
 
     def batch_plan(self, world_size: int) -> dict:
@@ -290,7 +310,7 @@ class Config:
         self.mesh_shape(world_size)
         seqs = self.num_unique_prompts_rollout * self.num_samples_per_prompt_rollout
         per_mini = seqs // self.num_mini_batches
-        per_rank = -(-per_mini // world_size)
+        per_rank = -(-per_mini // (world_size // self.sequence_parallel_size))  # a sequence-parallel group shares its rows
         full = per_rank * (self.max_prompt_length + self.response_length)
         return dict(sequences=seqs, mini_batches=self.num_mini_batches, per_mini_batch=per_mini, per_rank=per_rank,
                     micro_batches_at_full_length=-(-full // self.max_tokens_per_micro_batch),

@@ -14,7 +14,7 @@ open-instruct's GRPO distributed knobs (DeepSpeed terms) and what they are here:
 | deepspeed_zpg (partition group size)   | fsdp_shard_size: a 2-D mesh (replicate, shard) = HSDP   |
 | deepspeed_offload_param / _optimizer   | offload_params (CPUOffloadPolicy moves both together)   |
 | gradient_checkpointing                 | activation_checkpointing (each decoder layer)           |
-| sequence_parallel_size                 | refused by Config: not implemented                      |
+| sequence_parallel_size                 | sequence_parallel_size: Ulysses (sequence_parallel.py)  |
 | num_learners_per_node                  | torchrun --nproc_per_node                               |
 | single_gpu_mode                        | single_gpu_mode (vLLM sleep mode, rollout.py)           |
 | backend_timeout                        | backend_timeout (the process group)                     |
@@ -38,6 +38,7 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, Offl
                                     register_fsdp_forward_method)
 
 import packing  # noqa: F401 - registers attn_implementation="packed_sdpa" with transformers
+import sequence_parallel  # registers attn_implementation="ulysses"
 from loss import token_logprobs
 
 
@@ -62,6 +63,7 @@ def setup_distributed(cfg):
     # so the all-gathers stay on the fast links and only the gradient all-reduce crosses nodes.
     mesh = init_device_mesh(device.type, (shard,), mesh_dim_names=("shard",)) if replicas == 1 else \
         init_device_mesh(device.type, (replicas, shard), mesh_dim_names=("replicate", "shard"))
+    sequence_parallel.init_groups(cfg.sequence_parallel_size)  # inside the shard groups (mesh_shape checks)
     return dist.get_rank(), dist.get_world_size(), device, mesh
 
 
@@ -92,20 +94,25 @@ def close_distributed():
 
 
 def sequence_logprobs(self, input_ids, mask, temperature, position_ids=None, attention_mask=None, head_ids=None,
-                      head_size=0):
+                      head_size=0, targets=None, row_position_ids=None):
     """logp and entropy (N,) of the completion tokens selected by mask (B, T-1), and logp at
     head_ids (or this policy's top-k) (N, k). Packed rows (packing.py) pass position_ids that
-    restart at 0 per sequence and no attention_mask; padded rows pass attention_mask. A forward
-    method of the model, so FSDP2 gathers the LM head for it as for forward()."""
+    restart at 0 per sequence and no attention_mask; padded rows pass attention_mask. A piece of
+    a row under sequence parallelism (sequence_parallel.piece) passes its targets (B, T), the
+    mask (B, T) over them and the whole row's position ids. A forward method of the model, so
+    FSDP2 gathers the LM head for it as for forward()."""
     if position_ids is not None and attention_mask is not None:
         raise ValueError("pass position_ids (packed rows) or attention_mask (padded rows), not both: transformers "
                          "skips the per-sequence mask of packed position_ids when a 2-D attention mask is given")
     # use_cache=False: no KV cache is reused here, and a checkpointed layer would append
     # to it a second time when it recomputes in backward (a cache would also turn packing off).
+    row = {} if row_position_ids is None else dict(row_position_ids=row_position_ids)  # to ulysses_attention
     hidden = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                        use_cache=False)
+                        use_cache=False, **row)
     hidden = hidden.last_hidden_state  # (B, T, H)
-    return token_logprobs(hidden[:, :-1][mask], self.lm_head.weight, input_ids[:, 1:][mask], temperature,
+    if targets is None:  # position j predicts token j+1
+        hidden, targets = hidden[:, :-1], input_ids[:, 1:]
+    return token_logprobs(hidden[mask], self.lm_head.weight, targets[mask], temperature,
                           head_ids=head_ids, head_size=head_size)
 
 
@@ -115,8 +122,10 @@ def load_model(cfg, device, mesh, reference=False):
     offloaded with offload_ref_policy instead of offload_params."""
     from transformers import AutoModelForCausalLM
 
+    sp = cfg.sequence_parallel_size > 1  # packed_sdpa over whole rows, between two all-to-alls
     model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=torch.float32,
-                                                 attn_implementation=cfg.attn_implementation)
+                                                 attn_implementation="ulysses" if sp else cfg.attn_implementation)
+    sequence_parallel.check_heads(model.config, cfg.sequence_parallel_size)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" \
         else MixedPrecisionPolicy()
     offload = cfg.offload_ref_policy if reference else cfg.offload_params

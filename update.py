@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from loss import ess, grpo_loss, mismatch_keep, step_denominator
 from packing import micro_batches
+from sequence_parallel import piece
 
 
 def make_optimizer(cfg, policy, total_updates, device):
@@ -61,7 +62,7 @@ def logprobs_before_update(cfg, policy, ref_model, micro, forward, reuse_old, de
             if cfg.beta > 0:
                 before.ref_logp, _, before.ref_head_logp, _ = forward(ref_model, b, head_ids=before.head_ids)
             if kl_heads:
-                targets = b["input_ids"][:, 1:][b["mask"]].to(device)
+                targets = (b["targets"] if "targets" in b else b["input_ids"][:, 1:])[b["mask"]].to(device)
                 before.in_head = (before.head_ids == targets[:, None]).any(-1)
             out.append(before)
     return out
@@ -141,16 +142,21 @@ class StepMetrics:
 def train_on_batch(cfg, policy, ref_model, optimizer, scheduler, samples, rank, world_size, device):
     """Mini-batches x epochs of GRPO updates on one rollout batch; the step's metrics."""
     # Each mini-batch's sequences, tokens balanced over ranks and packed into micro-batches of at most
-    # max_tokens_per_micro_batch tokens; every rank runs as many as the others (packing.py)
-    minis = micro_batches(samples, cfg, world_size, rank)
+    # max_tokens_per_micro_batch tokens; every rank runs as many as the others (packing.py). Under
+    # sequence parallelism the S ranks of a group share their rows, each keeping a piece of every row.
+    size = cfg.sequence_parallel_size
+    minis = micro_batches(samples, cfg, world_size // size, rank // size)
+    if size > 1:
+        minis = [([piece(b, rank % size, size) for b in mbs], n_tokens, n_seqs) for mbs, n_tokens, n_seqs in minis]
     micro = [mbs for mbs, _, _ in minis]
     for b in (b for mbs in micro for b in mbs):
         for key in ("vllm_logp", "adv", "seq_ids"):
             b[key] = b[key].to(device)
 
     def forward(model, b, **kw):  # logp, entropy, head_logp, head_ids of b's completion tokens
+        piece_of_row = {k: b[k].to(device) for k in ("targets", "row_position_ids") if k in b}
         return model.sequence_logprobs(b["input_ids"].to(device), b["mask"].to(device), cfg.temperature,
-                                       position_ids=b["position_ids"].to(device), **kw)
+                                       position_ids=b["position_ids"].to(device), **piece_of_row, **kw)
 
     kl_heads = cfg.kl_estimator == "topk" and cfg.beta > 0
     reuse_old = cfg.num_mini_batches == 1 and cfg.num_epochs == 1 and not cfg.use_vllm_logprobs and not kl_heads

@@ -5,6 +5,7 @@
     python tests/dist_worker.py ess MODEL_DIR OUT     # ESS of fixed ratios split over the ranks
     python tests/dist_worker.py grads MODEL_DIR OUT [key=value ...]  # loss and full gradients of one micro-batch
     python tests/dist_worker.py filtered MODEL_DIR OUT [...] groups=0,2  # one batch of which only these groups survived
+    python tests/dist_worker.py attention MODEL_DIR OUT sequence_parallel_size=2  # ulysses_attention against packed_sdpa
 
 key=value pairs override Config fields (fsdp_shard_size=2, activation_checkpointing=true, ...).
 """
@@ -64,7 +65,8 @@ if mode == "train":
         m = update.train_on_batch(cfg, policy, ref.model, optimizer, scheduler, fixed_rollouts(step), rank,
                                     world_size, device)
         ref.update()
-        losses.append([m["loss"], m["kl"], m["clip_frac"], m["grad_norm"], m.get("ess", 1.0), m["grad_norm_max"]])
+        losses.append([m["loss"], m["kl"], m["clip_frac"], m["grad_norm"], m.get("ess", 1.0), m["grad_norm_max"],
+                       m["trained_tokens"]])
     policy_sd, ref_sd = full_state_dict(policy), full_state_dict(ref.model)
     if rank == 0:
         torch.save(dict(losses=losses, policy=policy_sd, ref=ref_sd, mesh=mesh_info), out)
@@ -114,6 +116,37 @@ elif mode == "grads":
     grads = {n: p.grad.full_tensor() for n, p in zip(names, policy.parameters())}
     if rank == 0:
         torch.save(dict(loss=loss.item(), grads=grads, saved_bytes=sum(saved), mesh=mesh_info), out)
+elif mode == "attention":
+    import types
+
+    from packing import packed_sdpa
+    from sequence_parallel import GROUP, ulysses_attention
+
+    size, sp_rank = dist.get_world_size(GROUP), dist.get_rank(GROUP)
+    g = torch.Generator().manual_seed(0)
+    position_ids = torch.tensor([list(range(5)) + list(range(11)) + list(range(4))])  # 3 sequences, L = 20
+    L, lo, hi = 20, sp_rank * 20 // size, (sp_rank + 1) * 20 // size
+    results = {}
+    for kv_heads in (1, 2, 4):  # 4 query heads: KV heads repeated up to the group, split as they are, or one each
+        q, k, v = (torch.randn(1, n, L, 8, generator=g, requires_grad=True) for n in (4, kv_heads, kv_heads))
+        weight = torch.randn(1, L, 4, 8, generator=g)  # the loss: a fixed linear function of the output
+        module = types.SimpleNamespace(training=False, num_key_value_groups=4 // kv_heads, layer_idx=0)
+        whole, _ = packed_sdpa(module, q, k, v, None, position_ids=position_ids)  # (1, L, 4, 8), one process
+        (whole * weight).sum().backward()
+        expected = [whole.detach()] + [x.grad.clone() for x in (q, k, v)]
+        pieces = [x.detach()[:, :, lo:hi].requires_grad_() for x in (q, k, v)]
+        mine, _ = ulysses_attention(module, *pieces, None, position_ids=position_ids[:, lo:hi],
+                                    row_position_ids=position_ids)  # (1, L/S, 4, 8)
+        (mine * weight[:, lo:hi]).sum().backward()
+        got = [mine.detach()] + [x.grad for x in pieces]
+        gathered = []
+        for t, dim in zip(got, (1, 2, 2, 2)):  # the pieces of all ranks, in order
+            parts = [torch.empty_like(t) for _ in range(size)]
+            dist.all_gather(parts, t.contiguous(), group=GROUP)
+            gathered.append(torch.cat(parts, dim))
+        results[kv_heads] = dict(expected=expected, got=gathered)
+    if rank == 0:
+        torch.save(results, out)
 elif mode == "ess":
     from loss import ess
 
