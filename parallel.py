@@ -4,6 +4,7 @@
     torchrun --nproc_per_node 8 train.py                           # shard over 8 ranks (FSDP)
     torchrun --nnodes 4 --nproc_per_node 8 ... train.py --fsdp_shard_size 8   # shard in each node,
                                                                    # replicate across the 4 (HSDP)
+    torchrun --nproc_per_node 8 train.py --sequence_parallel_size 2   # 4 groups of 2 ranks split each row
 
 open-instruct's GRPO distributed knobs (DeepSpeed terms) and what they are here:
 

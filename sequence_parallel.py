@@ -12,8 +12,9 @@ entropy, top-k heads) run on L/S tokens. Around attention an all-to-all trades "
 all heads" for "all L tokens, heads/S of them" (the head count must divide by S); attention runs
 on the whole row, sequence by sequence (packed_sdpa), and a second all-to-all trades back.
 RoPE is applied before attention with each piece's own position_ids, as on one rank. The
-all-to-alls are torch.distributed.nn.functional's, so backward sends the gradients of the keys
-and values back to the ranks that computed them.
+all-to-alls are torch's functional collectives, which carry autograd (torch.distributed.nn.functional's
+are deprecated in torch 2.13): backward sends the gradients of the queries, keys and values back
+to the ranks that computed them, by the reverse all-to-all.
 
 What is reduced, and how: the ranks of a group hold disjoint tokens, so every per-token sum
 (loss, KL, entropy, ESS, the token denominator) all-reduced over the world counts each token
@@ -33,7 +34,7 @@ import types
 
 import torch
 import torch.distributed as dist
-from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed._functional_collectives import all_to_all_single
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import AttentionMaskInterface
@@ -83,7 +84,7 @@ def heads_to_sequence(x, size):
     """(1, heads, L/S, d), this rank's tokens -> (1, heads/S, L, d), this rank's heads (all-to-all)."""
     _, heads, n, d = x.shape
     sent = x.reshape(size, heads // size, n, d).contiguous()  # chunk i: the heads rank i attends over
-    got = all_to_all_single(torch.empty_like(sent), sent, group=GROUP)  # chunk j: rank j's tokens of my heads
+    got = all_to_all_single(sent, None, None, GROUP)  # chunk j: rank j's tokens of my heads
     return got.transpose(0, 1).reshape(1, heads // size, size * n, d)
 
 
@@ -91,7 +92,7 @@ def sequence_to_heads(x, size):
     """(1, heads/S, L, d), this rank's heads -> (1, heads, L/S, d), this rank's tokens (all-to-all)."""
     _, heads, length, d = x.shape
     sent = x.reshape(heads, size, length // size, d).transpose(0, 1).contiguous()  # chunk j: rank j's tokens
-    got = all_to_all_single(torch.empty_like(sent), sent, group=GROUP)  # chunk i: rank i's heads of my tokens
+    got = all_to_all_single(sent, None, None, GROUP)  # chunk i: rank i's heads of my tokens
     return got.reshape(1, heads * size, length // size, d)
 
 

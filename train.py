@@ -114,9 +114,11 @@ def announce(cfg, plan, world_size, device, data, resumed_from, start):
     with open(os.path.join(cfg.output_dir, "run_info.json"), "w") as f:
         json.dump(dict(info, skipped_rows=skipped, resumed_from=resumed_from), f, indent=2)
     print(f"run: {json.dumps(info['versions'])}, git {info['git_sha']}, world size {world_size}, device {device}")
+    sp = cfg.sequence_parallel_size
+    share = "rank" if sp == 1 else f"group of {sp} ranks (each holds 1/{sp} of every row)"
     print(f"batch: {cfg.num_unique_prompts_rollout} prompts x {cfg.num_samples_per_prompt_rollout} samples = "
           f"{plan['sequences']} sequences -> {plan['mini_batches']} mini-batch(es) of {plan['per_mini_batch']} -> "
-          f"about {plan['per_rank']} per rank, balanced by tokens -> micro-batches of at most "
+          f"about {plan['per_rank']} per {share}, balanced by tokens -> micro-batches of at most "
           f"{cfg.max_tokens_per_micro_batch} tokens ({plan['micro_batches_at_full_length']} if every sequence had "
           f"its full length); {plan['optimizer_steps']} optimizer step(s) per rollout")
     print(f"data: {len(train_rows)} train / {len(eval_rows)} eval prompts from {cfg.dataset!r}, skipped {skipped}; "
