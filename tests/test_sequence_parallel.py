@@ -59,26 +59,44 @@ def test_attention_on_two_ranks_matches_sdpa_on_the_whole_row(tiny_model_dir, tm
 
 @pytest.fixture(scope="module")
 def one_process(tiny_model_dir, tmp_path_factory):
-    return run("train", tiny_model_dir, tmp_path_factory.mktemp("sp") / "one.pt", 1, 0)
+    """one_process(LOSS_FN, KL_ESTIMATOR): the single-process twin's 3 steps, memoised."""
+    tmp, cache = tmp_path_factory.mktemp("sp"), {}
+
+    def get(*loss):
+        if loss not in cache:
+            cache[loss] = run("train", tiny_model_dir, tmp / f"{len(cache)}.pt", 1, 0, *loss)
+        return cache[loss]
+    return get
 
 
-@pytest.mark.parametrize("nproc", [2, 4], ids=["sp-2", "dp-2-x-sp-2"])
-def test_matches_one_process_after_three_steps(one_process, tiny_model_dir, tmp_path, nproc):
-    """3 GRPO steps (6 optimizer steps, DAPO, k3 KL with beta 0.1, EMA each step; dist_worker.py)
-    with sequence_parallel_size=2 on 2 ranks (one group) and on 4 (2 data-parallel groups of 2)
-    against one process. Losses, KL, clip fraction, gradient norms (mean and max: a token counted
-    twice or a missing gradient path shows there) and the trained tokens to 1e-5. Weights: the
-    gradients agree to float32 rounding (gradient norm to 1e-7 relative after the first step),
-    but a different summation order (half rows, another attention kernel for the repeated KV
-    head) moves a few weights whose gradient is near AdamW's eps by up to 2.2e-5 after 6 steps
-    (2 of 32,768 in one matrix, both runs); the plain 2-rank twin stays under 2.2e-6. So 5e-5,
-    as the filtered-batch twin in test_distributed.py uses for the same reason."""
-    sp = run("train", tiny_model_dir, tmp_path / "sp.pt", nproc, 29722 + nproc, "sequence_parallel_size=2")
-    assert torch.allclose(torch.tensor(one_process["losses"]), torch.tensor(sp["losses"]), rtol=1e-5, atol=1e-6)
+TWINS = [  # (ranks, loss and KL, Config overrides besides sequence_parallel_size=2)
+    (2, ("dapo", "k3"), ()),
+    (4, ("dapo", "k3"), ()),  # 2 data-parallel groups of 2
+    (2, ("ess", "topk"), ("activation_checkpointing=true",)),  # ESS over pieces, top-k heads, recompute in backward
+]
+
+
+@pytest.mark.parametrize("nproc,loss,extra", TWINS, ids=["sp-2", "dp-2-x-sp-2", "sp-2-ess-topk4-ac"])
+def test_matches_one_process_after_three_steps(one_process, tiny_model_dir, tmp_path, nproc, loss, extra):
+    """3 GRPO steps (6 optimizer steps, beta 0.1, EMA each step; dist_worker.py) with
+    sequence_parallel_size=2 on 2 ranks (one group) and on 4 (2 data-parallel groups of 2)
+    against one process, for DAPO with k3 and for ESS with the top-4 KL under activation
+    checkpointing (the all-to-alls run again in the recompute). Losses, KL, clip fraction,
+    ESS, gradient norms (mean and max: a token counted twice or a missing gradient path shows
+    there) and the trained tokens to 1e-5. Weights: the gradients agree to float32 rounding
+    (gradient norm to 1e-7 relative after the first step), but another summation order (half
+    rows, another attention kernel for the repeated KV head) moves a few weights whose
+    gradient is near AdamW's eps by up to 2.2e-5 (DAPO) and 2.8e-5 (ESS) after 6 steps (2 of
+    32,768 in one matrix for DAPO); the plain 2-rank twin stays under 2.2e-6. So 5e-5, as the
+    filtered-batch twin in test_distributed.py uses for the same reason."""
+    one = one_process(*loss)
+    sp = run("train", tiny_model_dir, tmp_path / "sp.pt", nproc, 29722 + TWINS.index((nproc, loss, extra)), *loss,
+             "sequence_parallel_size=2", *extra)
+    assert torch.allclose(torch.tensor(one["losses"]), torch.tensor(sp["losses"]), rtol=1e-5, atol=1e-6)
     for name in ("policy", "ref"):
-        assert one_process[name].keys() == sp[name].keys()
-        for k in one_process[name]:
-            assert torch.allclose(one_process[name][k], sp[name][k], atol=5e-5, rtol=0), (name, k)
+        assert one[name].keys() == sp[name].keys()
+        for k in one[name]:
+            assert torch.allclose(one[name][k], sp[name][k], atol=5e-5, rtol=0), (name, k)
 
 
 def test_world_and_heads_must_divide():
