@@ -72,15 +72,17 @@ def one_process(tiny_model_dir, tmp_path_factory):
 TWINS = [  # (ranks, loss and KL, Config overrides besides sequence_parallel_size=2)
     (2, ("dapo", "k3"), ()),
     (4, ("dapo", "k3"), ()),  # 2 data-parallel groups of 2
+    (4, ("dapo", "k3"), ("fsdp_shard_size=2",)),  # HSDP: each group of 2 is also a shard group, 2 replicas
     (2, ("ess", "topk"), ("activation_checkpointing=true",)),  # ESS over pieces, top-k heads, recompute in backward
 ]
 
 
-@pytest.mark.parametrize("nproc,loss,extra", TWINS, ids=["sp-2", "dp-2-x-sp-2", "sp-2-ess-topk4-ac"])
+@pytest.mark.parametrize("nproc,loss,extra", TWINS, ids=["sp-2", "dp-2-x-sp-2", "hybrid-2x2-sp-2",
+                                                         "sp-2-ess-topk4-ac"])
 def test_matches_one_process_after_three_steps(one_process, tiny_model_dir, tmp_path, nproc, loss, extra):
     """3 GRPO steps (6 optimizer steps, beta 0.1, EMA each step; dist_worker.py) with
-    sequence_parallel_size=2 on 2 ranks (one group) and on 4 (2 data-parallel groups of 2)
-    against one process, for DAPO with k3 and for ESS with the top-4 KL under activation
+    sequence_parallel_size=2 on 2 ranks (one group) and on 4 (2 data-parallel groups of 2, FSDP
+    over all 4 or hybrid: sharded in each group, replicated across) against one process, for DAPO with k3 and for ESS with the top-4 KL under activation
     checkpointing (the all-to-alls run again in the recompute). Losses, KL, clip fraction,
     ESS, gradient norms (mean and max: a token counted twice or a missing gradient path shows
     there) and the trained tokens to 1e-5. Weights: the gradients agree to float32 rounding
@@ -92,6 +94,7 @@ def test_matches_one_process_after_three_steps(one_process, tiny_model_dir, tmp_
     one = one_process(*loss)
     sp = run("train", tiny_model_dir, tmp_path / "sp.pt", nproc, 29722 + TWINS.index((nproc, loss, extra)), *loss,
              "sequence_parallel_size=2", *extra)
+    assert sp["mesh"]["shape"] == ((2, 2) if extra == ("fsdp_shard_size=2",) else (nproc,))
     assert torch.allclose(torch.tensor(one["losses"]), torch.tensor(sp["losses"]), rtol=1e-5, atol=1e-6)
     for name in ("policy", "ref"):
         assert one[name].keys() == sp[name].keys()
