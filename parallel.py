@@ -64,7 +64,7 @@ def setup_distributed(cfg):
     # so the all-gathers stay on the fast links and only the gradient all-reduce crosses nodes.
     mesh = init_device_mesh(device.type, (shard,), mesh_dim_names=("shard",)) if replicas == 1 else \
         init_device_mesh(device.type, (replicas, shard), mesh_dim_names=("replicate", "shard"))
-    sequence_parallel.init_groups(cfg.sequence_parallel_size)  # inside the shard groups (mesh_shape checks)
+    sequence_parallel.init_groups(cfg.sequence_parallel_size)  # consecutive ranks too: inside a shard group
     return dist.get_rank(), dist.get_world_size(), device, mesh
 
 

@@ -82,6 +82,8 @@ RULES = [
      dict(sequence_parallel_size=2, fsdp_shard_size=4)),
     (dict(sequence_parallel_size=2, vllm_importance_sampling_mask="sequence"), "mask='sequence'",
      dict(sequence_parallel_size=2, vllm_importance_sampling_mask="token")),
+    (dict(sequence_parallel_size=2, single_gpu_mode=True, vllm_gpu_memory_utilization=0.3), "needs 2 ranks",
+     dict(single_gpu_mode=True, vllm_gpu_memory_utilization=0.3)),
     (dict(weight_sync_dir="/nfs/sync", weight_sync_transport="nccl"), "weight_sync_dir", dict(weight_sync_dir="/nfs/sync")),
     (dict(fsdp_shard_size=-1), "fsdp_shard_size", dict(fsdp_shard_size=8)),
     (dict(offload_ref_policy=True, load_ref_policy=False), "no reference to offload", dict(offload_ref_policy=True)),
