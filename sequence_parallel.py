@@ -12,21 +12,21 @@ entropy, top-k heads) run on L/S tokens. Around attention an all-to-all trades "
 all heads" for "all L tokens, heads/S of them" (the head count must divide by S); attention runs
 on the whole row, sequence by sequence (packed_sdpa), and a second all-to-all trades back.
 RoPE is applied before attention with each piece's own position_ids, as on one rank. The
-all-to-alls are torch's functional collectives, which carry autograd (torch.distributed.nn.functional's
-are deprecated in torch 2.13): backward sends the gradients of the queries, keys and values back
-to the ranks that computed them, by the reverse all-to-all.
+all-to-alls are torch's functional collectives, which carry autograd (those of
+torch.distributed.nn.functional are deprecated in torch 2.13): backward sends the gradients of
+the queries, keys and values back to the ranks that computed them, by the reverse all-to-all.
 
 What is reduced, and how: the ranks of a group hold disjoint tokens, so every per-token sum
-(loss, KL, entropy, ESS, the token denominator) all-reduced over the world counts each token
-once, and each rank's loss over its own tokens divided by the step's global count, times the
-world size under FSDP's mean (update.py), sums to the gradient of one loss. FSDP still shards
-over every rank: an SP group is a set of data-parallel ranks that happen to share rows.
-Anything per sequence is refused (config.py: loss_fn="gspo" and the sequence-level mismatch
-mask): a sequence may straddle two pieces.
+(loss, KL, entropy, ESS, trained tokens) all-reduced over the world counts each token once, and
+the token denominator is the mini-batch's count as before. Each rank's loss over its own tokens,
+divided by that count and multiplied by the world size against FSDP's mean (update.py), sums to
+the gradient of one loss. FSDP still shards over every rank: an SP group is a set of
+data-parallel ranks that share rows. Anything per sequence is refused (config.py: loss_fn="gspo"
+and the sequence-level mismatch mask): a sequence may straddle two pieces.
 
 KV heads: repeated (each one in place, as grouped-query attention shares them) up to
-lcm(KV heads, S), the fewest that split evenly over S ranks and keep every query head with
-its own KV head (heads/S consecutive query heads per rank, all in one KV group).
+lcm(KV heads, S), the fewest that split evenly over S ranks; the heads/S consecutive query
+heads a rank attends with then find, among its KV heads, the ones they had in the model.
 """
 
 import math

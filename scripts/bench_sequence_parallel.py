@@ -109,7 +109,7 @@ def run_size(args, model_dir, size, port):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, default=8192, help="tokens of the sequence (a 256-token prompt, the rest completion)")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens of the sequence (256 of prompt, the rest completion)")
     p.add_argument("--sizes", default="1,2,4", help="comma separated sequence_parallel_size values (ranks of one job)")
     p.add_argument("--threads_per_rank", type=int, default=1)
     p.add_argument("--activation_checkpointing", action="store_true")

@@ -81,16 +81,17 @@ TWINS = [  # (ranks, loss and KL, Config overrides besides sequence_parallel_siz
                                                          "sp-2-ess-topk4-ac"])
 def test_matches_one_process_after_three_steps(one_process, tiny_model_dir, tmp_path, nproc, loss, extra):
     """3 GRPO steps (6 optimizer steps, beta 0.1, EMA each step; dist_worker.py) with
-    sequence_parallel_size=2 on 2 ranks (one group) and on 4 (2 data-parallel groups of 2, FSDP
-    over all 4 or hybrid: sharded in each group, replicated across) against one process, for DAPO with k3 and for ESS with the top-4 KL under activation
-    checkpointing (the all-to-alls run again in the recompute). Losses, KL, clip fraction,
-    ESS, gradient norms (mean and max: a token counted twice or a missing gradient path shows
-    there) and the trained tokens to 1e-5. Weights: the gradients agree to float32 rounding
-    (gradient norm to 1e-7 relative after the first step), but another summation order (half
-    rows, another attention kernel for the repeated KV head) moves a few weights whose
-    gradient is near AdamW's eps by up to 2.2e-5 (DAPO) and 2.8e-5 (ESS) after 6 steps (2 of
-    32,768 in one matrix for DAPO); the plain 2-rank twin stays under 2.2e-6. So 5e-5, as the
-    filtered-batch twin in test_distributed.py uses for the same reason."""
+    sequence_parallel_size=2 against one process: on 2 ranks (one group); on 4 (2 data-parallel
+    groups of 2, FSDP over all 4, or hybrid: sharded in each group, replicated across); and
+    with ESS, the top-4 KL and activation checkpointing (the all-to-alls run again in the
+    recompute). Losses, KL, clip fraction, ESS, gradient norms (mean and max: a token counted
+    twice or a missing gradient path shows there) and the trained tokens to 1e-5. Weights:
+    the gradients agree to float32 rounding (gradient norm to 1e-7 relative after the first
+    step), but another summation order (half rows, another attention kernel for the repeated
+    KV head) moves a few weights whose gradient is near AdamW's eps by up to 2.2e-5 (DAPO) and
+    2.8e-5 (ESS) after 6 steps (2 of 32,768 in one matrix for DAPO); the plain 2-rank twin
+    stays under 2.2e-6. So 5e-5, as the filtered-batch twin in test_distributed.py uses for
+    the same reason."""
     one = one_process(*loss)
     sp = run("train", tiny_model_dir, tmp_path / "sp.pt", nproc, 29722 + TWINS.index((nproc, loss, extra)), *loss,
              "sequence_parallel_size=2", *extra)
