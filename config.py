@@ -12,7 +12,7 @@ from typing import Literal, Optional, get_args, get_origin
 class Config:
     # --- model and data
     model_name_or_path: str = "models/tiny"  # HF hub name or local dir (build a tiny one: python scripts/make_tiny_model.py --out models/tiny)
-    attn_implementation: Literal["packed_sdpa", "sdpa", "eager"] = "packed_sdpa"  # packed_sdpa (sdpa on each sequence of a packed row), or transformers' sdpa / eager (one mask over the whole row)
+    attn_implementation: Literal["packed_sdpa", "sdpa", "eager", "flex_attention", "flash_attention_2"] = "packed_sdpa"  # packed_sdpa (sdpa on each sequence of a packed row), transformers' sdpa / eager (one mask over the whole row), flex_attention (a block mask), flash_attention_2 (variable-length kernels; needs a GPU and flash-attn, untested here)
     dataset: str = "copy"  # a built-in task (copy, add, math), a hub dataset name, or a local .jsonl/.json/.parquet/.csv file
     math_digits: int = 1  # math task: numbers of up to this many digits
     math_operations: str = "+-"  # math task: operations a problem draws from, any of + - *

@@ -22,7 +22,7 @@ def train(args, nproc=1, timeout=120):
     (["--model_name_or_path", "/nonexistent/model"], "make_tiny_model.py --out /nonexistent/model", 1),
     (["--dataset", "/nonexistent/data.jsonl"], "does not exist", 1),
     (["--reward_fn", "no_such_module:f"], "cannot import", 1),
-    (["--num_unique_prompts_rollout", "3", "--num_samples_per_prompt_rollout", "3"], "do not split over 2 ranks", 2),
+    (["--fsdp_shard_size", "3"], "does not divide the world of 2 ranks", 2),
 ])
 def test_bad_input_is_one_line_before_anything_starts(args, fragment, nproc, tiny_model_dir, tmp_path):
     base = ["--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path / "out")]
