@@ -10,23 +10,86 @@ equal the gradient of one loss over the whole step.
 import math
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 
 # --- logprobs
 
 
+def _chunk_logits(hidden, weight, temperature):
+    # (n, V) logits in float32 at least (weight arrives upcast), for this chunk only: the product
+    # itself, not just its result, since bf16 logits are already rounded (mean |logp error| ~1e-2
+    # at Qwen2.5-0.5B's shape). 1/T scales the (n, H) input rather than the (n, V) product.
+    return (hidden.to(weight.dtype) / temperature) @ weight.t()
+
+
+@torch.no_grad()
 def _chunk_logprobs(hidden, weight, targets, temperature, head_ids, head_size):
-    # (n, V) logits in float32 at least, for this chunk only: the product itself, not just its
-    # result, since bf16 logits are already rounded (mean |logp error| ~1e-2 at Qwen2.5-0.5B's shape)
-    logits = hidden.to(weight.dtype) @ weight.t() / temperature
-    logz = torch.logsumexp(logits, -1)
-    logp = logits.gather(-1, targets[:, None])[:, 0] - logz
-    with torch.no_grad():  # entropy is logged, never differentiated; the top-k set is a choice, not a function
-        entropy = logz - (logits.softmax(-1) * logits).sum(-1)
-        if head_ids is None:
-            head_ids = logits.topk(head_size, -1).indices  # (n, k)
-    return logp, entropy, logits.gather(-1, head_ids) - logz[:, None], head_ids
+    """One chunk, without gradient, in one (n, V) buffer: log Z = max z + log sum exp(z - max z),
+    then p = softmax(z) in place and entropy = sum -p log p (torch.special.entr, in place too)."""
+    logits = _chunk_logits(hidden, weight, temperature)  # (n, V)
+    if head_ids is None:  # the top-k set is a choice, not a function
+        head_ids = logits.topk(head_size, -1).indices  # (n, k)
+    target_logits, head_logits = logits.gather(-1, targets[:, None])[:, 0], logits.gather(-1, head_ids)
+    top = logits.amax(-1)
+    p = logits.sub_(top[:, None]).exp_()  # the logits are not needed any more
+    sum_exp = p.sum(-1)
+    logz = top + sum_exp.log()  # (n,)
+    entropy = torch.special.entr(p.div_(sum_exp[:, None]), out=p).sum(-1)
+    return target_logits - logz, entropy, head_logits - logz[:, None], head_ids, logz
+
+
+def _all_chunks(hidden, weight, targets, temperature, head_ids, head_size, chunk_size):
+    outs = []
+    for i in range(0, max(hidden.shape[0], 1), chunk_size):  # an empty selection still gives (0, k) head ids
+        ids = None if head_ids is None else head_ids[i:i + chunk_size]
+        outs.append(_chunk_logprobs(hidden[i:i + chunk_size], weight, targets[i:i + chunk_size], temperature,
+                                    ids, head_size))
+    return tuple(torch.cat(parts) for parts in zip(*outs))
+
+
+def _float32_at_least(weight):
+    return weight.to(torch.promote_types(weight.dtype, torch.float32))
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """token_logprobs with gradients. z = hidden @ weight.T / T, p = softmax(z); for logp = z_t - log Z,
+    d logp / dz = onehot(t) - p, and likewise for each head column, so with upstream gradients g (N,)
+    and G (N, k):  dL/dz = onehot(t) g + sum_k onehot(head_k) G_k - p (g + sum_k G_k).
+    Backward recomputes z chunk by chunk from the saved log Z, turns it into dL/dz in place, and
+    accumulates the weight gradient dL/dz.T @ hidden / T into one (V, H) buffer (addmm_)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, head_ids, head_size, chunk_size):
+        logp, entropy, head_logp, head_ids, logz = _all_chunks(hidden, _float32_at_least(weight), targets,
+                                                               temperature, head_ids, head_size, chunk_size)
+        ctx.save_for_backward(hidden, weight, targets, head_ids, logz)  # weight as given: upcast again in backward
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.mark_non_differentiable(entropy, head_ids)  # entropy is logged, never differentiated
+        return logp, entropy, head_logp, head_ids
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy, grad_head, _grad_ids):
+        hidden, weight, targets, head_ids, logz = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        temperature, c = ctx.temperature, ctx.chunk_size
+        weight32 = _float32_at_least(weight)
+        grad_hidden = hidden.new_empty(hidden.shape, dtype=weight32.dtype) if need_hidden else None
+        grad_weight = torch.zeros_like(weight32) if need_weight else None  # the one (V, H) buffer
+        g, heads_g = grad_logp.to(weight32.dtype), grad_head.to(weight32.dtype)  # (N,), (N, k)
+        for i in range(0, hidden.shape[0], c):
+            h = hidden[i:i + c].to(weight32.dtype)
+            grad_z = _chunk_logits(h, weight32, temperature).sub_(logz[i:i + c, None]).exp_()  # p, in place
+            grad_z.mul_(-(g[i:i + c] + heads_g[i:i + c].sum(-1))[:, None])
+            grad_z.scatter_add_(1, targets[i:i + c, None], g[i:i + c, None])
+            grad_z.scatter_add_(1, head_ids[i:i + c], heads_g[i:i + c])
+            grad_z.div_(temperature)  # now dL/d(hidden @ weight.T)
+            if need_hidden:
+                torch.mm(grad_z, weight32, out=grad_hidden[i:i + c])
+            if need_weight:
+                grad_weight.addmm_(grad_z.t(), h)
+            del grad_z  # else it lives on while the next chunk's logits are built: two (n, V) buffers
+        return (grad_hidden.to(hidden.dtype) if need_hidden else None,
+                grad_weight.to(weight.dtype) if need_weight else None, None, None, None, None, None)
 
 
 def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=256, head_ids=None, head_size=0):
@@ -34,28 +97,19 @@ def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=256, hea
     tokens per position: the given head_ids (N, k), or else this policy's head_size most likely.
 
     hidden (N, H) final hidden states, weight (V, H) the LM head, targets (N,).
-    Logits are built chunk by chunk and recomputed in backward (activation
-    checkpointing), so at most (chunk_size, V) float32 logits exist at once instead of
-    (N, V). At vocabulary 151,936, hidden 896 and 2,048 tokens, forward + backward peaked
-    at 0.29 (CPU) and 0.33 (H100) of the naive path with chunks of 256, at 0.74 with 1,024,
-    for 1.1x the time of 1,024 (BENCHMARKS.md); below 256 the LM head's per-chunk weight
-    gradients set the peak.
+    Logits are built chunk by chunk and rebuilt in backward, where the gradient of each
+    chunk's logits is formed analytically and the LM head's gradient accumulates in place
+    (_ChunkedLogprobs): one (chunk_size, V) float32 buffer and one (V, H) gradient exist at
+    once instead of (N, V) logits. At vocabulary 151,936, hidden 896 and 2,048 tokens, forward
+    + backward peaked at 0.15 of the naive path on the CPU with chunks of 256 (0.25 with 1,024,
+    0.13 with 128; the (V, H) gradient is the floor), in about 1.2x its time (BENCHMARKS.md).
     Under bf16 mixed precision (GPU) hidden and weight arrive in bf16; the logits are
-    computed in float32 from upcast copies.
+    computed in float32 from upcast copies and the gradients returned in bf16.
     Returns logp (N,), entropy (N,), head_logp (N, k), head_ids (N, k).
     """
-    # Upcast the head once, not per chunk: its gradient then accumulates over chunks in float32
-    # and is cast to the parameter's dtype once. Costs one float32 copy of V x H for the pass.
-    weight = weight.to(torch.promote_types(weight.dtype, torch.float32))
-    outs = []
-    for i in range(0, max(hidden.shape[0], 1), chunk_size):  # an empty selection still builds a graph
-        ids = None if head_ids is None else head_ids[i:i + chunk_size]
-        args = (hidden[i:i + chunk_size], weight, targets[i:i + chunk_size], temperature, ids, head_size)
-        if torch.is_grad_enabled() and hidden.requires_grad:
-            outs.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
-        else:
-            outs.append(_chunk_logprobs(*args))
-    return tuple(torch.cat(parts) for parts in zip(*outs))
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _ChunkedLogprobs.apply(hidden, weight, targets, temperature, head_ids, head_size, chunk_size)
+    return _all_chunks(hidden, _float32_at_least(weight), targets, temperature, head_ids, head_size, chunk_size)[:4]
 
 
 # --- advantages

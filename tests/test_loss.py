@@ -9,25 +9,82 @@ from loss import (cispo_loss, dapo_loss, group_advantages, grpo_loss, kl_k1, kl_
                   step_denominator, token_logprobs)
 
 
-def test_chunked_logprobs_equal_naive_values_and_gradients():
-    torch.manual_seed(0)
-    hidden = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
-    targets = torch.randint(0, 50, (37,))
-    logp, ent, head, ids = token_logprobs(hidden, weight, targets, temperature=0.7, chunk_size=8, head_size=3)  # 5 chunks
-    logits = hidden @ weight.t() / 0.7
-    ref = torch.log_softmax(logits, -1)
-    ref_logp = ref.gather(-1, targets[:, None])[:, 0]
-    assert torch.allclose(logp, ref_logp, atol=1e-12)
-    assert torch.allclose(ent, -(ref.exp() * ref).sum(-1), atol=1e-12) and not ent.requires_grad
-    assert torch.equal(ids, ref.topk(3, -1).indices) and torch.allclose(head, ref.topk(3, -1).values, atol=1e-12)
-    given = torch.randint(0, 50, (37, 2))
-    _, _, head2, ids2 = token_logprobs(hidden, weight, targets, temperature=0.7, chunk_size=8, head_ids=given)
-    assert torch.equal(ids2, given) and torch.allclose(head2, ref.gather(-1, given), atol=1e-12)
-    g = torch.randn(37, dtype=torch.float64)
-    gh, gw = torch.autograd.grad((logp * g).sum(), (hidden, weight))
-    rh, rw = torch.autograd.grad((ref_logp * g).sum(), (hidden, weight))
-    assert torch.allclose(gh, rh, atol=1e-12) and torch.allclose(gw, rw, atol=1e-12)
+def naive_logprobs(hidden, weight, targets, temperature, head_ids):
+    """The reference: log_softmax over the full (N, V) logits, in float64."""
+    logp_all = torch.log_softmax(hidden.double() @ weight.double().t() / temperature, -1)  # (N, V)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp_all.gather(-1, targets[:, None])[:, 0], entropy, logp_all.gather(-1, head_ids), logp_all
+
+
+@pytest.mark.parametrize("n, chunk_size, temperature, heads", [
+    (37, 8, 1.0, 0),  # plain: 5 chunks, the last one short, no head
+    (37, 8, 0.7, 3),  # temperature, this policy's top 3
+    (37, 8, 1.3, "given"),  # head ids given (repeats and the target among them allowed)
+    (16, 8, 0.7, 2),  # N a multiple of the chunk
+    (5, 8, 0.7, "given"),  # N below one chunk
+    (0, 8, 0.7, 3),  # an empty selection
+])
+def test_chunked_logprobs_match_float64_log_softmax(n, chunk_size, temperature, heads):
+    """Values and the gradients of hidden and weight through logp and head_logp, against the
+    full log_softmax; the gradient of the chunks is written by hand (_ChunkedLogprobs)."""
+    g = torch.Generator().manual_seed(n)
+    hidden = torch.randn(n, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (n,), generator=g)
+    given = torch.randint(0, 50, (n, 4), generator=g) if heads == "given" else None
+    logp, ent, head, ids = token_logprobs(hidden, weight, targets, temperature, chunk_size, head_ids=given,
+                                          head_size=0 if heads == "given" else heads)
+    ref_logp, ref_ent, ref_head, ref_all = naive_logprobs(hidden, weight, targets, temperature, ids)
+    expected_ids = given if heads == "given" else ref_all.topk(heads, -1).indices
+    assert torch.equal(ids, expected_ids) and head.shape == (n, expected_ids.shape[1])
+    assert torch.allclose(logp, ref_logp, atol=1e-12) and torch.allclose(head, ref_head, atol=1e-12)
+    assert torch.allclose(ent, ref_ent, atol=1e-12) and not ent.requires_grad
+    c, c_head = torch.randn(n, generator=g, dtype=torch.float64), torch.randn(head.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((c * logp).sum() + (c_head * head).sum(), (hidden, weight))
+    ref_grads = torch.autograd.grad((c * ref_logp).sum() + (c_head * ref_head).sum(), (hidden, weight))
+    for got, ref in zip(grads, ref_grads):
+        assert torch.allclose(got, ref, atol=1e-12), (got - ref).abs().max()
+
+
+def test_chunked_logprobs_gradcheck():
+    """Finite differences in float64 on a tiny shape: 3 chunks, temperature, head ids given."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(7, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(11, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    targets, given = torch.randint(0, 11, (7,), generator=g), torch.randint(0, 11, (7, 2), generator=g)
+    fn = lambda h, w: token_logprobs(h, w, targets, 0.7, chunk_size=3, head_ids=given)[::2]  # noqa: E731 logp, head_logp
+    assert torch.autograd.gradcheck(fn, (hidden, weight))
+
+
+@pytest.mark.parametrize("grad_of", ["hidden", "weight"])
+def test_chunked_logprobs_with_one_input_frozen(grad_of):
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(20, 16, generator=g, dtype=torch.float64, requires_grad=grad_of == "hidden")
+    weight = torch.randn(50, 16, generator=g, dtype=torch.float64, requires_grad=grad_of == "weight")
+    targets = torch.randint(0, 50, (20,), generator=g)
+    logp, _, head, ids = token_logprobs(hidden, weight, targets, 0.7, chunk_size=8, head_size=2)
+    ref_logp, _, ref_head, _ = naive_logprobs(hidden, weight, targets, 0.7, ids)
+    leaf = hidden if grad_of == "hidden" else weight
+    got, = torch.autograd.grad(logp.sum() + head.sum(), leaf)
+    ref, = torch.autograd.grad(ref_logp.sum() + ref_head.sum(), leaf)
+    assert torch.allclose(got, ref, atol=1e-12)
+
+
+def test_bf16_gradients_come_back_in_bf16_from_float32_sums():
+    """bf16 hidden and head (FSDP2's mixed precision): the gradients are summed in float32 and
+    rounded to bf16 once, so each is within bf16's rounding (2^-9 relative) of the float64 one."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(40, 64, generator=g).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(1000, 64, generator=g) / 4).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, 1000, (40,), generator=g)
+    logp, _, head, ids = token_logprobs(hidden, weight, targets, 0.7, chunk_size=16, head_size=3)
+    (logp.sum() + head.sum()).backward()
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    ref_logp, _, ref_head, _ = naive_logprobs(h64, w64, targets, 0.7, ids)
+    (ref_logp.sum() + ref_head.sum()).backward()
+    for got, ref in ((hidden.grad, h64.grad), (weight.grad, w64.grad)):
+        assert got.dtype == torch.bfloat16
+        assert ((got.double() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-6).all()
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
