@@ -8,6 +8,13 @@ from dataclasses import dataclass, field, fields
 from typing import Literal, Optional, get_args, get_origin
 
 
+def flash_attention_available() -> bool:
+    import importlib.util
+
+    import torch
+    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
 @dataclass
 class Config:
     # --- model and data
@@ -145,6 +152,9 @@ class Config:
             return f"math_digits={self.math_digits} must be in 1..9 and math_steps={self.math_steps} >= 1"
         if not self.math_operations or set(self.math_operations) - set("+-*"):
             return f"math_operations={self.math_operations!r} must be made of + - * (for example '+-' or '+-*')"
+        if self.attn_implementation == "flash_attention_2" and not flash_attention_available():
+            return ("attn_implementation='flash_attention_2' needs a CUDA GPU and the flash-attn package; install it "
+                    "there, or use packed_sdpa (the default)")
 
     def _check_rollouts(self):
         if self.top_p != 1.0:

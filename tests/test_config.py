@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from cli import help_text, parse_args
+import config
 from config import Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -222,3 +223,9 @@ def test_train_py_help():
 def test_train_py_bad_value_is_one_line():
     out = subprocess.run([sys.executable, "train.py", "--loss_fn", "ppo"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "loss_fn='ppo'" in out.stderr
+
+
+@pytest.mark.skipif(config.flash_attention_available(), reason="flash attention runs here")
+def test_flash_attention_without_a_gpu_or_flash_attn_is_one_line():
+    with pytest.raises(ValueError, match="needs a CUDA GPU and the flash-attn package"):
+        Config(attn_implementation="flash_attention_2")

@@ -2,7 +2,6 @@
 token balancer's promises (whole groups, every sequence once, balanced ranks, equal forward passes)."""
 
 import copy
-import importlib.util
 import random
 from dataclasses import replace
 
@@ -10,7 +9,7 @@ import pytest
 import torch
 
 import packing
-from config import Config
+from config import Config, flash_attention_available
 from loss import grpo_loss
 from parallel import sequence_logprobs
 
@@ -36,8 +35,7 @@ def models(tiny_model_dir):
     return dict(qwen2=AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), llama=llama)
 
 
-FLASH = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is None,
-                           reason="flash_attention_2 needs a GPU and the flash-attn package")
+FLASH = pytest.mark.skipif(not flash_attention_available(), reason="flash_attention_2 needs a GPU and the flash-attn package")
 
 
 @pytest.mark.parametrize("arch,impl", [(a, i) for a in ("qwen2", "llama") for i in ("sdpa", "eager", "packed_sdpa")] + [
