@@ -25,7 +25,7 @@ def test_a_gloo_thread_busy_at_exit_does_not_abort_the_rank(tiny_model_dir):
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
     assert "terminate called" not in out
-    left = re.findall(r"rank (\d) threads after close: \[(.*)\]", out)
+    left = re.findall(r"rank (\d) threads after close: \[(.*?)\]", out)  # lazy: the two ranks may print on one line
     assert sorted(r for r, _ in left) == ["0", "1"], out[-4000:]
     for _, names in left:
         assert "gloo" not in names, names  # pt_gloo_runloop, gloo_tcp_loop: joined by close_distributed
