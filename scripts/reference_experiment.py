@@ -13,9 +13,10 @@ Runs (the same start, data and budget; k3 KL with beta BETA where there is a KL 
 
 One vLLM CPU server serves every run (each run pushes its initial weights into it first);
 each run is `torchrun --nproc_per_node NPROC train.py`. Greedy accuracy on the held-out
-prompts every EVAL steps. Writes OUT/reference_experiment.png (accuracy curves, mean and
-+- std over seeds), copies it to docs/, and prints a markdown table (accuracy at step 0
-and at the end, per seed and mean +- std) with the command of each run. Runs already
+prompts every EVAL steps. Writes OUT/reference_experiment.png (accuracy, training reward and KL,
+mean and +- std over seeds), copies it to docs/, and prints a markdown table (accuracy at step 0
+and at the end, per seed and mean +- std; training reward and KL over the last 10 steps)
+with the command of each run. Runs already
 finished in OUT are read back, not run again, so the experiment can be done a few runs
 at a time; the runs go seed by seed (every configuration's seed 1 first).
 """
@@ -99,8 +100,13 @@ def start_server(args):
                                  os.path.join(args.out, "vllm.log"), port=args.port)
 
 
-def curves(rows):
-    return [(r["step"], r["eval_accuracy"]) for r in rows if r.get("eval_accuracy") is not None]
+def curves(rows, key="eval_accuracy"):
+    return [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+
+
+def tail_mean(rows, key, n=10):
+    """The mean of `key` over a run's last n training steps."""
+    return statistics.mean(v for _, v in curves(rows, key)[-n:])
 
 
 def plot(results, args, path):
@@ -109,33 +115,44 @@ def plot(results, args, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, runs in results.items():
-        per_seed = [curves(rows) for rows in runs]
-        steps = [s for s, _ in per_seed[0]]
-        acc = [[c[i][1] for c in per_seed] for i in range(len(steps))]
-        mean = [statistics.mean(a) for a in acc]
-        std = [statistics.stdev(a) if len(a) > 1 else 0.0 for a in acc]
-        ax.plot(steps, mean, marker="o", markersize=3, label=f"{name} ({len(runs)} seed(s))")
-        ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.15)
-    ax.set(title="held-out greedy accuracy, mean +- std over seeds", xlabel="step", ylabel="accuracy")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    panels = [("eval_accuracy", "held-out greedy accuracy"), ("reward_mean", "training reward"),
+              ("kl", "KL to the reference (k3)")]
+    for ax, (key, title) in zip(axes, panels):
+        for name, runs in results.items():
+            if key == "kl" and "BETA" not in RUNS[name]:
+                ax.plot([], [])  # no reference: keep each run's colour across the panels
+                continue
+            per_seed = [dict(curves(rows, key)) for rows in runs]
+            steps = sorted(set.intersection(*(set(c) for c in per_seed)))
+            vals = [[c[s] for c in per_seed] for s in steps]
+            mean = [statistics.mean(v) for v in vals]
+            std = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in vals]
+            ax.plot(steps, mean, marker="o", markersize=3, label=f"{name} ({len(runs)} seed(s))")
+            ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                            alpha=0.15)
+        ax.set(title=f"{title}, mean +- std over seeds", xlabel="step")
+        ax.grid(alpha=0.3)
+    axes[0].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
 
 def table(results, args):
     fmt = lambda xs: f"{statistics.mean(xs):.3f} +- {statistics.stdev(xs) if len(xs) > 1 else 0:.3f}"  # noqa: E731
-    lines = [f"{args.steps} steps, beta {args.beta} (k3) where there is a KL term\n",
-             "| run | seeds | accuracy at step 0 | final accuracy (per seed) | final mean +- std | command (seed 1) |",
-             "|---|---|---|---|---|---|"]
+    lines = [f"{args.steps} steps, beta {args.beta} (k3) where there is a KL term; reward and KL: mean of the last "
+             "10 training steps\n",
+             "| run | seeds | accuracy at step 0 | final accuracy (per seed) | final mean +- std | reward | KL | "
+             "command (seed 1) |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, runs in results.items():
         first = [curves(rows)[0][1] for rows in runs]
         last = [curves(rows)[-1][1] for rows in runs]
+        reward = [tail_mean(rows, "reward_mean") for rows in runs]
+        kl = fmt([tail_mean(rows, "kl") for rows in runs]) if "BETA" in RUNS[name] else "-"
         cmd = " ".join(command(args, name, RUNS[name], 1, "URL")).replace(args.out, "OUT").replace(ROOT + os.sep, "")
         lines.append(f"| {name} | {len(runs)} | {fmt(first)} | {', '.join(f'{x:.3f}' for x in last)} | {fmt(last)} | "
-                     f"`{cmd}` |")
+                     f"{fmt(reward)} | {kl} | `{cmd}` |")
     return "\n".join(lines)
 
 
