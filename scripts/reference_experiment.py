@@ -142,9 +142,9 @@ def table(results, args):
     fmt = lambda xs: f"{statistics.mean(xs):.3f} +- {statistics.stdev(xs) if len(xs) > 1 else 0:.3f}"  # noqa: E731
     lines = [f"{args.steps} steps, beta {args.beta} (k3) where there is a KL term; reward and KL: mean of the last "
              "10 training steps\n",
-             "| run | seeds | accuracy at step 0 | final accuracy (per seed) | final mean +- std | reward | KL | "
-             "command (seed 1) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| run | seeds | accuracy at step 0 | final accuracy (per seed) | final mean +- std | gain over step 0 | "
+             "reward | KL | command (seed 1) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, runs in results.items():
         first = [curves(rows)[0][1] for rows in runs]
         last = [curves(rows)[-1][1] for rows in runs]
@@ -152,7 +152,7 @@ def table(results, args):
         kl = fmt([tail_mean(rows, "kl") for rows in runs]) if "BETA" in RUNS[name] else "-"
         cmd = " ".join(command(args, name, RUNS[name], 1, "URL")).replace(args.out, "OUT").replace(ROOT + os.sep, "")
         lines.append(f"| {name} | {len(runs)} | {fmt(first)} | {', '.join(f'{x:.3f}' for x in last)} | {fmt(last)} | "
-                     f"{fmt(reward)} | {kl} | `{cmd}` |")
+                     f"{fmt([b - a for a, b in zip(first, last)])} | {fmt(reward)} | {kl} | `{cmd}` |")
     return "\n".join(lines)
 
 
