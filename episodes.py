@@ -57,6 +57,7 @@ def sample_groups(cfg, client, rows, seed, step, pool, tokenizer, show=False):
     shown = range(0, len(flat), max(1, len(flat) // SAMPLES_SHOWN))[:SAMPLES_SHOWN] if show else []  # different groups
     rewards = torch.tensor(rewards)
     adv, std = group_advantages(rewards, cfg.num_samples_per_prompt_rollout, cfg.advantage_normalization_type)
+    # std is exactly 0 for a group whose rewards are all equal (max == min), also at 2/3 or 0.1
     keep = (std > 0) if cfg.filter_zero_std_samples else torch.ones_like(std, dtype=torch.bool)
     samples = [dict(prompt_ids=r["prompt_ids"], token_ids=s["token_ids"], logprobs=s["logprobs"], adv=a,
                     version=s["version"])

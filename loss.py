@@ -118,11 +118,17 @@ def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=256, hea
 def group_advantages(rewards, group_size, normalization="standard", eps=1e-6):
     """GRPO advantages of rewards (G * group_size,) laid out group after group.
     standard: (r - mean) / (std + eps); centered: r - mean (Dr GRPO drops the std).
+    A group whose rewards are all equal gets advantage exactly 0 and std exactly 0.
     Also returns the per-sequence std of its group (0 marks a group with no signal)."""
     r = rewards.view(-1, group_size)  # (G, S)
     mean, std = r.mean(-1, keepdim=True), r.std(-1, keepdim=True)
+    # "Alike" is max == min, not std == 0: equal rewards that float32 cannot represent (0.1, 2/3)
+    # leave a float32 mean a rounding off and a std ~1e-8, and (r - mean) / (std + eps) then
+    # turns that rounding into advantages of +-0.06 that push whatever the policy already does.
+    alike = r.amax(-1, keepdim=True) == r.amin(-1, keepdim=True)  # (G, 1)
+    std = std.masked_fill(alike, 0.0)
     adv = r - mean if normalization == "centered" else (r - mean) / (std + eps)
-    return adv.reshape(-1), std.expand_as(r).reshape(-1)
+    return adv.masked_fill(alike, 0.0).reshape(-1), std.expand_as(r).reshape(-1)
 
 
 # --- KL estimators of KL(pi || pi_ref), per token, d = logp - ref_logp

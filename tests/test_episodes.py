@@ -80,6 +80,21 @@ def test_without_active_sampling_one_round(tokenizer):
     assert "active_sampling_rounds" not in m
 
 
+@pytest.mark.parametrize("credit", [2 / 3, 0.1])
+def test_groups_of_equal_partial_credit_are_filtered(tokenizer, credit):
+    """Partial credit that float32 cannot represent: a group all scored 2/3 (or 0.1) has no signal
+    and is dropped; unfiltered, its samples carry advantage exactly 0."""
+    score = lambda prompt, completion, example: credit * (completion == example["answer"])  # noqa: E731
+    cfg = Config(num_unique_prompts_rollout=2, num_samples_per_prompt_rollout=8)
+    samples, m = rollout_batch(cfg, ScriptedServer(tokenizer, agree={0}), PromptSampler(rows(2), 0), 1,
+                               RewardPool(score, workers=0), tokenizer)
+    assert m["filtered_groups"] == 1 and len(samples) == 8 and {s["prompt_ids"][0] for s in samples} == {1}
+    cfg = Config(num_unique_prompts_rollout=2, num_samples_per_prompt_rollout=8, filter_zero_std_samples=False)
+    samples, m = rollout_batch(cfg, ScriptedServer(tokenizer, agree={0}), PromptSampler(rows(2), 0), 1,
+                               RewardPool(score, workers=0), tokenizer)
+    assert m["filtered_groups"] == 0 and [s["adv"] for s in samples if s["prompt_ids"][0] == 0] == [0.0] * 8
+
+
 def test_request_seeds_leave_room_for_every_sample():
     """vLLM gives sample j of a request with seed s the seed s + j: prompt i must get
     base + i * n, or neighbouring prompts share n - 1 of their n streams."""

@@ -124,6 +124,20 @@ def test_group_advantages():
     assert torch.equal(adv, torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]))
 
 
+@pytest.mark.parametrize("normalization", ["standard", "centered"])
+@pytest.mark.parametrize("value", [0.1, 1 / 3, 2 / 3, 0.6, 0.9])
+def test_alike_groups_get_exactly_zero(value, normalization):
+    """Eight equal rewards that float32 cannot represent: the float32 mean is a rounding off and
+    the std ~1e-8, which (r - mean) / (std + eps) used to blow up to advantages of +-0.06."""
+    rewards = torch.tensor([value] * 8 + [value, 0.0] * 4)  # an alike group, then one with signal
+    adv, std = group_advantages(rewards, 8, normalization)
+    assert torch.equal(adv[:8], torch.zeros(8)) and torch.equal(std[:8], torch.zeros(8))
+    signal = torch.tensor([value, 0.0] * 4)
+    s = signal.std().item()
+    expected = signal - signal.mean() if normalization == "centered" else (signal - signal.mean()) / (s + 1e-6)
+    assert torch.allclose(adv[8:], expected) and torch.allclose(std[8:], torch.full((8,), s))
+
+
 # rho and A chosen to hit every branch of max(-A rho, -A clip(rho, 0.8, 1.28))
 RHO = torch.tensor([0.5, 0.9, 1.0, 1.5, 1.5, 0.5], dtype=torch.float64)
 ADV = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
