@@ -132,24 +132,38 @@ def group_advantages(rewards, group_size, normalization="standard", eps=1e-6):
 
 
 # --- KL estimators of KL(pi || pi_ref), per token, d = logp - ref_logp
+#
+# The tokens were sampled by mu, not by pi: by pi_old (the weights before this step's first
+# update: later mini-batches and epochs) or by vLLM's weights (the engine's mismatch, or older
+# weights with async_steps > 0). rho = pi/mu (grpo_loss: exp(logp - old_logp) x the TIS weight
+# min(pi_old/pi_vllm, cap)). k1-k3 are weighted by sg(rho), which leaves each one's value and
+# gradient in expectation over mu what it is on-policy (E_mu[sg(rho) f] = E_pi[f]); unweighted,
+# they would estimate their targets under mu. On-policy rho = 1 exactly and nothing changes.
+
+
+def sampled_weight(rho):
+    """sg(rho) = pi/mu without gradient, or 1 when rho is None (tokens sampled by pi itself)."""
+    return 1.0 if rho is None else rho.detach()
 
 
 def kl_k1(logp, ref_logp, rho=None):
-    """d. Unbiased value on-policy; its expected gradient is zero (E[grad log pi] = 0),
+    """sg(rho) d. Unbiased value; its expected gradient is zero (E_pi[grad log pi] = 0),
     so as a loss it does not pull toward the reference."""
-    return logp - ref_logp
+    return sampled_weight(rho) * (logp - ref_logp)
 
 
 def kl_k2(logp, ref_logp, rho=None):
-    """d^2 / 2. Biased value; on-policy its gradient equals the reverse-KL gradient."""
-    return 0.5 * (logp - ref_logp) ** 2
+    """sg(rho) d^2 / 2. Biased value (E_pi[d^2] / 2, close to the KL when pi is near pi_ref);
+    its expected gradient E_pi[d grad log pi] is the reverse-KL gradient."""
+    return sampled_weight(rho) * 0.5 * (logp - ref_logp) ** 2
 
 
 def kl_k3(logp, ref_logp, rho=None):
-    """exp(-d) - 1 + d >= 0. Unbiased, low-variance value; its gradient is that of the
-    forward KL(pi_ref || pi), not the reverse KL it estimates."""
+    """sg(rho) (exp(-d) - 1 + d) >= 0. Unbiased, low-variance value; its expected gradient
+    E_pi[(1 - pi_ref/pi) grad log pi] is that of the forward KL(pi_ref || pi), not of the
+    reverse KL it estimates."""
     d = logp - ref_logp
-    return torch.exp(-d) - 1 + d
+    return sampled_weight(rho) * (torch.exp(-d) - 1 + d)
 
 
 def kl_k4(logp, ref_logp, rho):
@@ -290,8 +304,8 @@ def grpo_loss(logp, old_logp, adv, seq_ids, denominator, cfg, *, ref_logp=None, 
     KL estimator cfg.kl_estimator weighted by cfg.beta.
 
     tis_weight (N,), truncated importance sampling min(pi_old/pi_vllm, cap), multiplies the
-    policy term only; it also corrects the KL estimators that sample (k4 and the top-k tail),
-    whose weight must be pi/mu with mu the policy that sampled: pi/pi_old x pi_old/pi_vllm.
+    policy term; it also corrects every KL estimator (k1-k3 by sg(rho), k4 and the top-k tail
+    by rho), whose weight must be pi/mu with mu the policy that sampled: pi/pi_old x pi_old/pi_vllm.
     keep (N,) masks tokens out of the policy term (mismatch_keep). ess_value is sg(ESS) for
     loss_fn="ess"; kl_heads is the tuple (head_logp, ref_head_logp, in_head) for
     kl_estimator="topk". Returns (loss, sums) where sums holds per-micro-batch totals for

@@ -214,14 +214,15 @@ def test_constant_denominator():
     assert step_denominator("token", n_tokens=0, n_sequences=0) == 1  # nothing to train on: no division by zero
 
 
-def test_tis_weight_multiplies_policy_term_only():
+def test_tis_weight_multiplies_policy_term_and_kl():
+    """The tokens were sampled by vLLM: rho = pi/pi_old x w = w here, and k3 is weighted by sg(rho)."""
     logp = torch.tensor([-1.0, -2.0], dtype=torch.float64)
     ref = torch.tensor([-1.5, -1.0], dtype=torch.float64)
     adv = torch.tensor([1.0, 1.0], dtype=torch.float64)
     w = torch.tensor([0.5, 2.0], dtype=torch.float64)
     loss, _ = grpo_loss(logp, logp, adv, torch.arange(2), 1.0, Config(beta=0.1), ref_logp=ref, tis_weight=w)
     k3 = torch.exp(-(logp - ref)) - 1 + (logp - ref)
-    assert torch.isclose(loss, (-adv * w).sum() + 0.1 * k3.sum())
+    assert torch.isclose(loss, (-adv * w).sum() + 0.1 * (w * k3).sum())
 
 
 def test_mismatch_masks_by_hand():

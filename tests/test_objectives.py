@@ -192,6 +192,48 @@ def test_grpo_loss_weights_the_kl_by_the_policy_that_sampled(kl_estimator):
     assert torch.allclose(value, kl, atol=1e-12) and torch.allclose(grad, kl_grad, atol=1e-6)
 
 
+def sampled_targets(theta, ref_logits):
+    """What k1, k2, k3 estimate in expectation under pi, exactly over the vocabulary: the value
+    and the gradient of (value target, gradient target). k1: the KL, zero gradient; k2: E_pi[d^2]/2,
+    the reverse-KL gradient; k3: the KL, the forward KL(pi_ref || pi)'s gradient."""
+    logpi, logref = torch.log_softmax(theta, -1), torch.log_softmax(ref_logits, -1)
+    kl, kl_grad = exact_kl(theta, ref_logits)
+    (forward_grad,) = torch.autograd.grad((logref.exp() * (logref - logpi)).sum(), theta)
+    half_d2 = (logpi.exp() * (logpi - logref) ** 2 / 2).sum().detach()
+    return {"k1": (kl, torch.zeros(V, dtype=torch.float64)), "k2": (half_d2, kl_grad), "k3": (kl, forward_grad)}
+
+
+@pytest.mark.parametrize("kl_estimator", ["k1", "k2", "k3"])
+def test_k1_k2_k3_estimate_under_pi_when_another_policy_sampled(kl_estimator):
+    """Through grpo_loss: tokens p ~ mu (vLLM's weights), old_logp from pi_old, tis_weight =
+    min(pi_old/mu, cap) with a cap that does not bind. Weighted by sg(pi/mu), E_mu of each
+    estimator's value and gradient is what it is on-policy under pi; on-policy (old_logp =
+    sg(logp), no TIS) the weighted forms are the plain ones bit for bit."""
+    theta = logits(0).requires_grad_()
+    logpi, logref, logold, logmu = (torch.log_softmax(x, -1) for x in (theta, logits(1), logits(2), logits(3)))
+    tis = torch.exp(logold - logmu).clamp(max=100.0)
+    assert tis.max() < 100.0
+    cfg = Config(beta=1.0, kl_estimator=kl_estimator)
+    no_adv, one_seq = torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.long)
+    value = 0.0
+    for p in range(V):  # one sampled token per call, weighted by its probability under mu
+        one = slice(p, p + 1)
+        loss, _ = grpo_loss(logpi[one], logold[one], no_adv, one_seq, 1.0, cfg, ref_logp=logref[one],
+                            tis_weight=tis[one])
+        value = value + logmu[p].exp().detach() * loss
+    (grad,) = torch.autograd.grad(value, theta)
+    target, target_grad = sampled_targets(theta, logits(1))[kl_estimator]
+    assert torch.allclose(value, target, atol=1e-12) and torch.allclose(grad, target_grad, atol=1e-12)
+    # on-policy: rho = exp(logp - sg(logp)) = 1 exactly, so neither value nor gradient moves
+    logp = logpi.detach().requires_grad_()
+    d = logp - logref.detach()
+    plain = {"k1": d, "k2": 0.5 * d ** 2, "k3": torch.exp(-d) - 1 + d}[kl_estimator]
+    loss, _ = grpo_loss(logp, logp.detach(), torch.zeros(V, dtype=torch.float64), torch.arange(V), 3.0, cfg,
+                        ref_logp=logref.detach())
+    assert torch.equal(loss, plain.sum() / 3.0)
+    assert torch.equal(torch.autograd.grad(loss, logp)[0], torch.autograd.grad(plain.sum() / 3.0, logp)[0])
+
+
 def test_published_topk_gradient_is_biased_by_grad_pi_of_q():
     """Without the zero-valued (r - 1) term the value is still right but the expected
     gradient carries grad pi(q); at k = 0 and k = |V| that term vanishes."""
