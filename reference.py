@@ -5,7 +5,8 @@
 every `ref_policy_update_freq` steps (open-instruct's Polyak update, alpha = 0.6 by
 default). EMA-PG's (Zhang & Ba) EMA anchor theta_ema <- eta * theta_ema + (1 - eta) * theta is the
 same update with alpha = 1 - eta; TRL's sync_ref_model / ref_model_sync_steps /
-ref_model_mixup_alpha map to load_ref_policy / ref_policy_update_freq / alpha.
+ref_model_mixup_alpha map to load_ref_policy / ref_policy_update_freq / alpha, where TRL's N
+counts optimizer steps and ours rollout steps (N / (num_mini_batches x num_epochs) here).
 
 The reference has the policy's architecture and the same FSDP2 sharding, so each of its
 shards lives on the rank that owns the matching policy shard: the update is one
@@ -17,9 +18,12 @@ With offload_ref_policy the reference's shards stay in CPU memory: the update th
 there, on a copy of the policy's local shards (still no collective); with offload_params
 too, both are there already.
 
-When the parameters are stored in a low precision (bf16), small increments
-alpha * (policy - ref) round away; the EMA then runs on an fp32 master copy of the local
-shards and the bf16 shards are copied from it.
+parallel.load_model stores the parameters in float32 (bf16 is FSDP2's compute dtype on a GPU,
+not the dtype of the shards), so as train.py builds it the update runs on them directly and
+there is no master copy. When the parameters are stored in a low precision (a model loaded in
+bf16, or a reference cast with .to(torch.bfloat16)), small increments alpha * (policy - ref)
+round away; the EMA then runs on an fp32 master copy of the local shards and the bf16 shards
+are copied from it (tests/test_reference.py, on the sharded tiny model).
 """
 
 import torch
