@@ -323,6 +323,7 @@ def grpo_loss(logp, old_logp, adv, seq_ids, denominator, cfg, *, ref_logp=None, 
         if cfg.kl_estimator == "topk":  # needs the top-k heads, not just the sampled token
             kl = kl_topk(logp, ref_logp, old_logp, *kl_heads, behaviour_weight=tis_weight)
         else:
+            # pi/mu, mu the policy that sampled: k1-k3 take sg(rho) (their on-policy targets, off-policy too), k4 rho
             rho = torch.exp(logp - old_logp) * (1.0 if tis_weight is None else tis_weight)
             kl = KL_ESTIMATORS[cfg.kl_estimator](logp, ref_logp, rho)
     loss = (pg + trust + cfg.beta * kl).sum() / denominator
