@@ -60,8 +60,8 @@ def load_inputs(cfg):
     rank0 = int(os.environ.get("RANK", 0)) == 0
     try:
         cfg.batch_plan(int(os.environ.get("WORLD_SIZE", 1)))
-        check_model_config(cfg)  # an LM head or layout the logprobs do not implement
         tokenizer = load_tokenizer(cfg)
+        check_model_config(cfg)  # an LM head or layout the logprobs do not implement
         train_rows, eval_rows, skipped, reward_fn = load_prompts(cfg, tokenizer)
         return tokenizer, train_rows, eval_rows, skipped, reward_fn, tracking.open_tracker(cfg) if rank0 else None
     except ValueError as e:

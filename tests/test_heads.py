@@ -84,3 +84,23 @@ def test_the_refusal_reads_only_the_config(tmp_path):
         check_model_config(types.SimpleNamespace(model_name_or_path=str(tmp_path)))
     Qwen2Config(**SMALL).save_pretrained(tmp_path)
     check_model_config(types.SimpleNamespace(model_name_or_path=str(tmp_path)))
+
+
+def test_train_refuses_a_soft_capped_model_in_one_line(tiny_model_dir, tmp_path):
+    """train.py on a Gemma-2 config (the tiny tokenizer beside it): one `error:` line naming the
+    field, exit 2, before any process group, model or server."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    model_dir = tmp_path / "gemma2"
+    shutil.copytree(tiny_model_dir, model_dir)
+    Gemma2Config(**{**SMALL, "vocab_size": 64}, head_dim=16).save_pretrained(model_dir)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(root, "train.py"), "--model_name_or_path", str(model_dir),
+                          "--output_dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=300, cwd=root)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert out.returncode == 2 and len(errors) == 1, out.stderr[-2000:]
+    assert "final_logit_softcapping=30.0" in errors[0] and "Traceback" not in out.stderr
+    assert not os.path.exists(tmp_path / "out" / "vllm.log")
