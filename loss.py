@@ -92,11 +92,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 grad_weight.to(weight.dtype) if need_weight else None, None, None, None, None, None)
 
 
-def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=256, head_ids=None, head_size=0):
+def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=256, head_ids=None, head_size=0,
+                   logit_scale=1.0):
     """log pi(target) and the entropy of pi at each of N positions, and log pi at k more
     tokens per position: the given head_ids (N, k), or else this policy's head_size most likely.
 
-    hidden (N, H) final hidden states, weight (V, H) the LM head, targets (N,).
+    hidden (N, H) final hidden states, weight (V, H) the LM head, targets (N,); the logits are
+    logit_scale * hidden @ weight.T / temperature (logit_scale: a multiplier on the head's
+    logits, Cohere's logit_scale or 1 / Granite's logits_scaling, as vLLM applies it).
     Logits are built chunk by chunk and rebuilt in backward, where the gradient of each
     chunk's logits is formed analytically and the LM head's gradient accumulates in place
     (_ChunkedLogprobs): one (chunk_size, V) float32 buffer and one (V, H) gradient exist at
@@ -107,6 +110,7 @@ def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=256, hea
     computed in float32 from upcast copies and the gradients returned in bf16.
     Returns logp (N,), entropy (N,), head_logp (N, k), head_ids (N, k).
     """
+    temperature = temperature / logit_scale  # the same logits: the kernel divides hidden by it, forward and backward
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _ChunkedLogprobs.apply(hidden, weight, targets, temperature, head_ids, head_size, chunk_size)
     return _all_chunks(hidden, _float32_at_least(weight), targets, temperature, head_ids, head_size, chunk_size)[:4]

@@ -99,17 +99,31 @@ def collate(samples):
                 mask=torch.tensor([mask[:-1]], dtype=torch.bool), **per_token(vllm_logp, adv, fresh, seq_ids))
 
 
-def packed_sdpa(module, query, key, value, attention_mask, position_ids=None, **kwargs):
+def packed_sdpa(module, query, key, value, attention_mask, position_ids=None, sliding_window=None, **kwargs):
     """transformers' sdpa run on each sequence of a packed row (position_ids restart at 0),
-    causal within it: the mask transformers built for the row is not needed. Any other input
-    (padded rows with their mask, one sequence) goes to transformers' sdpa as it is.
+    causal within it and, on a layer with a sliding window (Mistral, Qwen2's and Gemma-3's local
+    layers: transformers passes the layer's sliding_window), within the window too: the mask
+    transformers built for the row is not needed. Any other input (padded rows with their mask,
+    one sequence under the mask transformers built) goes to transformers' sdpa as it is.
     query (1, heads, L, head_dim); returns (1, L, heads, head_dim) as the sdpa it stands for."""
     starts = (position_ids[0] == 0).nonzero()[:, 0].tolist() if position_ids is not None and len(query) == 1 else []
-    if len(starts) < 2:
+    # one sequence and no mask (ulysses_attention builds none) still needs its window here
+    if len(starts) < 2 and (attention_mask is not None or not sliding_window or not starts):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     bounds = starts + [query.shape[2]]
-    return torch.cat([sdpa_attention_forward(module, query[:, :, lo:hi], key[:, :, lo:hi], value[:, :, lo:hi], None,
-                                             **kwargs)[0] for lo, hi in zip(bounds, bounds[1:])], dim=1), None
+    return torch.cat([sdpa_attention_forward(module, query[:, :, lo:hi], key[:, :, lo:hi], value[:, :, lo:hi],
+                                             window_mask(hi - lo, sliding_window, query.device), **kwargs)[0]
+                      for lo, hi in zip(bounds, bounds[1:])], dim=1), None
+
+
+def window_mask(n, sliding_window, device):
+    """Causal attention over the last sliding_window tokens (the query's own included), as
+    transformers' sliding_window_overlay: (1, 1, n, n) bool, True where attended. None (sdpa's
+    plain causal) without a window or when the sequence fits in it."""
+    if not sliding_window or n <= sliding_window:
+        return None
+    back = torch.arange(n, device=device)[:, None] - torch.arange(n, device=device)  # (n, n): query - key
+    return ((back >= 0) & (back < sliding_window))[None, None]
 
 
 AttentionInterface.register("packed_sdpa", packed_sdpa)

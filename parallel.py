@@ -89,7 +89,7 @@ def close_distributed():
     dist.destroy_process_group()
     # DTensor's caches keep device meshes alive past the run, and a mesh holds its groups.
     for obj in gc.get_objects():
-        if isinstance(obj, DeviceMesh):
+        if isinstance(obj, DeviceMesh) and hasattr(obj, "_pg_registry"):  # older torch keeps no groups on the mesh
             obj._pg_registry.clear()
     gc.collect()  # FSDP2 modules sit in reference cycles: free them, and the group with them
 
@@ -114,7 +114,47 @@ def sequence_logprobs(self, input_ids, mask, temperature, position_ids=None, att
     if targets is None:  # position j predicts token j+1
         hidden, targets = hidden[:, :-1], input_ids[:, 1:]
     return token_logprobs(hidden[mask], self.lm_head.weight, targets[mask], temperature,
-                          head_ids=head_ids, head_size=head_size)
+                          head_ids=head_ids, head_size=head_size, logit_scale=logit_scale(self.config))
+
+
+def logit_scale(model_config):
+    """The multiplier on the LM head's logits: Cohere's logit_scale, 1 / Granite's logits_scaling
+    (vLLM's LogitsProcessor scale for each); 1 for the others."""
+    scale = getattr(model_config, "logit_scale", None)
+    scaling = getattr(model_config, "logits_scaling", None)
+    return (1.0 if scale is None else scale) / (1.0 if scaling is None else scaling)
+
+
+def check_architecture(model):
+    """A one-line refusal of a model whose LM head or layout sequence_logprobs does not implement
+    (vLLM does, so trainer and server would disagree on every logprob). `model` may live on the
+    meta device (check_model_config)."""
+    config = model.config
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        raise ValueError(f"final_logit_softcapping={config.final_logit_softcapping} in {config.model_type}'s config "
+                         "is unsupported (the logprobs would ignore it); pick a model without logit soft-capping")
+    if getattr(config, "lm_head_multiplier", None) not in (None, 1, 1.0):
+        raise ValueError(f"lm_head_multiplier={config.lm_head_multiplier} in {config.model_type}'s config is "
+                         "unsupported (the logprobs would ignore it); pick another model")
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(f"{type(model).__name__} has no lm_head Linear layer; only decoder-only models with "
+                         "model.lm_head are supported")
+    if head.bias is not None:
+        raise ValueError(f"{type(model).__name__}'s lm_head has a bias, which is unsupported (the logprobs "
+                         "would ignore it); pick a model whose LM head has none")
+    if not isinstance(getattr(getattr(model, "model", None), "layers", None), torch.nn.ModuleList):
+        raise ValueError(f"{type(model).__name__} has no model.model.layers (the decoder layers FSDP shards one "
+                         "by one); only models laid out as Llama, Qwen2 and Mistral are supported")
+
+
+def check_model_config(cfg):
+    """check_architecture on model_name_or_path's config alone, built on the meta device (no
+    weights read, no memory): the refusal comes before any process group or server starts."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        check_architecture(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model_name_or_path)))
 
 
 def load_model(cfg, device, mesh, reference=False):
@@ -126,6 +166,7 @@ def load_model(cfg, device, mesh, reference=False):
     sp = cfg.sequence_parallel_size > 1  # packed_sdpa over whole rows, between two all-to-alls
     model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=torch.float32,
                                                  attn_implementation="ulysses" if sp else cfg.attn_implementation)
+    check_architecture(model)
     sequence_parallel.check_heads(model.config, cfg.sequence_parallel_size)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" \
         else MixedPrecisionPolicy()

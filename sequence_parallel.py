@@ -12,9 +12,11 @@ entropy, top-k heads) run on L/S tokens. Around attention an all-to-all trades "
 all heads" for "all L tokens, heads/S of them" (the head count must divide by S); attention runs
 on the whole row, sequence by sequence (packed_sdpa), and a second all-to-all trades back.
 RoPE is applied before attention with each piece's own position_ids, as on one rank. The
-all-to-alls are torch's functional collectives, which carry autograd (those of
-torch.distributed.nn.functional are deprecated in torch 2.13): backward sends the gradients of
-the queries, keys and values back to the ranks that computed them, by the reverse all-to-all.
+all-to-alls are torch's functional collective all_to_all_single_autograd (torch >= 2.4): backward
+sends the gradients of the queries, keys and values back to the ranks that computed them, by the
+reverse all-to-all. Not the plain all_to_all_single: it gained autograd only with PyTorch PR
+#168140 (torch 2.10); before, its backward silently returned no gradient (PyTorch issue #152127).
+Those of torch.distributed.nn.functional are deprecated in torch 2.13.
 
 What is reduced, and how: the ranks of a group hold disjoint tokens, so every per-token sum
 (loss, KL, entropy, ESS, trained tokens) all-reduced over the world counts each token once, and
@@ -34,7 +36,7 @@ import types
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import all_to_all_single
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import AttentionMaskInterface
@@ -84,7 +86,7 @@ def heads_to_sequence(x, size):
     """(1, heads, L/S, d), this rank's tokens -> (1, heads/S, L, d), this rank's heads (all-to-all)."""
     _, heads, n, d = x.shape
     sent = x.reshape(size, heads // size, n, d).contiguous()  # chunk i: the heads rank i attends over
-    got = all_to_all_single(sent, None, None, GROUP)  # chunk j: rank j's tokens of my heads
+    got = all_to_all_single_autograd(sent, None, None, GROUP)  # chunk j: rank j's tokens of my heads
     return got.transpose(0, 1).reshape(1, heads // size, size * n, d)
 
 
@@ -92,7 +94,7 @@ def sequence_to_heads(x, size):
     """(1, heads/S, L, d), this rank's heads -> (1, heads, L/S, d), this rank's tokens (all-to-all)."""
     _, heads, length, d = x.shape
     sent = x.reshape(heads, size, length // size, d).transpose(0, 1).contiguous()  # chunk j: rank j's tokens
-    got = all_to_all_single(sent, None, None, GROUP)  # chunk i: rank i's heads of my tokens
+    got = all_to_all_single_autograd(sent, None, None, GROUP)  # chunk i: rank i's heads of my tokens
     return got.reshape(1, heads * size, length // size, d)
 
 

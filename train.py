@@ -47,7 +47,7 @@ from cli import parse_args
 from config import Config
 from data import PromptSampler, load_prompts, load_tokenizer
 from generator import Generator
-from parallel import close_distributed, load_model, setup_distributed
+from parallel import check_model_config, close_distributed, load_model, setup_distributed
 from reference import EMAReference
 from reward_pool import RewardPool
 from update import make_optimizer, train_on_batch
@@ -61,6 +61,7 @@ def load_inputs(cfg):
     try:
         cfg.batch_plan(int(os.environ.get("WORLD_SIZE", 1)))
         tokenizer = load_tokenizer(cfg)
+        check_model_config(cfg)  # an LM head or layout the logprobs do not implement
         train_rows, eval_rows, skipped, reward_fn = load_prompts(cfg, tokenizer)
         return tokenizer, train_rows, eval_rows, skipped, reward_fn, tracking.open_tracker(cfg) if rank0 else None
     except ValueError as e:

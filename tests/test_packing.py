@@ -180,3 +180,54 @@ def test_mini_batches_may_be_empty_and_short_ranks_get_padding():
 def test_a_sequence_longer_than_the_budget_is_refused():
     with pytest.raises(ValueError, match="raise it to at least"):
         packing.pack_ranks(rollouts(4, seed=5, prompt=(10, 10), completion=(30, 30)), 2, budget=39)
+
+
+def windowed_model(arch):
+    """A tiny model whose attention looks back 5 tokens: every layer (Mistral), the second layer
+    only (Qwen2's max_window_layers=1), the first only (Gemma-3's layer_types)."""
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
+
+    shape = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=128, sliding_window=5)
+    torch.manual_seed(0)
+    if arch == "mistral":
+        return MistralForCausalLM(MistralConfig(**shape))
+    if arch == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**shape, use_sliding_window=True, max_window_layers=1))
+    return Gemma3ForCausalLM(Gemma3TextConfig(**shape, head_dim=32, layer_types=["sliding_attention", "full_attention"]))
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "gemma3"])
+def test_packed_rows_keep_the_sliding_window(arch):
+    """Sequences of 9 to 20 tokens (longer than the window of 5) packed in one row under
+    packed_sdpa, and each one alone in the ulysses_attention pattern (packed_sdpa, no mask, one
+    sequence): the logprobs of each sequence alone through the model's own eager attention with
+    its own sliding-window mask, to 1e-5. A full-attention twin differs, so the window matters."""
+    model = windowed_model(arch).eval()
+    samples = rollouts(3, seed=4, prompt=(4, 6), completion=(5, 14))
+    b = packing.collate(samples)
+    model.config._attn_implementation = "packed_sdpa"
+    with torch.no_grad():
+        packed, _, _, _ = sequence_logprobs(model, b["input_ids"], b["mask"], 1.0, position_ids=b["position_ids"])
+        alone = [sequence_logprobs(model, c["input_ids"], c["mask"], 1.0, position_ids=c["position_ids"])[0]
+                 for c in map(packing.collate, ([s] for s in samples))]
+        model.config._attn_implementation = "eager"
+        own = [sequence_logprobs(model, c["input_ids"], c["mask"], 1.0)[0]
+               for c in map(packing.collate, ([s] for s in samples))]
+        model.config.sliding_window = 1000  # read by the mask at each forward
+        for layer in model.model.layers:
+            layer.self_attn.sliding_window = None if arch != "mistral" else 1000
+        full = [sequence_logprobs(model, c["input_ids"], c["mask"], 1.0)[0]
+                for c in map(packing.collate, ([s] for s in samples))]
+    assert all(packing.length(s) > 8 for s in samples)
+    assert (torch.cat(own) - torch.cat(full)).abs().max() > 1e-3
+    assert torch.allclose(packed, torch.cat(own), atol=1e-5, rtol=0)
+    assert torch.allclose(torch.cat(alone), torch.cat(own), atol=1e-5, rtol=0)
+
+
+def test_window_mask_by_hand():
+    """Row i attends to columns i-2..i with a window of 3; none when the sequence fits."""
+    expected = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(packing.window_mask(4, 3, "cpu")[0, 0], expected)
+    assert packing.window_mask(3, 3, "cpu") is None and packing.window_mask(9, None, "cpu") is None
