@@ -45,6 +45,7 @@ class Config:
     vllm_dtype: str = "auto"  # dtype of the server we launch; auto = the trainer's (float32 on CPU, bfloat16 on GPU)
     vllm_max_model_len: Optional[int] = None  # context of the server we launch; None = max_prompt_length + response_length
     vllm_kv_cache_space_gb: int = 1  # KV cache size of a CPU server we launch (VLLM_CPU_KVCACHE_SPACE)
+    vllm_cpu_threads: Optional[int] = None  # cores a CPU server we launch computes on; None = all with async_steps=0, half otherwise
     vllm_gpu_memory_utilization: float = 0.9  # memory fraction of a GPU server we launch
     vllm_startup_timeout: float = 600.0  # seconds to wait for a launched server's /health
     vllm_request_timeout: float = 120.0  # seconds for one HTTP request to a server
@@ -162,6 +163,9 @@ class Config:
                     "the trainer's cover the whole vocabulary, so every ratio and TIS weight would be biased; set top_p=1")
         if not 0 < self.vllm_port < 65536:
             return f"vllm_port={self.vllm_port} must be in 1..65535"
+        if self.vllm_cpu_threads is not None and self.vllm_cpu_threads < 1:
+            return (f"vllm_cpu_threads={self.vllm_cpu_threads} must be >= 1, or None to give the server every core "
+                    "(half of them with async_steps > 0)")
         if self.vllm_max_model_len is not None and self.vllm_max_model_len < self.max_prompt_length + self.response_length:
             return (f"vllm_max_model_len={self.vllm_max_model_len} is below max_prompt_length + response_length = "
                     f"{self.max_prompt_length + self.response_length}; raise it or leave it None")

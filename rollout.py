@@ -57,10 +57,11 @@ def die_with_parent():
         pass  # not Linux: stop_server and the finally in train.py still stop it on a clean exit
 
 
-def launch_server(model_dir, cfg, log_path, port=None):
+def launch_server(model_dir, cfg, log_path, port=None, env=None, extra_args=()):
     """Start a vLLM server on `model_dir` and return (process, url) once /health answers.
     A server that exits or stays unhealthy past vllm_startup_timeout is stopped and the
-    tail of its log is quoted in the error."""
+    tail of its log is quoted in the error. `env` and `extra_args` (benchmarks) are laid over
+    the environment and the arguments below; None in `env` unsets a variable."""
     port = port or cfg.vllm_port
     max_len = cfg.vllm_max_model_len or cfg.max_prompt_length + cfg.response_length
     # "auto" means the trainer's compute dtype. vLLM's own "auto" turns float32 into
@@ -82,12 +83,16 @@ def launch_server(model_dir, cfg, log_path, port=None):
             raise VLLMError("single_gpu_mode=True needs a GPU (vLLM's sleep mode frees GPU memory); "
                             "set single_gpu_mode=False on CPU")
         cmd += ["--enable-sleep-mode"]
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=str(cfg.vllm_kv_cache_space_gb))
-    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd += list(extra_args)
+    server_env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=str(cfg.vllm_kv_cache_space_gb))
+    if not torch.cuda.is_available():
+        server_env.update(cpu_placement(cfg, server_env))
+    for k, v in (env or {}).items():
+        server_env.pop(k, None) if v is None else server_env.__setitem__(k, v)
     log = open(log_path, "w")
     # A new session: the server and its engine processes form one group we can stop together.
     # It also dies with the trainer if the trainer is killed (SIGKILL, OOM) and cannot stop it.
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=server_env, start_new_session=True,
                             preexec_fn=die_with_parent)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + cfg.vllm_startup_timeout
@@ -105,6 +110,25 @@ def launch_server(model_dir, cfg, log_path, port=None):
     stop_server(proc)
     raise VLLMError(f"vLLM server on {model_dir} not healthy after {cfg.vllm_startup_timeout:.0f}s "
                     f"(vllm_startup_timeout); log {log_path}:\n{log_tail(log_path)}")
+
+
+def cpu_placement(cfg, environ):
+    """OpenMP threads, core binding and preloads of a CPU server we launch (BENCHMARKS.md,
+    "Generation on the CPU": scripts/bench_generation.py measures each choice).
+
+    vLLM's automatic binding keeps one core per worker free for its scheduler process, so on a
+    2-core machine the model runs on one. In the synchronous loop the training ranks only wait
+    while the server generates, so the server takes every core the process may use, and none is
+    reserved; with async_steps > 0 they compute at the same time and the server gets the last
+    half of the cores (vllm_cpu_threads overrides both). The binding variables are defaults: a
+    VLLM_CPU_OMP_THREADS_BIND or VLLM_CPU_NUM_OF_RESERVED_CPU already set is kept."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    n = min(len(cores), cfg.vllm_cpu_threads or (len(cores) if cfg.async_steps == 0 else max(1, len(cores) // 2)))
+    bound = cores[-n:]
+    placement = dict(OMP_NUM_THREADS=str(n),  # not the trainer's: demo.sh gives each training rank one thread
+                     VLLM_CPU_OMP_THREADS_BIND=environ.get("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, bound))),
+                     VLLM_CPU_NUM_OF_RESERVED_CPU=environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"))
+    return placement
 
 
 def stop_server(proc, timeout=30):

@@ -216,6 +216,16 @@ def test_server_that_cannot_start_quotes_its_log(tmp_path):
 
 
 @pytest.mark.slow
+def test_launched_server_computes_on_every_core(untied):
+    """vLLM logs the cores its worker is bound to; with automatic binding it was one of two."""
+    _, client = untied
+    with open(client.log_path) as f:
+        log = f.read()
+    cores = sorted(os.sched_getaffinity(0))
+    assert f"core ids={cores}" in log and "reserved_cpus=[]" in log
+
+
+@pytest.mark.slow
 def test_killed_server_gives_clear_error(untied):  # last: it kills the module's server
     _, client = untied
     client.proc.kill()
@@ -224,3 +234,17 @@ def test_killed_server_gives_clear_error(untied):  # last: it kills the module's
     with pytest.raises(rollout.VLLMError, match="died"):
         client.generate([[7, 8]], n=2, max_tokens=4)
     assert time.monotonic() - t < 5
+
+
+def test_cpu_server_takes_every_core_unless_generation_overlaps_training(monkeypatch):
+    """Synchronous: every core bound, none reserved for vLLM's scheduler; async: the last half;
+    vllm_cpu_threads overrides both; a binding the user exported is kept."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    place = lambda env={}, **kw: rollout.cpu_placement(Config(**kw), env)  # noqa: E731
+    assert place() == dict(OMP_NUM_THREADS="4", VLLM_CPU_OMP_THREADS_BIND="0,1,2,3", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    async_cfg = dict(async_steps=1, use_vllm_logprobs=True)
+    assert place(**async_cfg)["VLLM_CPU_OMP_THREADS_BIND"] == "2,3" and place(**async_cfg)["OMP_NUM_THREADS"] == "2"
+    assert place(vllm_cpu_threads=1)["VLLM_CPU_OMP_THREADS_BIND"] == "3"
+    assert place(vllm_cpu_threads=9)["OMP_NUM_THREADS"] == "4"  # no more threads than cores
+    assert place({"VLLM_CPU_OMP_THREADS_BIND": "1-2"})["VLLM_CPU_OMP_THREADS_BIND"] == "1-2"
+

@@ -1,0 +1,204 @@
+"""Benchmark generation on the vLLM CPU server that train.py launches, against the bounds of
+this machine measured in the same invocation: the compute bound (2 x parameters x tokens at
+the fp32 matmul rate timed here) and the memory bound (every decode step reads the weights
+once, at the memory-copy rate timed here).
+
+    .venv/bin/python scripts/bench_generation.py                                # SmolLM2, every setting
+    .venv/bin/python scripts/bench_generation.py --settings one_core,all_cores --repeats 3
+
+The request is the demo's: 4 prompts x 8 samples, 64-token prompts, 128 new tokens with
+ignore_eos (so every run generates 4096 tokens), T 0.7, sent as the trainer sends it (one
+request per prompt, concurrently). Each setting launches its own server through
+rollout.launch_server with the environment and arguments below, runs one warm-up request and
+--repeats timed ones, and stops it. Port --port.
+"""
+
+import os
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(SCRIPTS)
+sys.path[:0] = [SCRIPTS, ROOT]
+import rollout  # noqa: E402
+import weight_sync  # noqa: E402
+from config import Config  # noqa: E402
+
+CORES = os.cpu_count() or 1
+ALL = f"0-{CORES - 1}"
+
+
+def iomp():
+    """libiomp5.so from the intel-openmp wheel, if installed; else None."""
+    path = os.path.join(sys.prefix, "lib", "libiomp5.so")
+    return path if os.path.exists(path) else None
+
+
+def tcmalloc():
+    for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib"):
+        path = os.path.join(d, "libtcmalloc_minimal.so.4")
+        if os.path.exists(path):
+            return path
+    return None
+
+
+# name -> (environment of the server, extra server arguments). None in the environment: unset.
+SETTINGS = {
+    # vLLM's automatic binding: on x86 it reserves one core for the scheduler process, so on 2
+    # cores the model runs on one.
+    "one_core": (dict(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND=None, VLLM_CPU_NUM_OF_RESERVED_CPU=None), []),
+    "all_cores": (dict(OMP_NUM_THREADS=str(CORES), VLLM_CPU_OMP_THREADS_BIND=ALL, VLLM_CPU_NUM_OF_RESERVED_CPU="0"), []),
+    "all_cores_iomp": (dict(OMP_NUM_THREADS=str(CORES), VLLM_CPU_OMP_THREADS_BIND=ALL, VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+                            LD_PRELOAD="IOMP"), []),
+    "all_cores_iomp_tcmalloc": (dict(OMP_NUM_THREADS=str(CORES), VLLM_CPU_OMP_THREADS_BIND=ALL,
+                                     VLLM_CPU_NUM_OF_RESERVED_CPU="0", LD_PRELOAD="TCMALLOC:IOMP"), []),
+    # the model in the engine process itself: no worker process, no shared-memory queue whose
+    # reader spins (sched_yield) while the worker computes
+    "uni_executor": (dict(OMP_NUM_THREADS=str(CORES), VLLM_CPU_OMP_THREADS_BIND=ALL, VLLM_CPU_NUM_OF_RESERVED_CPU="0"),
+                     ["--distributed-executor-backend", "uni"]),
+    "uni_executor_iomp": (dict(OMP_NUM_THREADS=str(CORES), VLLM_CPU_OMP_THREADS_BIND=ALL,
+                               VLLM_CPU_NUM_OF_RESERVED_CPU="0", LD_PRELOAD="IOMP"),
+                          ["--distributed-executor-backend", "uni"]),
+    # what train.py launches now (rollout.server_env / server_args)
+    "trainer": (None, None),
+}
+
+
+def matmul_gflops(threads, n=2048, tries=5):
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = min(timed(lambda: a @ b) for _ in range(tries))
+    return 2 * n ** 3 / best / 1e9
+
+
+def copy_gbps(nbytes=512 * 2 ** 20, tries=5):
+    """Bytes read per second by dst.copy_(src) (each byte read once and written once)."""
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    best = min(timed(lambda: dst.copy_(src)) for _ in range(tries))
+    return nbytes / best / 1e9
+
+
+def timed(fn):
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def resolve(env):
+    libs = {"IOMP": iomp(), "TCMALLOC": tcmalloc()}
+    out = {}
+    for k, v in env.items():
+        if k == "LD_PRELOAD" and v is not None:
+            parts = [libs[p] for p in v.split(":")]
+            if None in parts:
+                return None  # a library this machine does not have
+            v = ":".join(parts)
+        out[k] = v
+    return out
+
+
+def run_setting(name, cfg, served, payloads, repeats, log_dir):
+    env, args = SETTINGS[name]
+    if env is not None:
+        env = resolve(env)
+        if env is None:
+            return dict(setting=name, skipped="preload library not installed")
+    proc, url = rollout.launch_server(served, cfg, os.path.join(log_dir, f"{name}.log"), env=env,
+                                      extra_args=args or ())
+    try:
+        client = rollout.VLLMClient([url], served, timeout=600)
+        client.map("/v1/completions", payloads)  # warm-up
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            outs = client.map("/v1/completions", payloads)
+            times.append(time.perf_counter() - t)
+            tokens = sum(len(c["token_ids"]) for o in outs for c in o["choices"])
+        return dict(setting=name, seconds=times, tokens=tokens)
+    finally:
+        rollout.stop_server(proc)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=os.path.join(ROOT, "models", "smollm2-135m-instruct"))
+    p.add_argument("--settings", default=",".join(SETTINGS))
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--prompt_tokens", type=int, default=64)
+    p.add_argument("--new_tokens", type=int, default=128)
+    p.add_argument("--port", type=int, default=8031)
+    args = p.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    params = sum(t.numel() for t in model.parameters())
+    work = tempfile.mkdtemp(prefix="bench_generation_")
+    served = os.path.join(work, "served")
+    weight_sync.write_serving_dir(model.state_dict(), model.config, tok, served)
+    served_bytes = sum(os.path.getsize(os.path.join(served, f)) for f in os.listdir(served) if f.endswith(".safetensors"))
+    del model
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, tok.vocab_size, (args.prompt_tokens,), generator=g).tolist() for _ in range(args.prompts)]
+    cfg = Config(model_name_or_path=args.model, max_prompt_length=args.prompt_tokens, response_length=args.new_tokens,
+                 vllm_port=args.port)
+    payloads = [dict(model=served, prompt=ids, n=args.samples, max_tokens=args.new_tokens, temperature=0.7,
+                     logprobs=0, return_token_ids=True, ignore_eos=True, seed=1 + i * args.samples)
+                for i, ids in enumerate(prompts)]
+
+    # the bounds, measured before any server runs
+    gflops = matmul_gflops(CORES)
+    gbps = copy_gbps()
+    torch.set_num_threads(1)
+    n_seq = args.prompts * args.samples
+    flop = 2 * params * n_seq * (args.prompt_tokens + args.new_tokens)
+    compute_s = flop / (gflops * 1e9)
+    memory_s = args.new_tokens * served_bytes / (gbps * 1e9)  # one read of the weights per decode step
+    print(f"{cpu_name()}, {CORES} cores; fp32 matmul {gflops:.0f} GFLOP/s ({CORES} threads), "
+          f"memory copy {gbps:.1f} GB/s read")
+    print(f"request: {n_seq} sequences x ({args.prompt_tokens} prompt + {args.new_tokens} new) tokens, "
+          f"{params / 1e6:.1f} M parameters: {flop / 1e12:.2f} TFLOP -> compute bound {compute_s:.1f} s; "
+          f"{args.new_tokens} decode steps x {served_bytes / 1e6:.0f} MB of weights -> memory bound {memory_s:.1f} s",
+          flush=True)
+
+    rows = []
+    for name in args.settings.split(","):
+        r = run_setting(name, cfg, served, payloads, args.repeats, work)
+        rows.append(r)
+        if "skipped" in r:
+            print(f"{name:26s} skipped: {r['skipped']}", flush=True)
+            continue
+        best = min(r["seconds"])
+        print(f"{name:26s} " + ", ".join(f"{s:.1f} s" for s in r["seconds"]) +
+              f"  -> {r['tokens'] / best:.0f} tokens/s, {compute_s / best:.2f} of the compute bound", flush=True)
+    print(json.dumps(dict(cpu=cpu_name(), gflops=gflops, copy_gbps=gbps, compute_bound_s=compute_s,
+                          memory_bound_s=memory_s, rows=rows)))
+
+
+def cpu_name():
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        name = next(l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith("Model name"))
+        flags = next(l for l in out.splitlines() if l.startswith("Flags"))
+        avx = sorted({f for f in flags.split() if f.startswith("avx")})
+        return f"{name} ({' '.join(avx) or 'no AVX'})"
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
+
+
+if __name__ == "__main__":
+    main()
