@@ -170,3 +170,11 @@ def parse_args(argv=None) -> Config:
         except ValueError as e:
             fail(str(e))
     return Config(**kwargs)
+
+
+def parse_args_or_exit(argv=None) -> Config:
+    """train.py's entry: parse_args, with Config's refusals too as one `error:` line and exit status 2."""
+    try:
+        return parse_args(argv)
+    except ValueError as e:  # a contradiction between fields, or a value out of range: before anything starts
+        fail(str(e))

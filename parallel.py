@@ -126,7 +126,6 @@ def load_model(cfg, device, mesh, reference=False):
     sp = cfg.sequence_parallel_size > 1  # packed_sdpa over whole rows, between two all-to-alls
     model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=torch.float32,
                                                  attn_implementation="ulysses" if sp else cfg.attn_implementation)
-    sequence_parallel.check_heads(model.config, cfg.sequence_parallel_size)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" \
         else MixedPrecisionPolicy()
     offload = cfg.offload_ref_policy if reference else cfg.offload_params
