@@ -111,7 +111,7 @@ class Config:
     max_consecutive_skipped_steps: int = 3  # stop when this many steps in a row skip an update for a non-finite loss or gradient norm
     with_tracking: bool = False  # also log to Weights & Biases or TensorBoard (offline modes work)
     log_samples_freq: int = 10  # every N steps print a few (prompt, completion, reward) and append them to output_dir/samples.jsonl; 0 = never
-    seed: int = 1  # seeds data order, sampling and initialisation
+    seed: int = 1  # seeds data order, sampling and initialisation; 0 to about 2**31 - 1 (max_seed: vLLM takes 64-bit seeds)
 
     def __post_init__(self):
         """Refuse a contradiction before any process group, model or server starts: first each field alone (the
@@ -210,7 +210,8 @@ class Config:
         except ValueError:
             ok = False
         if not ok:
-            return f"loss_denominator={self.loss_denominator!r} must be 'token' or a finite positive number such as 1024"
+            return (f"loss_denominator={self.loss_denominator!r} must be 'token' or a finite positive number "
+                    "such as 1024")
         if not 0 <= self.clip_lower < 1 or self.clip_higher < 0:
             return f"clip_lower={self.clip_lower} must be in [0, 1) and clip_higher={self.clip_higher} >= 0"
         if self.loss_fn == "ess" and (self.clip_lower, self.clip_higher) != (Config.clip_lower, Config.clip_higher):

@@ -237,7 +237,6 @@ def load_tokenizer(cfg):
     return tokenizer
 
 
-
 def load_model_config(cfg):
     """model_name_or_path's config.json (transformers' AutoConfig), with a one-line error naming the fix."""
     from transformers import AutoConfig
