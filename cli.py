@@ -129,6 +129,8 @@ def read_toml(path: str, types: dict) -> dict:
         fail(f"config file {path!r} does not exist; pass the path of a TOML file")
     except tomllib.TOMLDecodeError as e:
         fail(f"config file {path!r} is not valid TOML: {e}")
+    except OSError as e:  # a directory, no permission
+        fail(f"config file {path!r} cannot be read ({e.strerror}); pass the path of a TOML file")
     for k in file_values:
         if k not in types:
             fail(f"{path}: " + unknown(k, list(types)))

@@ -165,6 +165,8 @@ class Config:
                     "the trainer's cover the whole vocabulary, so every ratio and TIS weight would be biased; set top_p=1")
         if not 0 < self.vllm_port < 65536:
             return f"vllm_port={self.vllm_port} must be in 1..65535"
+        if not 0 < self.weight_sync_master_port < 65536:
+            return f"weight_sync_master_port={self.weight_sync_master_port} must be in 1..65535"
         if self.vllm_max_model_len is not None and self.vllm_max_model_len < self.max_prompt_length + self.response_length:
             return (f"vllm_max_model_len={self.vllm_max_model_len} is below max_prompt_length + response_length = "
                     f"{self.max_prompt_length + self.response_length}; raise it or leave it None")

@@ -43,6 +43,8 @@ BAD_FLAGS = [
     (["--seed", str(2**31)], "seed"),
     (["--seed", "-1"], "seed"),
     (["--vllm_server_urls", "127.0.0.1:8000"], "vllm_server_urls"),
+    (["--weight_sync_master_port", "70000"], "weight_sync_master_port"),
+    (["--config", "/proc"], "config file"),
 ]
 
 
