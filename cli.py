@@ -129,6 +129,8 @@ def read_toml(path: str, types: dict) -> dict:
         fail(f"config file {path!r} does not exist; pass the path of a TOML file")
     except tomllib.TOMLDecodeError as e:
         fail(f"config file {path!r} is not valid TOML: {e}")
+    except OSError as e:  # a directory, no permission
+        fail(f"config file {path!r} cannot be read ({e.strerror}); pass the path of a TOML file")
     for k in file_values:
         if k not in types:
             fail(f"{path}: " + unknown(k, list(types)))
@@ -170,3 +172,11 @@ def parse_args(argv=None) -> Config:
         except ValueError as e:
             fail(str(e))
     return Config(**kwargs)
+
+
+def parse_args_or_exit(argv=None) -> Config:
+    """train.py's entry: parse_args, with Config's refusals too as one `error:` line and exit status 2."""
+    try:
+        return parse_args(argv)
+    except ValueError as e:  # a contradiction between fields, or a value out of range: before anything starts
+        fail(str(e))

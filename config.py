@@ -4,6 +4,7 @@ flag and the metric key are the same string; names follow open-instruct's grpo_f
 one. `Config.__post_init__` refuses every contradiction before any process group, model or server starts.
 """
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Literal, Optional, get_args, get_origin
 
@@ -111,13 +112,15 @@ class Config:
     max_consecutive_skipped_steps: int = 3  # stop when this many steps in a row skip an update for a non-finite loss or gradient norm
     with_tracking: bool = False  # also log to Weights & Biases or TensorBoard (offline modes work)
     log_samples_freq: int = 10  # every N steps print a few (prompt, completion, reward) and append them to output_dir/samples.jsonl; 0 = never
-    seed: int = 1  # seeds data order, sampling and initialisation
+    seed: int = 1  # seeds data order, sampling and initialisation; 0 to about 2**31 - 1 (max_seed: vLLM takes 64-bit seeds)
 
     def __post_init__(self):
         """Refuse a contradiction before any process group, model or server starts: first each field alone (the
         values its Literal lists, lower bounds), then each section's _check_, which returns a message or None."""
         self.loss_denominator = str(self.loss_denominator)
         for f in fields(self):
+            if f.type is float and not math.isfinite(getattr(self, f.name)):  # nan passes every < and > below
+                raise ValueError(f"{f.name}={getattr(self, f.name)} must be a finite number")
             if get_origin(f.type) is Literal and getattr(self, f.name) not in get_args(f.type):
                 raise ValueError(f"{f.name}={getattr(self, f.name)!r} is not one of {', '.join(get_args(f.type))}")
         # lower bounds that many fields share; a note after the bound says what the edge value means
@@ -166,6 +169,8 @@ class Config:
         if self.vllm_cpu_threads is not None and self.vllm_cpu_threads < 1:
             return (f"vllm_cpu_threads={self.vllm_cpu_threads} must be >= 1, or None to give the server every core "
                     "(half of them with async_steps > 0)")
+        if not 0 < self.weight_sync_master_port < 65536:
+            return f"weight_sync_master_port={self.weight_sync_master_port} must be in 1..65535"
         if self.vllm_max_model_len is not None and self.vllm_max_model_len < self.max_prompt_length + self.response_length:
             return (f"vllm_max_model_len={self.vllm_max_model_len} is below max_prompt_length + response_length = "
                     f"{self.max_prompt_length + self.response_length}; raise it or leave it None")
@@ -184,6 +189,11 @@ class Config:
         if self.async_steps and self.loss_fn == "ess" and not self.use_vllm_logprobs:
             return ("loss_fn='ess' with async_steps > 0 needs use_vllm_logprobs=True: the ESS must measure the "
                     "ratios against the weights that sampled the batch")
+        if bad := [u for u in self.vllm_server_urls if not u.startswith(("http://", "https://"))]:
+            return f"vllm_server_urls: {bad[0]!r} is not a URL; write it as http://host:port"
+        if not 0 <= self.seed <= self.max_seed:
+            return (f"seed={self.seed} must be in 0..{self.max_seed}: rollout requests are seeded with "
+                    "seed * 2**32 plus a per-step, per-sample offset, and vLLM takes 64-bit seeds")
         if self.weight_sync_dir is not None and self.weight_sync_transport != "filesystem":
             return ("weight_sync_dir is where the filesystem transport writes; with weight_sync_transport="
                     f"{self.weight_sync_transport!r} nothing is written there: unset one of them")
@@ -202,11 +212,12 @@ class Config:
 
     def _check_objective(self):
         try:
-            ok = self.loss_denominator == "token" or float(self.loss_denominator) > 0
+            ok = self.loss_denominator == "token" or 0 < float(self.loss_denominator) < math.inf
         except ValueError:
             ok = False
         if not ok:
-            return f"loss_denominator={self.loss_denominator!r} must be 'token' or a positive number such as 1024"
+            return (f"loss_denominator={self.loss_denominator!r} must be 'token' or a finite positive number "
+                    "such as 1024")
         if not 0 <= self.clip_lower < 1 or self.clip_higher < 0:
             return f"clip_lower={self.clip_lower} must be in [0, 1) and clip_higher={self.clip_higher} >= 0"
         if self.loss_fn == "ess" and (self.clip_lower, self.clip_higher) != (Config.clip_lower, Config.clip_higher):
@@ -222,6 +233,10 @@ class Config:
             return f"kl_topk={self.kl_topk} has no effect with beta=0 (no KL term); set beta > 0 or kl_topk=0"
         if self.kl_topk < 0:
             return f"kl_topk={self.kl_topk} must be >= 0"
+        if 0 < self.truncated_importance_sampling_ratio_cap < 1:  # min(w, cap) would shrink weights below 1 too
+            return (f"truncated_importance_sampling_ratio_cap={self.truncated_importance_sampling_ratio_cap} is "
+                    "below 1: it would scale down every token, not truncate the large weights; use a cap >= 1 "
+                    "(2 is common) or 0 to disable it")
         if self.use_vllm_logprobs and self.truncated_importance_sampling_ratio_cap > 0:
             return ("use_vllm_logprobs=True with truncated_importance_sampling_ratio_cap > 0 is a contradiction: "
                     "with vLLM's logprobs as old_logp the ratio is 1; set one of them off")
@@ -294,6 +309,21 @@ class Config:
                     "(a directory and a frequency > 0) or neither")
         if self.save_freq == 0 or self.save_freq < -1:
             return f"save_freq={self.save_freq} must be a positive number of steps, or -1 for only the final export"
+
+    @property
+    def max_seed(self) -> int:
+        """The largest seed whose every rollout request seed fits vLLM's int64: episodes.rollout_batch seeds a
+        request seed * 2**32 + (step * (rounds + 1) + round) * prompts * n + i * n, and vLLM seeds its sample j
+        with that + j (vllm/v1/engine/parallel_sampling.py), so the largest offset is (steps+1)(rounds+1)PN - 1."""
+        offset = ((self.num_training_steps + 1) * (self.active_sampling_max_rounds + 1)
+                  * self.num_unique_prompts_rollout * self.num_samples_per_prompt_rollout - 1)
+        return (2**63 - 1 - offset) // 2**32
+
+    def check_model(self, model_config):
+        """Refusals that need the model's config.json (transformers' AutoConfig), at start-up."""
+        if self.kl_topk > model_config.vocab_size:
+            raise ValueError(f"kl_topk={self.kl_topk} exceeds the model's vocabulary of {model_config.vocab_size} "
+                             f"tokens; use at most {model_config.vocab_size}")
 
     @property
     def uses_reference(self) -> bool:

@@ -18,6 +18,7 @@ GSM8K rows (question; answer ending in "#### 72") and MATH rows (problem; soluti
 \\boxed{}) train with `--reward_fn rewards:math_reward`, which reads the gold answer there.
 """
 
+import functools
 import json
 import os
 import random
@@ -235,3 +236,32 @@ def load_tokenizer(cfg):
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
+
+def load_model_config(cfg):
+    """model_name_or_path's config.json (transformers' AutoConfig), with a one-line error naming the fix."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(cfg.model_name_or_path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model_name_or_path={cfg.model_name_or_path!r} has no readable config.json "
+                         f"({type(e).__name__}); pass a Hugging Face model directory or hub name") from None
+
+
+@functools.lru_cache
+def generation_eos_ids(model_dir) -> tuple:
+    """generation_config.json's eos_token_id (an int or a list) of model_dir; () without one."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except (OSError, ValueError):
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else () if eos is None else (eos,)
+
+
+def stop_token_ids(tokenizer, model_dir) -> list:
+    """Every token id that ends a generation: the tokenizer's EOS and generation_config.json's eos_token_id
+    list, which vLLM also stops on (Llama-3.1-Instruct lists <|end_of_text|>, <|eom_id|> and <|eot_id|>)."""
+    ids = {tokenizer.eos_token_id, *generation_eos_ids(model_dir)}
+    return sorted(i for i in ids if i is not None)

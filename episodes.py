@@ -13,6 +13,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from data import stop_token_ids
 from loss import group_advantages
 from rewards import has_answer_format
 
@@ -21,9 +22,10 @@ SAMPLES_SHOWN = 4  # (prompt, completion, reward) triples a step logs every log_
 
 def completion_text(tokenizer, sample):
     """What the reward sees: the completion decoded with its special tokens (a policy that
-    pads its answer with them pays for it), without the stop token that ended it."""
+    pads its answer with them pays for it), without the stop token that ended it: any of the
+    generation's stop ids (data.stop_token_ids of the model the tokenizer was loaded from)."""
     ids = sample["token_ids"]
-    if sample["finish_reason"] == "stop" and ids and ids[-1] == tokenizer.eos_token_id:
+    if sample["finish_reason"] == "stop" and ids and ids[-1] in stop_token_ids(tokenizer, tokenizer.name_or_path):
         ids = ids[:-1]
     return tokenizer.decode(ids, skip_special_tokens=False)
 

@@ -148,13 +148,13 @@ def check_architecture(model):
                          "by one); only models laid out as Llama, Qwen2 and Mistral are supported")
 
 
-def check_model_config(cfg):
-    """check_architecture on model_name_or_path's config alone, built on the meta device (no
-    weights read, no memory): the refusal comes before any process group or server starts."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def check_model_config(model_config):
+    """check_architecture on the model's config alone, built on the meta device (no weights
+    read, no memory): the refusal comes before any process group or server starts."""
+    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        check_architecture(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model_name_or_path)))
+        check_architecture(AutoModelForCausalLM.from_config(model_config))
 
 
 def load_model(cfg, device, mesh, reference=False):
@@ -167,7 +167,6 @@ def load_model(cfg, device, mesh, reference=False):
     model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=torch.float32,
                                                  attn_implementation="ulysses" if sp else cfg.attn_implementation)
     check_architecture(model)
-    sequence_parallel.check_heads(model.config, cfg.sequence_parallel_size)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" \
         else MixedPrecisionPolicy()
     offload = cfg.offload_ref_policy if reference else cfg.offload_params

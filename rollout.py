@@ -76,6 +76,8 @@ def launch_server(model_dir, cfg, log_path, port=None, env=None, extra_args=()):
         # prompt is prefilled in chunks, i.e. when a step's prompt tokens pass the batch budget
         # (2048 on CPU): 4 prompts x 8 samples of 120 tokens did. Whole prompts only.
         cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(2048, max_len))]
+    else:  # the LM head in float32, as the trainer computes it (vLLM's head_dtype docs: required for RL)
+        cmd += ["--hf-overrides", json.dumps({"head_dtype": "float32"})]
     if cfg.weight_sync_transport == "nccl":
         cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
     if cfg.single_gpu_mode:

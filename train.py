@@ -35,6 +35,8 @@ import resource
 import signal
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import torch
 import torch.distributed as dist
@@ -42,16 +44,43 @@ from tqdm import tqdm
 
 import checkpoint
 import rollout
+import sequence_parallel
 import tracking
-from cli import parse_args
+from cli import parse_args_or_exit
 from config import Config
-from data import PromptSampler, load_prompts, load_tokenizer
+from data import PromptSampler, load_model_config, load_prompts, load_tokenizer
 from generator import Generator
 from parallel import check_model_config, close_distributed, load_model, setup_distributed
 from reference import EMAReference
 from reward_pool import RewardPool
 from update import make_optimizer, train_on_batch
 from weight_sync import full_state_dict
+
+
+def check_outside(cfg):
+    """What the config names outside this process: the model's config.json, the directories
+    the run writes and the servers you run. ValueError with one line naming the fix."""
+    model_config = load_model_config(cfg)
+    cfg.check_model(model_config)
+    check_model_config(model_config)  # an LM head or layout the logprobs do not implement
+    sequence_parallel.check_heads(model_config, cfg.sequence_parallel_size)
+    for name in ("output_dir", "checkpoint_state_dir", "weight_sync_dir"):
+        path = getattr(cfg, name)
+        if path is None:
+            continue
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:  # a file of that name, a read-only or virtual file system (/proc)
+            raise ValueError(f"{name}={path!r} cannot be made a directory ({e.strerror}); pick a writable "
+                             "directory") from None
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"{name}={path!r} is not writable; pick a writable directory")
+    for url in cfg.vllm_server_urls:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=cfg.vllm_request_timeout).close()
+        except (urllib.error.URLError, OSError) as e:
+            raise ValueError(f"vllm_server_urls: {url} does not answer /health ({getattr(e, 'reason', e)}); "
+                             "start the server first or fix the URL") from None
 
 
 def load_inputs(cfg):
@@ -61,7 +90,7 @@ def load_inputs(cfg):
     try:
         cfg.batch_plan(int(os.environ.get("WORLD_SIZE", 1)))
         tokenizer = load_tokenizer(cfg)
-        check_model_config(cfg)  # an LM head or layout the logprobs do not implement
+        check_outside(cfg)
         train_rows, eval_rows, skipped, reward_fn = load_prompts(cfg, tokenizer)
         return tokenizer, train_rows, eval_rows, skipped, reward_fn, tracking.open_tracker(cfg) if rank0 else None
     except ValueError as e:
@@ -255,11 +284,7 @@ def main(cfg: Config):
 
 
 if __name__ == "__main__":
-    try:
-        cfg = parse_args()
-    except ValueError as e:  # a contradiction between fields: one line, before anything starts
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    cfg = parse_args_or_exit()
     status = main(cfg)
     close_distributed()  # main's models are gone: the process group goes with them, before exit
     sys.exit(status)

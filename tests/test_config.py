@@ -37,6 +37,11 @@ RULES = [
     (dict(ref_policy_update_freq=0, beta=0.1), "positive", dict(ref_policy_update_freq=1, beta=0.1)),
     (dict(ref_policy_update_freq=5), "nothing uses the reference", dict(ref_policy_update_freq=5, beta=0.1)),
     (dict(top_p=0.9), "nucleus", dict(top_p=1.0)),
+    (dict(truncated_importance_sampling_ratio_cap=0.5), "below 1",
+     dict(truncated_importance_sampling_ratio_cap=1.0)),
+    (dict(seed=2**31), "seed", dict(seed=2**31 - 1)),
+    (dict(learning_rate=float("inf")), "finite", dict(learning_rate=1e30)),
+    (dict(vllm_server_urls=["gpu-node:8000"]), "not a URL", dict(vllm_server_urls=["http://gpu-node:8000"])),
     (dict(learning_rate=-1e-3), "learning_rate", dict(learning_rate=0.0)),
     (dict(weight_decay=-0.1), "weight_decay", dict(weight_decay=0.1)),
     (dict(max_grad_norm=-1.0), "max_grad_norm", dict(max_grad_norm=0.0)),
@@ -77,7 +82,8 @@ RULES = [
     (dict(num_epochs=0), "num_epochs", dict(num_epochs=2)),
     (dict(num_mini_batches=3), "divisible", dict(num_mini_batches=4)),
     (dict(vllm_max_model_len=32), "vllm_max_model_len", dict(vllm_max_model_len=80)),
-    (dict(weight_sync_transport="nccl", vllm_server_urls=["a", "b"]), "one vLLM server", dict(vllm_server_urls=["a", "b"])),
+    (dict(weight_sync_transport="nccl", vllm_server_urls=["http://a:1", "http://b:1"]), "one vLLM server",
+     dict(vllm_server_urls=["http://a:1", "http://b:1"])),
     (dict(truncated_importance_sampling_ratio_cap=-1.0), "truncated_importance", dict(truncated_importance_sampling_ratio_cap=2.0)),
     (dict(sequence_parallel_size=4, fsdp_shard_size=2), "must divide fsdp_shard_size=2",
      dict(sequence_parallel_size=2, fsdp_shard_size=4)),
@@ -229,3 +235,34 @@ def test_train_py_bad_value_is_one_line():
 def test_flash_attention_without_a_gpu_or_flash_attn_is_one_line():
     with pytest.raises(ValueError, match="needs a CUDA GPU and the flash-attn package"):
         Config(attn_implementation="flash_attention_2")
+
+
+def test_max_seed_keeps_every_request_seed_in_int64(tiny_model_dir):
+    """Enumerate the seeds of the last step's every round (episodes.rollout_batch, every group
+    filtered so all rounds run) at seed=max_seed: the largest sample seed fits vLLM's int64,
+    and one more seed would not."""
+    from transformers import AutoTokenizer
+
+    from data import PromptSampler
+    from episodes import rollout_batch
+    from reward_pool import RewardPool
+
+    T, R, P, N = 3, 2, 2, 4
+    cfg = Config(num_training_steps=T, active_sampling=True, active_sampling_max_rounds=R,
+                 num_unique_prompts_rollout=P, num_samples_per_prompt_rollout=N)
+    assert cfg.max_seed == (2**63 - 1 - ((T + 1) * (R + 1) * P * N - 1)) // 2**32 == 2**31 - 1
+    cfg = Config(**{**dataclasses.asdict(cfg), "seed": cfg.max_seed})
+    sent = []
+
+    def generate(prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None):  # VLLMClient.generate's seeds
+        sent.extend(seed + i * n + j for i in range(len(prompt_ids)) for j in range(n))
+        return [[dict(token_ids=[5], logprobs=[-0.1], finish_reason="length", text="", version=0)] * n
+                for _ in prompt_ids]  # one answer per group: zero std, every group filtered
+
+    client = type("Client", (), {"generate": staticmethod(generate)})()
+    rows = [dict(prompt_ids=[k], prompt_text=str(k), answer="a") for k in range(20)]
+    rollout_batch(cfg, client, PromptSampler(rows, 0), T, RewardPool(lambda p, c, e: 1.0, workers=0),
+                  AutoTokenizer.from_pretrained(tiny_model_dir))
+    assert len(sent) == (R + 1) * P * N and len(set(sent)) == len(sent)
+    assert max(sent) == cfg.seed * 2**32 + (T + 1) * (R + 1) * P * N - 1
+    assert max(sent) <= 2**63 - 1 < max(sent) + 2**32  # seed + 1 would overflow

@@ -133,3 +133,37 @@ def test_sampler_is_seeded_epoch_shuffled_and_resumable():
     s2 = data.PromptSampler(rows, seed=1)
     s2.position = 4
     assert s2.next_batch(10) == first[4:] + data.PromptSampler(rows, seed=1).next_batch(20)[10:14]
+
+
+@pytest.fixture(scope="module")
+def llama_like_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with a generation_config.json that lists two stop ids, the tokenizer's EOS (2)
+    and <|im_end|> (4), as Llama-3.1-Instruct lists <|eom_id|> and <|eot_id|> beside its EOS."""
+    import shutil
+
+    out = tmp_path_factory.mktemp("two_stops") / "model"
+    shutil.copytree(tiny_model_dir, out)
+    gen = json.loads((out / "generation_config.json").read_text())
+    (out / "generation_config.json").write_text(json.dumps(dict(gen, eos_token_id=[2, 4])))
+    return str(out)
+
+
+def test_stop_token_ids_join_tokenizer_eos_and_generation_config(tiny_model_dir, llama_like_dir, tokenizer):
+    from transformers import AutoTokenizer
+
+    assert data.stop_token_ids(tokenizer, tiny_model_dir) == [2]
+    assert data.stop_token_ids(AutoTokenizer.from_pretrained(llama_like_dir), llama_like_dir) == [2, 4]
+
+
+def test_completion_text_strips_any_stop_id(llama_like_dir):
+    """A completion that ended on the extra stop id is scored without it; one cut at the length
+    limit keeps its last token, whatever it is."""
+    from transformers import AutoTokenizer
+
+    from episodes import completion_text
+
+    tok = AutoTokenizer.from_pretrained(llama_like_dir)
+    a, b = tok.convert_tokens_to_ids(["a", "b"])
+    assert completion_text(tok, dict(token_ids=[a, b, 4], finish_reason="stop")) == "ab"
+    assert completion_text(tok, dict(token_ids=[a, b, 2], finish_reason="stop")) == "ab"
+    assert completion_text(tok, dict(token_ids=[a, b, 4], finish_reason="length")) == "ab<|im_end|>"

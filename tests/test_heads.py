@@ -2,11 +2,10 @@
 float64 autograd and against the model's own forward; the heads and layouts that are refused
 at load, in one line, from the config alone."""
 
-import types
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, CohereConfig, Gemma2Config, GPT2Config, GraniteConfig, LlamaConfig,
+from transformers import (AutoConfig, AutoModelForCausalLM, CohereConfig, Gemma2Config, GPT2Config, GraniteConfig, LlamaConfig,
                           Qwen2Config)
 
 from loss import token_logprobs
@@ -81,9 +80,9 @@ def test_the_refusal_reads_only_the_config(tmp_path):
     """check_model_config on a saved config.json, with no weights: the check before any process group."""
     Gemma2Config(**SMALL, head_dim=16).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="final_logit_softcapping"):
-        check_model_config(types.SimpleNamespace(model_name_or_path=str(tmp_path)))
+        check_model_config(AutoConfig.from_pretrained(tmp_path))
     Qwen2Config(**SMALL).save_pretrained(tmp_path)
-    check_model_config(types.SimpleNamespace(model_name_or_path=str(tmp_path)))
+    check_model_config(AutoConfig.from_pretrained(tmp_path))
 
 
 def test_train_refuses_a_soft_capped_model_in_one_line(tiny_model_dir, tmp_path):
