@@ -21,9 +21,10 @@ SAMPLES_SHOWN = 4  # (prompt, completion, reward) triples a step logs every log_
 
 def completion_text(tokenizer, sample):
     """What the reward sees: the completion decoded with its special tokens (a policy that
-    pads its answer with them pays for it), without the stop token that ended it."""
+    pads its answer with them pays for it), without the end-of-sequence token that ended it
+    (the tokenizer's, or another of the model's: VLLMClient.generate says which)."""
     ids = sample["token_ids"]
-    if sample["finish_reason"] == "stop" and ids and ids[-1] == tokenizer.eos_token_id:
+    if ids and sample.get("eos", sample["finish_reason"] == "stop" and ids[-1] == tokenizer.eos_token_id):
         ids = ids[:-1]
     return tokenizer.decode(ids, skip_special_tokens=False)
 

@@ -21,6 +21,15 @@ from episodes import Rollouts, drop_stale, evaluate, rollout_batch
 from weight_sync import full_state_dict, make_weight_sync, write_serving_dir
 
 
+def end_token_ids(model, tokenizer):
+    """Every token that ends a completion: the tokenizer's EOS and the eos_token_id list of the model's
+    generation_config.json (Qwen2.5-Instruct adds <|endoftext|> to <|im_end|>). Passed as stop_token_ids
+    in every request: the server we launch ignores that file (--generation-config vllm)."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    return sorted({tokenizer.eos_token_id, *ids} - {None})
+
+
 class Generator:
     def __init__(self, cfg, policy, tokenizer, sampler, pool, rank, device):
         self.cfg, self.tokenizer, self.sampler, self.pool, self.rank, self.device = cfg, tokenizer, sampler, pool, rank, device
@@ -30,15 +39,16 @@ class Generator:
         self.log_path = os.path.join(cfg.output_dir, "vllm.log")
         self.served = os.path.join(cfg.output_dir, "vllm_model")
         try:
+            stop_ids = end_token_ids(policy, tokenizer)
             if rank == 0 and cfg.vllm_server_urls:
                 self.client = rollout.VLLMClient(cfg.vllm_server_urls, None, cfg.vllm_request_timeout,
-                                                 cfg.vllm_max_retries)
+                                                 cfg.vllm_max_retries, stop_token_ids=stop_ids)
             full = full_state_dict(policy)  # a collective: every rank takes part
             if rank == 0 and not cfg.vllm_server_urls:
                 write_serving_dir(full, policy.config, tokenizer, self.served)
                 self.server, url = rollout.launch_server(self.served, cfg, self.log_path)
                 self.client = rollout.VLLMClient([url], self.served, cfg.vllm_request_timeout, cfg.vllm_max_retries,
-                                                 proc=self.server, log_path=self.log_path)
+                                                 proc=self.server, log_path=self.log_path, stop_token_ids=stop_ids)
             del full
             self.weight_sync = make_weight_sync(cfg, self.client, rank, device)
             if cfg.vllm_server_urls:  # the user's server starts from our weights
