@@ -22,10 +22,13 @@ SAMPLES_SHOWN = 4  # (prompt, completion, reward) triples a step logs every log_
 
 def completion_text(tokenizer, sample):
     """What the reward sees: the completion decoded with its special tokens (a policy that
-    pads its answer with them pays for it), without the stop token that ended it: any of the
-    generation's stop ids (data.stop_token_ids of the model the tokenizer was loaded from)."""
+    pads its answer with them pays for it), without the end-of-sequence token that ended it:
+    the tokenizer's or another of the model's (VLLMClient.generate marks it in "eos"; a sample
+    without the mark is judged by data.stop_token_ids)."""
     ids = sample["token_ids"]
-    if sample["finish_reason"] == "stop" and ids and ids[-1] in stop_token_ids(tokenizer, tokenizer.name_or_path):
+    ended = sample.get("eos", sample["finish_reason"] == "stop" and ids
+                       and ids[-1] in stop_token_ids(tokenizer, tokenizer.name_or_path))
+    if ids and ended:
         ids = ids[:-1]
     return tokenizer.decode(ids, skip_special_tokens=False)
 

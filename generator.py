@@ -17,6 +17,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import rollout
+from data import stop_token_ids
 from episodes import Rollouts, drop_stale, evaluate, rollout_batch
 from weight_sync import full_state_dict, make_weight_sync, write_serving_dir
 
@@ -30,15 +31,18 @@ class Generator:
         self.log_path = os.path.join(cfg.output_dir, "vllm.log")
         self.served = os.path.join(cfg.output_dir, "vllm_model")
         try:
+            # the model's every end-of-sequence id, sent with each request: the server we launch
+            # ignores generation_config.json (--generation-config vllm), and its serving copy has none
+            stop_ids = stop_token_ids(tokenizer, cfg.model_name_or_path)
             if rank == 0 and cfg.vllm_server_urls:
                 self.client = rollout.VLLMClient(cfg.vllm_server_urls, None, cfg.vllm_request_timeout,
-                                                 cfg.vllm_max_retries)
+                                                 cfg.vllm_max_retries, stop_token_ids=stop_ids)
             full = full_state_dict(policy)  # a collective: every rank takes part
             if rank == 0 and not cfg.vllm_server_urls:
                 write_serving_dir(full, policy.config, tokenizer, self.served)
                 self.server, url = rollout.launch_server(self.served, cfg, self.log_path)
                 self.client = rollout.VLLMClient([url], self.served, cfg.vllm_request_timeout, cfg.vllm_max_retries,
-                                                 proc=self.server, log_path=self.log_path)
+                                                 proc=self.server, log_path=self.log_path, stop_token_ids=stop_ids)
             del full
             self.weight_sync = make_weight_sync(cfg, self.client, rank, device)
             if cfg.vllm_server_urls:  # the user's server starts from our weights

@@ -35,6 +35,14 @@ class VLLMError(RuntimeError):
     """A server that cannot be reached, answers with an error, or dies."""
 
 
+# What every request pins besides temperature and top_p. A server started without
+# --generation-config vllm fills each sampling parameter a request leaves out from the model's
+# generation_config.json (Qwen2.5-Instruct: top_k=20, repetition_penalty=1.05), and then samples
+# from another distribution than the trainer's softmax: a biased ratio, silently. top_k=-1 is
+# "off" in every vLLM (0.32 prefers 0 and quietly accepts -1; older versions refuse 0).
+NEUTRAL_SAMPLING = dict(top_k=-1, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
+
+
 def log_tail(path, n=20):
     try:
         with open(path, errors="replace") as f:
@@ -57,6 +65,12 @@ def die_with_parent():
         pass  # not Linux: stop_server and the finally in train.py still stop it on a clean exit
 
 
+def server_dtype(cfg):
+    """The server's dtype: vllm_dtype, where "auto" means the trainer's compute dtype. vLLM's own
+    "auto" turns float32 into bfloat16 on CPU, which puts a 1e-3 gap between trainer and server logprobs."""
+    return cfg.vllm_dtype if cfg.vllm_dtype != "auto" else "bfloat16" if torch.cuda.is_available() else "float32"
+
+
 def launch_server(model_dir, cfg, log_path, port=None, env=None, extra_args=()):
     """Start a vLLM server on `model_dir` and return (process, url) once /health answers.
     A server that exits or stays unhealthy past vllm_startup_timeout is stopped and the
@@ -64,12 +78,10 @@ def launch_server(model_dir, cfg, log_path, port=None, env=None, extra_args=()):
     the environment and the arguments below; None in `env` unsets a variable."""
     port = port or cfg.vllm_port
     max_len = cfg.vllm_max_model_len or cfg.max_prompt_length + cfg.response_length
-    # "auto" means the trainer's compute dtype. vLLM's own "auto" turns float32 into
-    # bfloat16 on CPU, which puts a 1e-3 gap between trainer and server logprobs.
-    dtype = cfg.vllm_dtype if cfg.vllm_dtype != "auto" else "bfloat16" if torch.cuda.is_available() else "float32"
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_len),
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", server_dtype(cfg), "--max-model-len", str(max_len),
            "--seed", str(cfg.seed), "--logprobs-mode", "processed_logprobs", "--disable-log-stats",
+           "--generation-config", "vllm",  # vLLM's neutral defaults, not the model's (NEUTRAL_SAMPLING)
            "--gpu-memory-utilization", str(cfg.vllm_gpu_memory_utilization)]
     if not torch.cuda.is_available():
         # The CPU build crashes ("CPU Generator does not use offset") when a seeded request's
@@ -159,8 +171,12 @@ class VLLMClient:
     """HTTP client over one or more servers: bounded retries with backoff, concurrent
     requests spread round-robin, errors that name the server and quote what it said."""
 
-    def __init__(self, urls, model=None, timeout=120.0, max_retries=3, proc=None, log_path=None):
+    def __init__(self, urls, model=None, timeout=120.0, max_retries=3, proc=None, log_path=None, stop_token_ids=()):
         self.urls, self.timeout, self.max_retries = list(urls), timeout, max_retries
+        # the model's end-of-sequence ids beyond the tokenizer's (generation_config.json's eos_token_id
+        # list): a server launched with --generation-config vllm, or on a copy without that file, would
+        # not stop on them
+        self.stop_token_ids = list(stop_token_ids)
         self.proc, self.log_path = proc, log_path  # set when we launched the (single) server
         self.model = model or self.get(self.urls[0], "/v1/models")["data"][0]["id"]  # the name it serves
         self.version = 0  # weight updates the servers have taken (see updating)
@@ -248,23 +264,29 @@ class VLLMClient:
     def generate(self, prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None):
         """n completions of each token-id prompt. Returns one list per prompt of dicts with
         token_ids, logprobs (of the sampled tokens, under the sampling temperature),
-        finish_reason ("stop" or "length"), text and version (of the weights that sampled it).
+        finish_reason ("stop" or "length"), eos (it ended on an end-of-sequence token, the last of
+        token_ids), text and version (of the weights that sampled it).
         Prompt i's request gets seed + i * n, so no two samples of the call share a stream."""
         payloads = [dict(model=self.model, prompt=ids, n=n, max_tokens=max_tokens, temperature=temperature,
-                         top_p=top_p, logprobs=0, return_token_ids=True,
+                         top_p=top_p, **NEUTRAL_SAMPLING, stop_token_ids=self.stop_token_ids, logprobs=0,
+                         return_token_ids=True,
                          seed=None if seed is None else seed + i * n)  # vLLM seeds sample j with seed + j
                     for i, ids in enumerate(prompt_ids)]
         out = []
         for resp, version in self.map("/v1/completions", payloads, self.versioned_post):
             choices = sorted(resp["choices"], key=lambda c: c["index"])
+            # stop_reason: None for the model's EOS, the token id for stop_token_ids (a string for a stop string)
             out.append([dict(token_ids=c["token_ids"], logprobs=c["logprobs"]["token_logprobs"],
-                             finish_reason=c["finish_reason"], text=c["text"], version=version) for c in choices])
+                             finish_reason=c["finish_reason"], text=c["text"], version=version,
+                             eos=c["finish_reason"] == "stop" and not isinstance(c.get("stop_reason"), str))
+                        for c in choices])
         return out
 
     def score(self, sequences):
         """The server's logprob of every token of each sequence after the first
         (prompt_logprobs): one list of len(seq) - 1 floats per sequence."""
-        payloads = [dict(model=self.model, prompt=seq, max_tokens=1, temperature=1.0, prompt_logprobs=0)
+        payloads = [dict(model=self.model, prompt=seq, max_tokens=1, temperature=1.0, top_p=1.0, **NEUTRAL_SAMPLING,
+                         prompt_logprobs=0)
                     for seq in sequences]
         out = []
         for seq, resp in zip(sequences, self.map("/v1/completions", payloads)):

@@ -25,8 +25,9 @@ Where this differs from the papers:
   temperature-processed logprobs too), so the ratio compares the policies that sampled.
 - With one mini-batch and one epoch, old_logp is the detached new logp (ratio 1, one
   forward pass saved). Every step compares vLLM's sampling logprobs with the trainer's
-  on the first mini-batch, before any update, over the samples the current weights
-  produced: a sync that did not take stops the run.
+  on the first mini-batch, over the samples the current weights produced, and before its
+  first optimizer step: a sync that did not take stops the run with the last good step's
+  weights (and checkpoint).
 """
 
 import json
@@ -175,11 +176,8 @@ def train_step(cfg, policy, ref, optimizer, scheduler, samples, plan, gen, world
 
 
 def check_health(cfg, m, step, skipped_in_a_row):
-    """Stop the run when the last weight sync did not take, or when updates keep being skipped."""
-    if m["vllm_logp_diff_mean"] > cfg.vllm_logp_tolerance:
-        raise RuntimeError(f"step {step}: trainer and vLLM logprobs differ by {m['vllm_logp_diff_mean']:.3g} "
-                           f"on average (> vllm_logp_tolerance={cfg.vllm_logp_tolerance}): the last weight "
-                           f"sync did not take, or the server runs another dtype (vllm_dtype)")
+    """Stop the run when updates keep being skipped (a failed weight sync stops it in update.py,
+    before the step trains)."""
     if skipped_in_a_row >= cfg.max_consecutive_skipped_steps:
         raise RuntimeError(f"step {step}: {skipped_in_a_row} steps in a row had a non-finite loss or "
                            f"gradient norm (max_consecutive_skipped_steps): the run diverged; lower "
@@ -231,7 +229,7 @@ def main(cfg: Config):
         sigterm.in_loop = True
         for step in tqdm(range(start + 1, cfg.num_training_steps + 1), disable=rank != 0, desc="grpo",
                          initial=start, total=cfg.num_training_steps):
-            t0 = time.perf_counter()
+            t0, position = time.perf_counter(), gen.position  # the sampler after the last trained step
             try:
                 # --- batch: rank 0 generates and scores (or takes what was generated ahead); every rank gets it
                 samples, rollout_metrics = gen.batch(step, policy)
@@ -254,12 +252,13 @@ def main(cfg: Config):
                 if samples:
                     gen.sync(policy)
                 m["time_sync"] = time.perf_counter() - t3
-            except rollout.VLLMError:  # a server we cannot repair: log and checkpoint what was trained, then stop
+            except rollout.VLLMError:  # a server we cannot repair, or a sync that did not take (found before
+                # the step's update): log and checkpoint what was trained, then stop
                 if rank == 0 and trained == step:
                     log.write(m)
                 if cfg.checkpoint_state_dir and saved < trained:
                     checkpoint.save(cfg.checkpoint_state_dir, trained, policy, ref, optimizer, scheduler,
-                                    gen.position, cfg, cfg.keep_last_n_checkpoints)
+                                    gen.position if trained == step else position, cfg, cfg.keep_last_n_checkpoints)
                 raise
             # --- checkpoint and export (a SIGTERM on any rank stops every rank after this step's checkpoint)
             stopping, last = sigterm.on_any_rank(device), step == cfg.num_training_steps

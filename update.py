@@ -4,8 +4,9 @@
       logprobs_before_update   old_logp, ref_logp and the top-k KL's heads, under no_grad
       for epoch, mini-batch:
         micro_batch_loss       the objective (loss.py) with the trainer/vLLM corrections; backward
+        check_sync             first mini-batch: trainer vs vLLM logprobs, before any update (VLLMError)
       optimizer_step           clip, then step unless the loss or gradient is non-finite somewhere
-    StepMetrics                per-token sums of this rank, reduced over ranks once
+    StepMetrics                per-token sums of this rank, reduced over ranks once (the sync check apart)
 
 The loss of each micro-batch is already divided by the whole optimizer step's denominator
 (loss.step_denominator), so gradients accumulated over micro-batches and summed over ranks
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from loss import ess, grpo_loss, mismatch_keep, step_denominator
 from packing import micro_batches
+from rollout import VLLMError
 from sequence_parallel import piece
 
 
@@ -101,12 +103,13 @@ def optimizer_step(cfg, policy, optimizer, scheduler, step_loss):
 class StepMetrics:
     """One step's statistics: float64 sums over this rank's tokens, reduced over ranks once,
     then divided by the step's tokens; ESS values, gradient norms and skipped updates."""
-    SUMS = ("loss", "pg_loss", "kl", "clipped", "entropy", "ess_trust", "masked", "tokens",
-            "vllm_logp_diff", "vllm_logp_diff_tokens")
+    SUMS = ("loss", "pg_loss", "kl", "clipped", "entropy", "ess_trust", "masked", "tokens")
 
     def __init__(self, device):
         self.sums = {k: torch.zeros((), dtype=torch.float64, device=device) for k in self.SUMS}
+        self.vllm_diff = torch.zeros(2, dtype=torch.float64, device=device)  # sum of |diff|, tokens
         self.vllm_logp_diff_max = torch.zeros((), device=device)
+        self.vllm_logp_diff_mean = 0.0
         self.ess, self.grad_norms, self.skipped = [], [], 0
 
     def add(self, **values):
@@ -115,21 +118,34 @@ class StepMetrics:
 
     def add_vllm_diff(self, diff):
         """|trainer logp - vLLM logp| over the tokens the current weights sampled: the sync check."""
-        self.add(vllm_logp_diff=diff.sum(), vllm_logp_diff_tokens=diff.numel())
+        self.vllm_diff[0] += diff.sum().double()
+        self.vllm_diff[1] += diff.numel()
         if diff.numel():
             self.vllm_logp_diff_max = torch.maximum(self.vllm_logp_diff_max, diff.max())
+
+    def check_sync(self, cfg):
+        """Reduce the sync check over ranks and raise VLLMError on every rank when the last weight
+        sync did not take: called before the step's first optimizer step, so the policy, its
+        optimizer and the reference stay those of the last good step (train.py checkpoints them)."""
+        dist.all_reduce(self.vllm_diff)
+        dist.all_reduce(self.vllm_logp_diff_max, op=dist.ReduceOp.MAX)
+        total, tokens = self.vllm_diff.tolist()
+        self.vllm_logp_diff_mean = total / max(tokens, 1.0)
+        if self.vllm_logp_diff_mean > cfg.vllm_logp_tolerance:
+            raise VLLMError(f"trainer and vLLM logprobs differ by {self.vllm_logp_diff_mean:.3g} on average "
+                            f"(> vllm_logp_tolerance={cfg.vllm_logp_tolerance}) before this step's update: the "
+                            f"last weight sync did not take, or the server runs another dtype (vllm_dtype)")
 
     def reduce(self, cfg):
         """Reduce over ranks (a collective) and return the metrics dict of the step."""
         sums = torch.stack([self.sums[k] for k in self.SUMS])
-        dist.all_reduce(sums)
-        dist.all_reduce(self.vllm_logp_diff_max, op=dist.ReduceOp.MAX)
+        dist.all_reduce(sums)  # the sync check's figures were reduced by check_sync
         s = dict(zip(self.SUMS, sums.tolist()))
         n = max(s["tokens"], 1)
         m = dict(loss=s["loss"] / n, pg_loss=s["pg_loss"] / n, kl=s["kl"] / n, clip_frac=s["clipped"] / n,
                  entropy=s["entropy"] / n, grad_norm=sum(self.grad_norms) / max(len(self.grad_norms), 1),
                  grad_norm_max=max(self.grad_norms, default=0.0),
-                 vllm_logp_diff_mean=s["vllm_logp_diff"] / max(s["vllm_logp_diff_tokens"], 1.0),
+                 vllm_logp_diff_mean=self.vllm_logp_diff_mean,
                  vllm_logp_diff_max=self.vllm_logp_diff_max.item(), skipped_steps=self.skipped,
                  trained_tokens=int(s["tokens"]))
         if cfg.loss_fn == "ess":
@@ -169,11 +185,16 @@ def train_on_batch(cfg, policy, ref_model, optimizer, scheduler, samples, rank, 
     for epoch in range(cfg.num_epochs):
         for j, ((_, n_tokens, n_seqs), mbs, befores) in enumerate(zip(minis, micro, before)):
             if not n_seqs:  # every group of this mini-batch was filtered out (alike on every rank): no update
-                scheduler.step()
+                if epoch or j > check:  # those before the sync check step the schedule once it has passed
+                    scheduler.step()
                 continue
             denom = step_denominator(cfg.loss_denominator, n_tokens, configured)
             step_loss = mini_batch_backward(cfg, policy, mbs, befores, forward, denom, world_size, metrics,
                                             sync_check=epoch == 0 and j == check)
+            if epoch == 0 and j == check:  # before any update: a sync that did not take stops the run here
+                metrics.check_sync(cfg)
+                for _ in range(check):
+                    scheduler.step()
             grad_norm, skipped = optimizer_step(cfg, policy, optimizer, scheduler, step_loss)
             metrics.grad_norms.append(grad_norm)
             metrics.skipped += skipped  # a non-finite loss or gradient norm on some rank: the weights are kept

@@ -8,7 +8,8 @@ rank and called on every rank (the gathers are collectives):
   read: servers on other nodes need a shared filesystem), asks each server to
   `reload_weights` through /collective_rpc and resets its prefix cache.
 - nccl (GPU servers started with --weight-transfer-config '{"backend": "nccl"}'): vLLM's
-  native weight-transfer API. Untested on the CPU machines this project is built on.
+  native weight-transfer API, in the server's dtype (vllm_dtype). Its NCCL calls are untested
+  on the CPU machines this project is built on; its error path is tested with the server faked.
 
 Both are bounded by weight_sync_timeout: the reload request is an HTTP timeout; the NCCL
 transfer, which would otherwise wait forever for a peer that is gone, runs in a thread
@@ -28,7 +29,7 @@ import threading
 
 import torch
 
-from rollout import VLLMError
+from rollout import VLLMError, server_dtype
 
 def full_state_dict(model):
     """The full, unsharded state dict, on CPU, on rank 0 (empty on other ranks).
@@ -120,15 +121,19 @@ class FilesystemSync:
 
 class NCCLSync:
     """GPU servers: vLLM's native weight-transfer API over NCCL (server launched with
-    --weight-transfer-config '{"backend": "nccl"}'). Untested on the CPU machines this
-    project is developed on. Every rank gathers every full_tensor() first; only then
-    does rank 0 broadcast: interleaving the FSDP gathers with the NCCL broadcast lets
-    rank 0 wait in the broadcast while the others wait in a gather (deadlock).
-    Supports one server with one worker (tensor parallel size 1)."""
+    --weight-transfer-config '{"backend": "nccl"}'). The NCCL calls are untested on the CPU
+    machines this project is developed on (tests/test_nccl_sync.py fakes the server's HTTP side).
+    Every rank gathers the weights tensor by tensor, in the same order (each full_tensor() is a
+    collective): a rank holds one full float32 tensor on its device at a time, and rank 0 keeps
+    each one cast to the server's dtype in CPU memory. Only then does rank 0 send, one tensor at a
+    time back on its GPU into vLLM's packed buffers: a gather interleaved with the broadcast would
+    leave the other ranks waiting inside a gather that rank 0, stuck in a failed transfer, never
+    joins. Supports one server with one worker (tensor parallel size 1)."""
 
-    def __init__(self, client, rank, master_address, master_port, device, timeout=600.0):
+    def __init__(self, client, rank, master_address, master_port, device, timeout=600.0, dtype=torch.bfloat16):
         self.client, self.rank, self.device, self.engine, self.timeout = client, rank, device, None, timeout
         self.master_address, self.master_port = master_address, master_port  # this trainer's rendezvous
+        self.dtype = dtype  # the server's: a bfloat16 copy of float32 weights in a float32 server fails the check
 
     # the four calls vLLM's trainer engine makes on its client (VLLMWeightSyncClient)
     # (the two that wait for the NCCL transfer get weight_sync_timeout, not the request timeout)
@@ -144,36 +149,67 @@ class NCCLSync:
     def finish_weight_update(self, weight_version=None):
         self.client.broadcast("/finish_weight_update", {"weight_version": weight_version})
 
+    def gather(self, model):
+        """Every rank: the serving copy's tensors, in the server's dtype and CPU memory, on rank 0
+        (empty on the others)."""
+        full = {}
+        for name, t in model.state_dict().items():  # the same order on every rank
+            # .to(device) first: offloaded (offload_params) shards are in CPU memory, NCCL gathers GPU tensors
+            whole = t.to(self.device).full_tensor() if hasattr(t, "full_tensor") else t
+            if self.rank == 0:
+                full[name] = whole.to(self.dtype).cpu()
+            del whole  # one full float32 tensor on the device at a time
+        return untie(full) if self.rank == 0 else {}
+
     def sync(self, model):
+        """Returns the bytes sent (rank 0) or 0. A failed transfer (an HTTP error, a timeout, an
+        NCCL error) raises VLLMError on every rank, so all can save a checkpoint first; unless a
+        server we launched died: then the next rollout restarts it and pushes the weights again."""
+        import torch.distributed as dist
+
+        full = self.gather(model)  # every gather on every rank before any send
+        nbytes, error = 0, [None]
+        if self.rank == 0:
+            try:
+                nbytes = self.send(full)
+            except Exception as e:  # noqa: BLE001 -- whatever it was, every rank must hear of it
+                self.engine = None  # its NCCL group is unusable (vLLM: the caller has to tear it down)
+                died = self.client.proc is not None and self.client.proc.poll() is not None
+                print(f"weight sync failed{' (the server died; it will be restarted)' if died else ''}: {e}",
+                      flush=True)
+                error = [None if died else str(e) if isinstance(e, (VLLMError, TimeoutError))
+                         else f"weight sync: {type(e).__name__}: {e}"]
+        del full
+        if dist.is_initialized():
+            dist.broadcast_object_list(error, src=0)  # also the barrier: the weights are in place
+        if error[0]:
+            raise VLLMError(error[0])
+        return nbytes
+
+    def send(self, full):
+        """Rank 0: the gathered tensors into the server over NCCL."""
         from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
         from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerInitInfo,
                                                                    NCCLTrainerWeightTransferEngine)
-
-        full = {}
-        for name, t in model.state_dict().items():  # every rank, every gather, before any send
-            # .to(device) first: offloaded (offload_params) shards are in CPU memory, NCCL gathers GPU tensors
-            full[name] = t.to(self.device).full_tensor() if hasattr(t, "full_tensor") else t
-        if self.rank != 0:
-            return 0
-        full = {k: v.to(self.device) for k, v in untie(full).items()}
+        device = self.device
 
         class Gathered(WeightSource):
             def metadata(self):
                 return [ParamMeta(k, v.dtype, tuple(v.shape)) for k, v in full.items()]
 
-            def __iter__(self):
-                return iter(full.items())
+            def __iter__(self):  # one tensor at a time on the GPU; vLLM copies it into its packed buffers
+                return ((k, v.to(device)) for k, v in full.items())
 
-        if self.engine is None:
-            info = NCCLTrainerInitInfo(master_address=self.master_address, master_port=self.master_port,
-                                       world_size=2, rank=0)
-            self.engine = within(self.timeout, lambda: NCCLTrainerWeightTransferEngine.trainer_init(
-                info, client=self, source=Gathered()), "the NCCL rendezvous with the vLLM server", self.device)
-        self.engine.source = Gathered()
         with self.client.updating():  # in-flight generations finish on the old weights; new ones wait
             self.client.pause()
             try:
-                within(self.timeout, self.engine.send_weights, "the NCCL weight transfer", self.device)
+                if self.engine is None:
+                    info = NCCLTrainerInitInfo(master_address=self.master_address, master_port=self.master_port,
+                                               world_size=2, rank=0)
+                    self.engine = within(self.timeout, lambda: NCCLTrainerWeightTransferEngine.trainer_init(
+                        info, client=self, source=Gathered()), "the NCCL rendezvous with the vLLM server", device)
+                self.engine.source = Gathered()
+                within(self.timeout, self.engine.send_weights, "the NCCL weight transfer", device)
             finally:
                 self.client.resume()
             self.client.broadcast("/reset_prefix_cache")
@@ -188,7 +224,7 @@ def make_weight_sync(cfg, client, rank, device):
     """The configured transport; `.sync(model)` on every rank after each step."""
     if cfg.weight_sync_transport == "nccl":
         return NCCLSync(client, rank, cfg.weight_sync_master_address, cfg.weight_sync_master_port, device,
-                        cfg.weight_sync_timeout)
+                        cfg.weight_sync_timeout, getattr(torch, server_dtype(cfg)))
     return FilesystemSync(client, rank, cfg.output_dir, cfg.weight_sync_timeout, cfg.weight_sync_dir)
 
 

@@ -18,7 +18,6 @@ import os
 import argparse
 import json
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile

@@ -2,6 +2,7 @@
 
     python tests/fault_worker.py nan_loss=2,4,5,6 [train.py flags]     # the loss is NaN at these steps (rank 0)
     torchrun ... tests/fault_worker.py kill_in_checkpoint=4 [flags]    # rank 1 SIGKILLs itself while writing checkpoint 4
+    python tests/fault_worker.py lost_sync=3 [flags]     # the server answers the reload after step 3 but keeps its weights
 """
 
 import os
@@ -10,6 +11,7 @@ import sys
 
 import checkpoint
 import generator
+import rollout
 import train
 import update
 from cli import parse_args
@@ -41,6 +43,15 @@ if __name__ == "__main__":  # the reward pool's workers import this script again
             real_fsync(path)
 
         checkpoint.fsync = fsync
+    elif kind == "lost_sync":  # at the HTTP boundary: the reload request is never sent, and nothing says so
+        real_reload, syncs = rollout.VLLMClient.reload_weights, [0]  # sync 0: a user's server gets our weights
+
+        def reload_weights(self, weights_dir, timeout=None):
+            syncs[0] += 1
+            if syncs[0] - 1 not in steps:
+                real_reload(self, weights_dir, timeout)
+
+        rollout.VLLMClient.reload_weights = reload_weights
     else:
         raise SystemExit(f"unknown fault {kind!r}")
 

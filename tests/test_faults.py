@@ -166,6 +166,39 @@ def test_non_finite_loss_skips_the_step_then_stops_the_run(server, tiny_model_di
 
 
 @pytest.mark.slow
+def test_a_sync_that_did_not_take_stops_the_run_before_the_step_trains(server, tiny_model_dir, tmp_path):
+    """The server answers the reload after step 3 but keeps step 2's weights. Step 4's check finds
+    it before step 4's update: the run stops, and its checkpoint is step 3's, equal to that of a
+    run whose syncs all took (the bad step trained nothing)."""
+    url, good, lost = server.urls[0], tmp_path / "good", tmp_path / "lost"
+    out = run(command("train.py", 1) + flags(tiny_model_dir, good, 6, "--checkpoint_state_freq", "3", url=url))
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = run(command("tests/fault_worker.py", 1) + ["lost_sync=3"] +
+              flags(tiny_model_dir, lost, 6, "--checkpoint_state_freq", "100", url=url))
+    assert out.returncode != 0
+    errors = [line for line in out.stderr.splitlines() if "VLLMError: " in line]
+    assert len(errors) == 1 and "before this step's update: the last weight sync did not take" in errors[0], \
+        out.stderr[-3000:]
+    assert stable(metrics(lost)) == stable(metrics(good)[:3])  # step 4 is not logged: it did not train
+    assert os.listdir(lost / "ckpt") == ["step_00000003"]
+    a, b = full(good / "ckpt" / "step_00000003"), full(lost / "ckpt" / "step_00000003")
+    for part in ("policy", "ref", "optimizer"):
+        flat_a, flat_b = flatten(a[part]), flatten(b[part])
+        assert flat_a.keys() == flat_b.keys() and all(torch.equal(flat_a[k], flat_b[k]) for k in flat_a), part
+    sa, sb = (torch.load(run_dir / "ckpt" / "step_00000003" / "trainer_state.pt", weights_only=False)
+              for run_dir in (good, lost))
+    assert (sa["scheduler"], sa["sampler_position"]) == (sb["scheduler"], sb["sampler_position"])
+
+
+def flatten(tree, prefix=""):
+    """The tensors of a nested state dict, by dotted path."""
+    if torch.is_tensor(tree):
+        return {prefix: tree}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else []
+    return {k: v for key, sub in items for k, v in flatten(sub, f"{prefix}.{key}").items()}
+
+
+@pytest.mark.slow
 def test_a_server_we_launched_is_restarted_when_it_dies(tiny_model_dir, tmp_path):
     args = flags(tiny_model_dir, tmp_path, 6, "--checkpoint_state_freq", "100", "--vllm_port", "8052")
     proc = start(command("train.py", 1) + args)

@@ -1,8 +1,18 @@
-"""The NCCL weight transport against a real GPU vLLM server. Skips without CUDA and vLLM:
-the machines this project is developed on have neither a GPU nor a GPU build of vLLM,
-so this test has never run here."""
+"""The NCCL weight transport. Its NCCL calls (the rendezvous with the server, the broadcast)
+need a CUDA GPU and the GPU build of vLLM, which the machines this project is developed on do
+not have: the GPU test below skips there and has never run here. What runs everywhere is the
+rest, on 2 gloo ranks against servers faked at the HTTP boundary: the gather (every rank, tensor
+by tensor, cast to the server's dtype on rank 0) and the failures (an HTTP error, a rendezvous
+that never finishes), which every rank must hear of as a VLLMError."""
 
 import importlib.util
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -11,11 +21,63 @@ import rollout
 import weight_sync
 from config import Config
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
-                                reason="needs a CUDA GPU and the GPU build of vLLM")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def fake_server(fail):
+    """A vLLM server's weight routes, failing one: `fail` maps a route to "error" (HTTP 500) or
+    "hang" (never answers). Other routes answer {}. Returns (server, url)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            how = fail.get(self.path.split("?")[0])
+            if how == "hang":
+                time.sleep(30)
+                return
+            body = b'{"error": "the weight transfer engine is not initialised"}' if how == "error" else b"{}"
+            self.send_response(500 if how == "error" else 200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_nccl_sync_failures_reach_every_rank_as_vllm_errors(tiny_model_dir):
+    """Rank 0 alone talks to the server; before, the other rank returned as if the sync had
+    worked, and a timeout stayed a TimeoutError (no checkpoint of the last finished step)."""
+    refused, refused_url = fake_server({"/pause": "error"})
+    stuck, stuck_url = fake_server({"/init_weight_transfer_engine": "hang"})
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29656",
+           os.path.join(ROOT, "tests", "nccl_fault_worker.py"), tiny_model_dir, refused_url, stuck_url]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    refused.shutdown(), stuck.shutdown()
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RANK ")]
+    assert sorted(line for line in lines if "GATHER" in line) == ["RANK 0 GATHER OK", "RANK 1 GATHER OK"], lines
+    errors = {r: [re.sub(r"after [\d.]+s", "after Ts", line) for line in lines
+                  if line.startswith(f"RANK {r} ") and "GATHER" not in line] for r in (0, 1)}
+    assert errors[0] == [e.replace("RANK 1", "RANK 0") for e in errors[1]], lines  # the same errors on both ranks
+    assert len(errors[0]) == 2 and all("VLLMError after Ts" in e for e in errors[0]), lines
+    assert any(f"{refused_url} failed /pause after 2 attempt(s): HTTP 500" in e for e in errors[0]), lines
+    assert any("VLLMError after Ts: weight sync: the NCCL rendezvous with the vLLM server did not finish within "
+               "weight_sync_timeout=3s" in e for e in errors[0]), lines
+    seconds = [float(s) for s in re.findall(r"VLLMError after ([\d.]+)s", "\n".join(lines))]
+    assert max(seconds) < 20, lines  # bounded by weight_sync_timeout, not by the hung request
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
+                    reason="needs a CUDA GPU and the GPU build of vLLM")
 def test_nccl_sync_of_perturbed_weights(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
