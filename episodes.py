@@ -26,8 +26,8 @@ def completion_text(tokenizer, sample):
     the tokenizer's or another of the model's (VLLMClient.generate marks it in "eos"; a sample
     without the mark is judged by data.stop_token_ids)."""
     ids = sample["token_ids"]
-    ended = sample.get("eos", sample["finish_reason"] == "stop" and ids
-                       and ids[-1] in stop_token_ids(tokenizer, tokenizer.name_or_path))
+    ended = sample["eos"] if "eos" in sample else (sample["finish_reason"] == "stop" and ids
+                                                   and ids[-1] in stop_token_ids(tokenizer, tokenizer.name_or_path))
     if ids and ended:
         ids = ids[:-1]
     return tokenizer.decode(ids, skip_special_tokens=False)

@@ -167,6 +167,7 @@ def load_model(cfg, device, mesh, reference=False):
     model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=torch.float32,
                                                  attn_implementation="ulysses" if sp else cfg.attn_implementation)
     check_architecture(model)
+    sequence_parallel.check_heads(model.config, cfg.sequence_parallel_size)  # train.py checked it already
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" \
         else MixedPrecisionPolicy()
     offload = cfg.offload_ref_policy if reference else cfg.offload_params

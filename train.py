@@ -76,7 +76,7 @@ def check_outside(cfg):
                              "directory") from None
         if not os.access(path, os.W_OK):
             raise ValueError(f"{name}={path!r} is not writable; pick a writable directory")
-    for url in cfg.vllm_server_urls:
+    for url in cfg.vllm_server_urls if int(os.environ.get("RANK", 0)) == 0 else ():  # only rank 0 talks to them
         try:
             urllib.request.urlopen(url + "/health", timeout=cfg.vllm_request_timeout).close()
         except (urllib.error.URLError, OSError) as e:

@@ -94,24 +94,16 @@ class FilesystemSync:
         """Returns the bytes written (rank 0) or 0. A failed reload raises VLLMError on every
         rank, so all can save a checkpoint first; unless it failed because a server we
         launched died: then the next rollout restarts it and pushes the weights again."""
-        import torch.distributed as dist
-
         sd = full_state_dict(model)
-        nbytes, error = 0, [None]
+        nbytes, error = 0, None
         if self.rank == 0:
-            nbytes = write_weights(sd, self.dir)
             try:
+                nbytes = write_weights(sd, self.dir)  # an OSError (a full /dev/shm) must reach every rank too
                 with self.client.updating():  # in-flight generations finish first; new ones wait
                     self.client.reload_weights(self.dir, timeout=self.timeout)
-            except VLLMError as e:
-                died = self.client.proc is not None and self.client.proc.poll() is not None
-                print(f"weight sync failed{' (the server died; it will be restarted)' if died else ''}: {e}",
-                      flush=True)
-                error = [None if died else str(e)]
-        if dist.is_initialized():
-            dist.broadcast_object_list(error, src=0)  # also the barrier: the weights are in place
-        if error[0]:
-            raise VLLMError(error[0])
+            except Exception as e:  # noqa: BLE001 -- whatever it was, every rank must hear of it
+                error = failure(self.client, e)
+        raise_on_every_rank(error)
         return nbytes
 
     def close(self):
@@ -165,25 +157,16 @@ class NCCLSync:
         """Returns the bytes sent (rank 0) or 0. A failed transfer (an HTTP error, a timeout, an
         NCCL error) raises VLLMError on every rank, so all can save a checkpoint first; unless a
         server we launched died: then the next rollout restarts it and pushes the weights again."""
-        import torch.distributed as dist
-
         full = self.gather(model)  # every gather on every rank before any send
-        nbytes, error = 0, [None]
+        nbytes, error = 0, None
         if self.rank == 0:
             try:
                 nbytes = self.send(full)
             except Exception as e:  # noqa: BLE001 -- whatever it was, every rank must hear of it
-                self.engine = None  # its NCCL group is unusable (vLLM: the caller has to tear it down)
-                died = self.client.proc is not None and self.client.proc.poll() is not None
-                print(f"weight sync failed{' (the server died; it will be restarted)' if died else ''}: {e}",
-                      flush=True)
-                error = [None if died else str(e) if isinstance(e, (VLLMError, TimeoutError))
-                         else f"weight sync: {type(e).__name__}: {e}"]
+                error = failure(self.client, e)
+                self.close()  # its NCCL group is unusable: vLLM leaves the tear-down to the caller
         del full
-        if dist.is_initialized():
-            dist.broadcast_object_list(error, src=0)  # also the barrier: the weights are in place
-        if error[0]:
-            raise VLLMError(error[0])
+        raise_on_every_rank(error)
         return nbytes
 
     def send(self, full):
@@ -216,8 +199,34 @@ class NCCLSync:
         return sum(v.numel() * v.element_size() for v in full.values())
 
     def close(self):
-        if self.engine is not None:
-            self.engine.shutdown()
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            try:  # a failed engine may hang or raise on the way down: neither may hide the first error
+                within(self.timeout, engine.shutdown, "shutting down the NCCL weight-transfer engine")
+            except Exception as e:  # noqa: BLE001
+                print(f"weight sync: the NCCL engine did not shut down cleanly: {e}", flush=True)
+
+
+def failure(client, e):
+    """Rank 0's message for a failed sync, printed; None when a server we launched died (the
+    next rollout restarts it and pushes the weights again, so the run goes on)."""
+    died = client.proc is not None and client.proc.poll() is not None
+    print(f"weight sync failed{' (the server died; it will be restarted)' if died else ''}: {e}", flush=True)
+    if died:
+        return None
+    return str(e) if isinstance(e, (VLLMError, TimeoutError)) else f"weight sync: {type(e).__name__}: {e}"
+
+
+def raise_on_every_rank(error):
+    """Rank 0's error (or None) to every rank, raised there as VLLMError, so every rank can save a
+    checkpoint of the last finished step. The broadcast is also the barrier: the weights are in place."""
+    import torch.distributed as dist
+
+    box = [error]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise VLLMError(box[0])
 
 
 def make_weight_sync(cfg, client, rank, device):

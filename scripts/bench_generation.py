@@ -32,8 +32,8 @@ import rollout  # noqa: E402
 import weight_sync  # noqa: E402
 from config import Config  # noqa: E402
 
-CORES = os.cpu_count() or 1
-ALL = f"0-{CORES - 1}"
+CORES = len(os.sched_getaffinity(0))
+ALL = ",".join(map(str, sorted(os.sched_getaffinity(0))))
 
 
 def iomp():
@@ -54,20 +54,28 @@ def tcmalloc():
 SETTINGS = {
     # vLLM's automatic binding: on x86 it reserves one core for the scheduler process, so on 2
     # cores the model runs on one.
-    "one_core": (dict(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND=None, VLLM_CPU_NUM_OF_RESERVED_CPU=None), []),
-    "all_cores": (dict(OMP_NUM_THREADS=str(CORES), VLLM_CPU_OMP_THREADS_BIND=ALL, VLLM_CPU_NUM_OF_RESERVED_CPU="0"), []),
+    "one_core": (dict(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND=None, VLLM_CPU_NUM_OF_RESERVED_CPU=None,
+                      LD_PRELOAD=None), []),
+    "all_cores": (dict(OMP_NUM_THREADS=str(CORES), VLLM_CPU_OMP_THREADS_BIND=ALL, VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+                       LD_PRELOAD=None), []),
     "all_cores_iomp": (dict(OMP_NUM_THREADS=str(CORES), VLLM_CPU_OMP_THREADS_BIND=ALL, VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                             LD_PRELOAD="IOMP"), []),
     "all_cores_iomp_tcmalloc": (dict(OMP_NUM_THREADS=str(CORES), VLLM_CPU_OMP_THREADS_BIND=ALL,
                                      VLLM_CPU_NUM_OF_RESERVED_CPU="0", LD_PRELOAD="TCMALLOC:IOMP"), []),
     # the model in the engine process itself: no worker process, no shared-memory queue whose
     # reader spins (sched_yield) while the worker computes
-    "uni_executor": (dict(OMP_NUM_THREADS=str(CORES), VLLM_CPU_OMP_THREADS_BIND=ALL, VLLM_CPU_NUM_OF_RESERVED_CPU="0"),
-                     ["--distributed-executor-backend", "uni"]),
+    "uni_executor": (dict(OMP_NUM_THREADS=str(CORES), VLLM_CPU_OMP_THREADS_BIND=ALL, VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+                          LD_PRELOAD=None), ["--distributed-executor-backend", "uni"]),
     "uni_executor_iomp": (dict(OMP_NUM_THREADS=str(CORES), VLLM_CPU_OMP_THREADS_BIND=ALL,
                                VLLM_CPU_NUM_OF_RESERVED_CPU="0", LD_PRELOAD="IOMP"),
                           ["--distributed-executor-backend", "uni"]),
-    # what train.py launches now (rollout.server_env / server_args)
+    "uni_executor_iomp_bound": (dict(OMP_NUM_THREADS=str(CORES), LD_PRELOAD="IOMP", VLLM_CPU_OMP_THREADS_BIND=None, KMP_BLOCKTIME="5", KMP_TPAUSE="0",
+                                     KMP_AFFINITY=f"granularity=fine,explicit,proclist=[{ALL}]"),
+                                ["--distributed-executor-backend", "uni"]),
+    # the engine's wait on the worker polled by vLLM's compiled spin loop instead of sched_yield
+    "all_cores_iomp_spinloop": (dict(OMP_NUM_THREADS=str(CORES), VLLM_CPU_OMP_THREADS_BIND=ALL,
+                                     VLLM_CPU_NUM_OF_RESERVED_CPU="0", LD_PRELOAD="IOMP", VLLM_USE_SPINLOOP_EXT="1"), []),
+    # what train.py launches (rollout.cpu_placement)
     "trainer": (None, None),
 }
 
@@ -91,6 +99,23 @@ def timed(fn):
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def cpu_seconds(pid):
+    """CPU seconds (user + system) so far of the server and each of its processes, by name:
+    the API server, the engine core (the scheduler) and the worker that runs the model."""
+    import psutil
+
+    out = {}
+    root = psutil.Process(pid)
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            name = "api_server" if p.pid == pid else p.name()
+            t = p.cpu_times()
+            out[name] = out.get(name, 0.0) + t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return out
 
 
 def resolve(env):
@@ -117,13 +142,15 @@ def run_setting(name, cfg, served, payloads, repeats, log_dir):
     try:
         client = rollout.VLLMClient([url], served, timeout=600)
         client.map("/v1/completions", payloads)  # warm-up
-        times = []
+        times, cpu = [], {}
         for _ in range(repeats):
+            before = cpu_seconds(proc.pid)
             t = time.perf_counter()
             outs = client.map("/v1/completions", payloads)
             times.append(time.perf_counter() - t)
+            cpu = {k: v - before.get(k, 0.0) for k, v in cpu_seconds(proc.pid).items()}
             tokens = sum(len(c["token_ids"]) for o in outs for c in o["choices"])
-        return dict(setting=name, seconds=times, tokens=tokens)
+        return dict(setting=name, seconds=times, tokens=tokens, cpu_seconds=cpu)
     finally:
         rollout.stop_server(proc)
 
@@ -132,7 +159,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=os.path.join(ROOT, "models", "smollm2-135m-instruct"))
     p.add_argument("--settings", default=",".join(SETTINGS))
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2, choices=range(1, 100), metavar="N")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--prompt_tokens", type=int, default=64)
@@ -156,7 +183,7 @@ def main(argv=None):
     cfg = Config(model_name_or_path=args.model, max_prompt_length=args.prompt_tokens, response_length=args.new_tokens,
                  vllm_port=args.port)
     payloads = [dict(model=served, prompt=ids, n=args.samples, max_tokens=args.new_tokens, temperature=0.7,
-                     logprobs=0, return_token_ids=True, ignore_eos=True, seed=1 + i * args.samples)
+                     top_p=1.0, **rollout.NEUTRAL_SAMPLING, logprobs=0, return_token_ids=True, ignore_eos=True, seed=1 + i * args.samples)
                 for i, ids in enumerate(prompts)]
 
     # the bounds, measured before any server runs
@@ -183,7 +210,8 @@ def main(argv=None):
             continue
         best = min(r["seconds"])
         print(f"{name:26s} " + ", ".join(f"{s:.1f} s" for s in r["seconds"]) +
-              f"  -> {r['tokens'] / best:.0f} tokens/s, {compute_s / best:.2f} of the compute bound", flush=True)
+              f"  -> {r['tokens'] / best:.0f} tokens/s, {compute_s / best:.2f} of the compute bound; CPU s in the "
+              "last: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["cpu_seconds"].items())), flush=True)
     print(json.dumps(dict(cpu=cpu_name(), gflops=gflops, copy_gbps=gbps, compute_bound_s=compute_s,
                           memory_bound_s=memory_s, rows=rows)))
 

@@ -43,11 +43,14 @@ for gpu in $VLLM_GPUS; do
     #   --logprobs-mode processed_logprobs   logprobs after temperature, as the trainer computes them
     #   --disable-log-stats            no periodic stats lines in the log
     #   --gpu-memory-utilization 0.9   memory fraction for weights and KV cache on this GPU
+    #   --generation-config vllm       vLLM's neutral sampling defaults, not the model's generation_config.json
+    #   --hf-overrides head_dtype      the LM head in float32, as the trainer computes its logprobs
     #   --weight-transfer-config       only for TRANSPORT=nccl: vLLM's native NCCL weight transfer
     extra=()
     [ "$TRANSPORT" = nccl ] && extra=(--weight-transfer-config '{"backend": "nccl"}')
     CUDA_VISIBLE_DEVICES=$gpu VLLM_SERVER_DEV_MODE=1 "$PYTHON" -m vllm.entrypoints.openai.api_server \
         --model "$SERVING" --host 127.0.0.1 --port "$port" --dtype bfloat16 --max-model-len 2048 --seed 1 \
+        --generation-config vllm --hf-overrides '{"head_dtype": "float32"}' \
         --logprobs-mode processed_logprobs --disable-log-stats --gpu-memory-utilization 0.9 "${extra[@]}" \
         >"$OUT/vllm_$port.log" 2>&1 &
     pids+=($!)
