@@ -127,7 +127,7 @@ def launch_server(model_dir, cfg, log_path, port=None, env=None, extra_args=()):
 
 
 def cpu_placement(cfg, environ):
-    """OpenMP threads, core binding and preloads of a CPU server we launch (BENCHMARKS.md,
+    """OpenMP threads and core binding of a CPU server we launch (BENCHMARKS.md,
     "Generation on the CPU": scripts/bench_generation.py measures each choice).
 
     vLLM's automatic binding keeps one core per worker free for its scheduler process, so on a
@@ -139,10 +139,9 @@ def cpu_placement(cfg, environ):
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     n = min(len(cores), cfg.vllm_cpu_threads or (len(cores) if cfg.async_steps == 0 else max(1, len(cores) // 2)))
     bound = cores[-n:]
-    placement = dict(OMP_NUM_THREADS=str(n),  # not the trainer's: demo.sh gives each training rank one thread
-                     VLLM_CPU_OMP_THREADS_BIND=environ.get("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, bound))),
-                     VLLM_CPU_NUM_OF_RESERVED_CPU=environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"))
-    return placement
+    return dict(OMP_NUM_THREADS=str(n),  # not the trainer's: demo.sh gives each training rank one thread
+                VLLM_CPU_OMP_THREADS_BIND=environ.get("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, bound))),
+                VLLM_CPU_NUM_OF_RESERVED_CPU=environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"))
 
 
 def stop_server(proc, timeout=30):
