@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
-import rollout
+import vllm_client
 import weight_sync
 from parallel import close_distributed
 
@@ -34,12 +34,12 @@ else:
 print(f"RANK {rank} GATHER OK", flush=True)
 
 for url in urls:  # each fake server fails the sync its own way
-    sync.client = rollout.VLLMClient([url], "m", timeout=3.0, max_retries=1)
+    sync.client = vllm_client.VLLMClient([url], "m", timeout=3.0, max_retries=1)
     t = time.monotonic()
     try:
         sync.sync(model)
         print(f"RANK {rank} NO ERROR", flush=True)
-    except rollout.VLLMError as e:
+    except vllm_client.VLLMError as e:
         print(f"RANK {rank} VLLMError after {time.monotonic() - t:.1f}s: {str(e).splitlines()[0]}", flush=True)
     except Exception as e:  # noqa: BLE001 -- reported, for the test to see which
         print(f"RANK {rank} {type(e).__name__}: {e}", flush=True)
