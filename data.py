@@ -11,7 +11,7 @@ Built-in tasks (deterministic by seed; evaluation prompts are disjoint from trai
         final answer in \\boxed{}." as a chat message -> "12", scored by rewards.math_reward.
         Difficulty: math_digits, math_operations, math_steps.
   calc  "What is 214 + 659?" -> "873", for the calculator environment
-        (--environment environments:calculator), scored by rewards.math_reward. The same knobs;
+        (--environment environments:calculator), scored by rewards.number_reward. The same knobs;
         a factor of * has 2 digits.
 
 User data: `--dataset` names a local .jsonl/.json/.parquet/.csv file or a hub dataset;
@@ -29,7 +29,7 @@ import random
 import zlib
 
 from environments import arithmetic
-from rewards import copy_reward, exact_match, load_reward_fn, math_reward
+from rewards import copy_reward, exact_match, load_reward_fn, math_reward, number_reward
 
 # --- built-in tasks
 
@@ -88,7 +88,7 @@ def calc_task(rng, digits=1, operations="+-", steps=1):
 
 
 TASKS = {"copy": (copy_task, copy_reward), "add": (add_task, exact_match), "math": (math_task, math_reward),
-         "calc": (calc_task, math_reward)}
+         "calc": (calc_task, number_reward)}
 
 
 def is_eval_prompt(prompt, eval_fraction=0.2):

@@ -111,6 +111,17 @@ def math_reward_last_number(prompt, completion, example):
     return float(pred is not None and same_answer(gold_answer(example["answer"]), pred))
 
 
+def number_reward(prompt, completion, example):
+    """1.0 when the completion's last \\boxed{} holds a plain number (7, -12, 1,000, 2.5) equal to
+    the gold answer. An expression does not count: math-verify would accept \\boxed{193 + 600} for
+    793, and a calculator environment's policy must compute, not box the question."""
+    pred = last_boxed(completion)
+    if pred is None or NUMBER.fullmatch(pred) is None:
+        return 0.0
+    gold = gold_answer(example["answer"]).replace(",", "")
+    return float(NUMBER.fullmatch(gold) is not None and float(pred.replace(",", "")) == float(gold))
+
+
 # --- user rewards
 
 

@@ -24,7 +24,7 @@ if [ "${1:-}" = "--tools" ]; then
     # "What is 214 + 659?" with 3-digit numbers, + - and * (a 2-digit factor): the calculator
     # environment describes <calc>...</calc> in a system message with one worked example; an
     # episode is at most 3 assistant turns and 96 tokens after the prompt, the tool's answers
-    # included (out of the loss). The reward is math_reward on the final turn's \boxed{}.
+    # included (out of the loss). The reward is number_reward: the final turn's \boxed{} number.
     task=(--dataset calc --environment environments:calculator --math_digits 3 --math_operations "+-*")
     args=(--model_name_or_path models/smollm2-135m-instruct --max_prompt_length 160 --response_length 96
           --max_turns 3 --num_training_steps 30 --eval_freq 10 --num_eval_prompts 64 --temperature 0.7
