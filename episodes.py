@@ -42,7 +42,6 @@ class Sample:
     reward: float = 0.0
     versions: tuple = (0,)  # weight version of each turn's request
     staleness: int = 0  # weight updates since the oldest of them (drop_stale)
-    turns: tuple = ()  # the episode's messages after the prompt, for the logs
     valid: bool = True  # False: packing's filler, no tokens in the loss
 
     def __post_init__(self):
@@ -173,7 +172,6 @@ def sample_groups(cfg, client, rows, seed, step, pool, tokenizer, env=None, show
     keep = (std > 0) if cfg.filter_zero_std_samples else torch.ones_like(std, dtype=torch.bool)
     for e, a, r in zip(episodes, adv.tolist(), rewards.tolist()):
         e.sample.adv, e.sample.reward = a, r
-        e.sample.turns = tuple(e.messages[len(e.row.get("messages", ())):])
     shown = range(0, len(episodes), max(1, len(episodes) // SAMPLES_SHOWN))[:SAMPLES_SHOWN] if show else []
     lost = stats.pop("tool_failures")
     tools = dict(tool_calls=sum(e.tool_calls for e in episodes), turns=sum(e.turns for e in episodes),
