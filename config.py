@@ -21,16 +21,21 @@ class Config:
     # --- model and data
     model_name_or_path: str = "models/tiny"  # HF hub name or local dir (build a tiny one: python scripts/make_tiny_model.py --out models/tiny)
     attn_implementation: Literal["packed_sdpa", "sdpa", "eager", "flex_attention", "flash_attention_2"] = "packed_sdpa"  # packed_sdpa (sdpa on each sequence of a packed row), transformers' sdpa / eager (one mask over the whole row), flex_attention (a block mask), flash_attention_2 (variable-length kernels; needs a GPU and flash-attn, untested here)
-    dataset: str = "copy"  # a built-in task (copy, add, math), a hub dataset name, or a local .jsonl/.json/.parquet/.csv file
-    math_digits: int = 1  # math task: numbers of up to this many digits
-    math_operations: str = "+-"  # math task: operations a problem draws from, any of + - *
-    math_steps: int = 1  # math task: operations per problem after the start count
+    dataset: str = "copy"  # a built-in task (copy, add, math, calc), a hub dataset name, or a local .jsonl/.json/.parquet/.csv file
+    math_digits: int = 1  # math and calc tasks: numbers of up to (calc: exactly) this many digits
+    math_operations: str = "+-"  # math and calc tasks: operations a problem draws from, any of + - *
+    math_steps: int = 1  # math and calc tasks: operations per problem after the first number
     dataset_split: str = "train"  # split to read from a hub dataset
     dataset_prompt_column: str = "prompt"  # column holding the prompt: a string, or a list of {role, content} chat messages
     dataset_answer_column: str = "answer"  # column the reward function reads as example["answer"] (may be absent if the reward needs none)
     reward_fn: Optional[str] = None  # "module:function" or "path/to/file.py:function"; None = the built-in task's reward, else exact_match
     reward_workers: int = 2  # processes that score rewards (reward_pool.py); 0 = in the trainer, no timeout (breakpoint() works)
     reward_timeout: float = 10.0  # seconds one sample's reward may take in a worker; past it the sample scores 0
+    environment: Optional[str] = None  # multi-turn episodes: "module:name" or "file.py:name" (environments.py; built-in: environments:calculator); None = one completion per prompt
+    max_turns: int = 4  # with an environment: assistant turns per episode at most
+    tool_workers: int = 2  # with an environment: processes that run its step (tool calls)
+    tool_timeout: float = 10.0  # seconds one step (tool call) may take; past it the policy is told so
+    tool_output_max_tokens: int = 256  # an environment message longer than this is cut
     format_reward: float = 0.0  # added to the training reward (not to evaluation) of a completion that marks an answer with \boxed{} or ####
     apply_chat_template: bool = False  # wrap string prompts as one user message and apply the tokenizer's chat template
     max_prompt_length: int = 64  # prompt tokens; longer prompts are skipped and counted, or refused (see skip_long_prompts)
@@ -131,19 +136,19 @@ class Config:
                  "temperature": " for training rollouts (greedy is used for evaluation)",
                  "num_samples_per_prompt_rollout": ": GRPO's advantage compares samples of one prompt",
                  "sequence_parallel_size": " (1: every rank holds whole sequences)"}
-        at_least = {0: ("reward_workers", "log_samples_freq", "num_eval_prompts", "eval_freq", "async_steps",
+        at_least = {0: ("reward_workers", "tool_workers", "log_samples_freq", "num_eval_prompts", "eval_freq", "async_steps",
                         "vllm_max_restarts", "vllm_max_retries", "learning_rate", "warm_up_steps", "weight_decay",
                         "max_grad_norm", "beta", "truncated_importance_sampling_ratio_cap"),
                     1: ("max_prompt_length", "response_length", "vllm_kv_cache_space_gb", "num_unique_prompts_rollout",
                         "num_mini_batches", "num_epochs", "num_training_steps",
                         "active_sampling_max_rounds", "keep_last_n_checkpoints", "max_consecutive_skipped_steps",
-                        "sequence_parallel_size"),
+                        "sequence_parallel_size", "max_turns", "tool_output_max_tokens"),
                     2: ("num_samples_per_prompt_rollout",)}
         for low, names in at_least.items():
             for name in names:
                 if getattr(self, name) < low:
                     raise ValueError(f"{name}={getattr(self, name)} must be >= {low}{notes.get(name, '')}")
-        for name in ("reward_timeout", "temperature", "vllm_startup_timeout", "vllm_request_timeout",
+        for name in ("reward_timeout", "tool_timeout", "temperature", "vllm_startup_timeout", "vllm_request_timeout",
                      "vllm_logp_tolerance", "backend_timeout", "weight_sync_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0{notes.get(name, '')}")
@@ -313,9 +318,10 @@ class Config:
     @property
     def max_seed(self) -> int:
         """The largest seed whose every rollout request seed fits vLLM's int64: episodes.rollout_batch seeds a
-        request seed * 2**32 + (step * (rounds + 1) + round) * prompts * n + i * n, and vLLM seeds its sample j
-        with that + j (vllm/v1/engine/parallel_sampling.py), so the largest offset is (steps+1)(rounds+1)PN - 1."""
-        offset = ((self.num_training_steps + 1) * (self.active_sampling_max_rounds + 1)
+        request seed * 2**32 + (step * (rounds + 1) + round) * turns * prompts * n + offset within the round
+        (below turns * prompts * n), and vLLM seeds its sample j with that + j
+        (vllm/v1/engine/parallel_sampling.py), so the largest offset is (steps+1)(rounds+1)TPN - 1."""
+        offset = ((self.num_training_steps + 1) * (self.active_sampling_max_rounds + 1) * self.episode_turns
                   * self.num_unique_prompts_rollout * self.num_samples_per_prompt_rollout - 1)
         return (2**63 - 1 - offset) // 2**32
 
@@ -324,6 +330,11 @@ class Config:
         if self.kl_topk > model_config.vocab_size:
             raise ValueError(f"kl_topk={self.kl_topk} exceeds the model's vocabulary of {model_config.vocab_size} "
                              f"tokens; use at most {model_config.vocab_size}")
+
+    @property
+    def episode_turns(self) -> int:
+        """Assistant turns an episode may take: max_turns with an environment, else 1."""
+        return self.max_turns if self.environment else 1
 
     @property
     def uses_reference(self) -> bool:

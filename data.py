@@ -10,6 +10,9 @@ Built-in tasks (deterministic by seed; evaluation prompts are disjoint from trai
   math  "Ava has 7 apples. Ava finds 5 more. How many apples does Ava have now? Put the
         final answer in \\boxed{}." as a chat message -> "12", scored by rewards.math_reward.
         Difficulty: math_digits, math_operations, math_steps.
+  calc  "What is 214 + 659?" -> "873", for the calculator environment
+        (--environment environments:calculator), scored by rewards.number_reward. The same knobs;
+        a factor of * has 2 digits.
 
 User data: `--dataset` names a local .jsonl/.json/.parquet/.csv file or a hub dataset;
 `--dataset_prompt_column` and `--dataset_answer_column` map its columns onto
@@ -18,13 +21,15 @@ GSM8K rows (question; answer ending in "#### 72") and MATH rows (problem; soluti
 \\boxed{}) train with `--reward_fn rewards:math_reward`, which reads the gold answer there.
 """
 
+import ast
 import functools
 import json
 import os
 import random
 import zlib
 
-from rewards import copy_reward, exact_match, load_reward_fn, math_reward
+from environments import arithmetic
+from rewards import copy_reward, exact_match, load_reward_fn, math_reward, number_reward
 
 # --- built-in tasks
 
@@ -70,7 +75,20 @@ def math_task(rng, digits=1, operations="+-", steps=1):
     return {"prompt": [{"role": "user", "content": question}], "answer": str(total)}
 
 
-TASKS = {"copy": (copy_task, copy_reward), "add": (add_task, exact_match), "math": (math_task, math_reward)}
+def calc_task(rng, digits=1, operations="+-", steps=1):
+    """Arithmetic for the calculator environment: "What is 214 + 659?", `steps` operations from
+    `operations` on numbers of `digits` digits (a factor of * has 2 digits), the usual precedence."""
+    low, top = 10 ** (digits - 1), 10 ** digits - 1
+    expression = str(rng.randint(low, top))
+    for _ in range(steps):
+        op = rng.choice(operations)
+        expression += f" {op} {rng.randint(10, 99) if op == '*' else rng.randint(low, top)}"
+    value = arithmetic(ast.parse(expression, mode="eval"))
+    return {"prompt": [{"role": "user", "content": f"What is {expression}?"}], "answer": str(value)}
+
+
+TASKS = {"copy": (copy_task, copy_reward), "add": (add_task, exact_match), "math": (math_task, math_reward),
+         "calc": (calc_task, number_reward)}
 
 
 def is_eval_prompt(prompt, eval_fraction=0.2):
@@ -80,9 +98,9 @@ def is_eval_prompt(prompt, eval_fraction=0.2):
 
 
 def task_knobs(cfg):
-    """The built-in task's settings from the config (only `math` has any)."""
+    """The built-in task's settings from the config (`math` and `calc` have them)."""
     return dict(digits=cfg.math_digits, operations=cfg.math_operations, steps=cfg.math_steps) \
-        if cfg.dataset == "math" else {}
+        if cfg.dataset in ("math", "calc") else {}
 
 
 def task_rows(task, n, seed, split, **knobs):
@@ -138,21 +156,23 @@ def load_rows(cfg):
     return rows
 
 
-def prompt_text(prompt, tokenizer, chat):
+def prompt_text(prompt, tokenizer, chat, tools=None):
     """The prompt as the text the model sees: chat messages (or a string when `chat`) go
-    through the tokenizer's chat template with the generation prompt appended."""
+    through the tokenizer's chat template (with an environment's tools) with the generation
+    prompt appended."""
     if isinstance(prompt, list) or chat:
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         if not tokenizer.chat_template:
             raise ValueError("chat prompts need a tokenizer with a chat_template; this one has none "
                              "(set apply_chat_template=False and use string prompts)")
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     return prompt
 
 
-def tokenize_rows(rows, tokenizer, cfg):
-    """Add "prompt_text" and "prompt_ids". Empty or malformed rows are skipped, prompts
-    longer than max_prompt_length are skipped or refused (skip_long_prompts).
+def tokenize_rows(rows, tokenizer, cfg, env=None):
+    """Add "prompt_text" and "prompt_ids" (and with an environment its first "messages", from
+    which they are made). Empty or malformed rows are skipped, prompts longer than
+    max_prompt_length are skipped or refused (skip_long_prompts).
     Returns (rows, counts of what was skipped)."""
     kept, skipped = [], {"empty": 0, "malformed": 0, "too_long": 0}
     for row in rows:
@@ -165,7 +185,9 @@ def tokenize_rows(rows, tokenizer, cfg):
         if not (p.strip() if isinstance(p, str) else p):
             skipped["empty"] += 1
             continue
-        text = prompt_text(p, tokenizer, cfg.apply_chat_template)
+        extra = {"messages": env.reset(row)} if env else {}
+        text = prompt_text(extra["messages"], tokenizer, True, env.tools) if env else \
+            prompt_text(p, tokenizer, cfg.apply_chat_template)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > cfg.max_prompt_length:
             if not cfg.skip_long_prompts:
@@ -173,14 +195,14 @@ def tokenize_rows(rows, tokenizer, cfg):
                                  f"{text[:60]!r}...; raise max_prompt_length or set skip_long_prompts=True")
             skipped["too_long"] += 1
             continue
-        kept.append({**row, "prompt_text": text, "prompt_ids": ids})
+        kept.append({**row, **extra, "prompt_text": text, "prompt_ids": ids})
     if not kept:
         raise ValueError(f"no usable prompts in {cfg.dataset!r} (skipped: {skipped}); check the prompt column "
                          f"and max_prompt_length={cfg.max_prompt_length}")
     return kept, skipped
 
 
-def load_prompts(cfg, tokenizer):
+def load_prompts(cfg, tokenizer, env=None):
     """(train rows, eval rows, skipped counts, reward function) for the config.
 
     Built-in tasks generate fresh, disjoint train and eval prompts. A user dataset keeps its
@@ -198,8 +220,8 @@ def load_prompts(cfg, tokenizer):
         train, evals = rows[n_eval:] if n_eval else rows, rows[:n_eval]
         default_reward = exact_match
     reward_fn = load_reward_fn(cfg.reward_fn) if cfg.reward_fn else default_reward
-    train, skipped = tokenize_rows(train, tokenizer, cfg)
-    evals = tokenize_rows(evals, tokenizer, cfg)[0] if evals else []
+    train, skipped = tokenize_rows(train, tokenizer, cfg, env)
+    evals = tokenize_rows(evals, tokenizer, cfg, env)[0] if evals else []
     return train, evals, skipped, reward_fn
 
 

@@ -1,14 +1,23 @@
-"""Episodes: the scored, grouped completions the trainer learns from, made on rank 0.
+"""Episodes: the scored, grouped samples the trainer learns from, made on rank 0.
 
-`rollout_batch` is one step's batch: prompts -> vLLM completions (each labelled with the
-weight version that sampled it) -> rewards -> group advantages. `Rollouts` hands them to
-the loop, made on demand (async_steps=0: the synchronous loop, exact and debuggable), or
-up to async_steps steps ahead on a thread while the trainer trains, so generation and
+`rollout_batch` is one step's batch: prompts -> episodes (vLLM completions, and with an
+--environment its answers, turn after turn) -> rewards -> group advantages. `Rollouts` hands
+them to the loop, made on demand (async_steps=0: the synchronous loop, exact and debuggable),
+or up to async_steps steps ahead on a thread while the trainer trains, so generation and
 training overlap (the server is its own process; the thread only waits on HTTP).
+
+An episode is token-in, token-out and append-only: each turn sends the episode's ids so far
+to vLLM and appends the ids it sampled (mask 1, with their logprobs); the environment's
+answer is appended as the chat template's rendering of its new messages (mask 0). Nothing is
+re-tokenized, so the trainer scores exactly the tokens that were sampled. Every live
+episode's next turn goes to the server at once (one request each, concurrently). Without an
+environment an episode is one turn: a prompt and its completion.
 """
 
+import dataclasses
 import threading
 import time
+from typing import Optional
 
 import torch
 from tqdm import tqdm
@@ -17,82 +26,195 @@ from data import stop_token_ids
 from loss import group_advantages
 from rewards import has_answer_format
 
-SAMPLES_SHOWN = 4  # (prompt, completion, reward) triples a step logs every log_samples_freq steps
+SAMPLES_SHOWN = 4  # episodes a step logs every log_samples_freq steps
 
 
-def completion_text(tokenizer, sample):
-    """What the reward sees: the completion decoded with its special tokens (a policy that
-    pads its answer with them pays for it), without the end-of-sequence token that ended it:
-    the tokenizer's or another of the model's (VLLMClient.generate marks it in "eos"; a sample
-    without the mark is judged by data.stop_token_ids)."""
-    ids = sample["token_ids"]
-    ended = sample["eos"] if "eos" in sample else (sample["finish_reason"] == "stop" and ids
-                                                   and ids[-1] in stop_token_ids(tokenizer, tokenizer.name_or_path))
+@dataclasses.dataclass
+class Sample:
+    """One episode as the trainer sees it. token_ids are every token after the prompt: the
+    policy's (mask 1) and the environment's or the template's (mask 0, in the forward pass as
+    context, out of every loss term). logprobs are the sampler's, 0.0 where mask is 0."""
+    prompt_ids: list
+    token_ids: list
+    logprobs: list
+    mask: Optional[list] = None  # None: every token sampled (a one-turn episode)
+    adv: float = 0.0
+    reward: float = 0.0
+    versions: tuple = (0,)  # weight version of each turn's request
+    staleness: int = 0  # weight updates since the oldest of them (drop_stale)
+    valid: bool = True  # False: packing's filler, no tokens in the loss
+
+    def __post_init__(self):
+        if self.mask is None:
+            self.mask = [1] * len(self.token_ids)
+        if not len(self.mask) == len(self.logprobs) == len(self.token_ids):
+            raise ValueError(f"a sample has {len(self.token_ids)} tokens, {len(self.mask)} mask entries and "
+                             f"{len(self.logprobs)} logprobs; they must align")
+
+    @property
+    def version(self):  # the oldest weights that sampled any of it
+        return min(self.versions)
+
+    @property
+    def policy_tokens(self):
+        return sum(self.mask)
+
+
+def completion_text(tokenizer, out):
+    """What the reward (and an environment) sees of one turn: its sampled tokens decoded with
+    their special tokens (a policy that pads its answer with them pays for it), without the
+    end-of-sequence token that ended it: the tokenizer's or another of the model's
+    (VLLMClient.generate marks it in "eos"; a turn without the mark is judged by
+    data.stop_token_ids)."""
+    ids = out["token_ids"]
+    ended = out["eos"] if "eos" in out else (out["finish_reason"] == "stop" and ids
+                                             and ids[-1] in stop_token_ids(tokenizer, tokenizer.name_or_path))
     if ids and ended:
         ids = ids[:-1]
     return tokenizer.decode(ids, skip_special_tokens=False)
 
 
-def evaluate(cfg, client, eval_rows, pool, tokenizer):
-    """Greedy decoding on held-out prompts; the task's mean reward (format_reward not included)."""
+class Episode:
+    """An episode while it is played: its Sample, its conversation (with an environment) and
+    what its last turn said."""
+
+    def __init__(self, k, row, budget):
+        self.k, self.row, self.budget, self.done, self.cut, self.eos = k, row, budget, False, False, False
+        self.sample = Sample(list(row["prompt_ids"]), [], [], [], versions=())
+        self.messages = list(row.get("messages", ()))  # the conversation so far (an environment's rows)
+        self.answer, self.turns, self.tool_calls = "", 0, 0
+
+    def add(self, ids, logprobs, sampled, version=None):
+        if sampled and len(logprobs) != len(ids):
+            raise ValueError(f"the server returned {len(ids)} token ids and {len(logprobs)} logprobs for one turn")
+        s = self.sample
+        s.token_ids += ids
+        s.logprobs += logprobs if sampled else [0.0] * len(ids)
+        s.mask += [int(sampled)] * len(ids)
+        if version is not None:
+            s.versions += (version,)
+        self.budget -= len(ids)
+
+    @property
+    def ids(self):
+        return self.sample.prompt_ids + self.sample.token_ids
+
+
+def play(cfg, client, rows, n, seed, tokenizer, env=None, temperature=None):
+    """n episodes of each row, played turn by turn. Turn t's request of episode k (row k // n)
+    is seeded seed + t * len(rows) * n + k. Returns the episodes and the time spent generating
+    and in the environment."""
+    episodes = [Episode(k, row, cfg.response_length) for k, row in enumerate(r for r in rows for _ in range(n))]
+    temperature = cfg.temperature if temperature is None else temperature
+    stop = env.stop if env else ()
+    timing, failures, live = dict(time_generate=0.0, time_tools=0.0), [], episodes
+    turns = cfg.episode_turns if env else 1
+    for turn in range(turns):
+        if not live:
+            break
+        t = time.perf_counter()
+        if turn == 0:  # one request of n samples per row
+            outs = client.generate([r["prompt_ids"] for r in rows], n, cfg.response_length, temperature, cfg.top_p,
+                                   seed=seed, stop=stop)
+            outs = [o for group in outs for o in group]
+        else:
+            seeds = [None if seed is None else seed + turn * len(episodes) + e.k for e in live]
+            outs = [g[0] for g in client.generate([e.ids for e in live], 1, [e.budget for e in live], temperature,
+                                                  cfg.top_p, seed=seeds, stop=stop)]
+        timing["time_generate"] += time.perf_counter() - t
+        for e, out in zip(live, outs):
+            e.add(out["token_ids"], out["logprobs"], True, out["version"])
+            e.answer, e.eos, e.turns = completion_text(tokenizer, out), out.get("eos", False), e.turns + 1
+            e.done = e.cut = out["finish_reason"] == "length" or e.budget <= 0  # cut by the token budget
+        live = [e for e in live if not e.done]
+        if not live or turn == turns - 1:
+            break
+        t = time.perf_counter()
+        live, lost = env.answer(live)
+        failures += lost
+        timing["time_tools"] += time.perf_counter() - t
+    return episodes, dict(timing, tool_failures=failures)
+
+
+def evaluate(cfg, client, eval_rows, pool, tokenizer, env=None):
+    """Greedy episodes on held-out prompts: the task's mean reward (format_reward not included)
+    and, with an environment, the fraction of episodes that called a tool."""
     if not eval_rows:
-        return None
-    out = client.generate([r["prompt_ids"] for r in eval_rows], n=1, max_tokens=cfg.response_length, temperature=0.0)
-    texts = [completion_text(tokenizer, g[0]) for g in out]
-    rewards, _, _ = pool.score([r["prompt_text"] for r in eval_rows], texts, eval_rows)
-    return sum(rewards) / len(rewards)
+        return None, None
+    episodes, _ = play(cfg, client, eval_rows, 1, None, tokenizer, env, temperature=0.0)
+    rewards, _, _ = score(pool, episodes)
+    return sum(rewards) / len(rewards), (sum(e.tool_calls > 0 for e in episodes) / len(episodes) if env else None)
 
 
-def sample_groups(cfg, client, rows, seed, step, pool, tokenizer, show=False):
-    """One generation round: num_samples_per_prompt_rollout completions of each row, scored by
+def score(pool, episodes):
+    """Rewards of the episodes' final answers; the row (with the whole conversation as
+    "messages" when there is one) is the example."""
+    examples = [dict(e.row, messages=e.messages) if e.messages else e.row for e in episodes]
+    return pool.score([e.row["prompt_text"] for e in episodes], [e.answer for e in episodes], examples)
+
+
+def sample_groups(cfg, client, rows, seed, step, pool, tokenizer, env=None, show=False):
+    """One generation round: num_samples_per_prompt_rollout episodes of each row, scored by
     `pool` (a RewardPool), with group advantages. Returns the samples of the groups kept and
-    the round's counts; with show=True a few (prompt, completion, reward) as "samples"."""
-    t0 = time.perf_counter()
-    groups = client.generate([r["prompt_ids"] for r in rows], n=cfg.num_samples_per_prompt_rollout,
-                             max_tokens=cfg.response_length, temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)
-    t1 = time.perf_counter()
-    flat = [(row, s) for row, g in zip(rows, groups) for s in g]
-    texts = [completion_text(tokenizer, s) for _, s in flat]
-    rewards, failures, first_failure = pool.score([r["prompt_text"] for r, _ in flat], texts, [r for r, _ in flat])
+    the round's counts; with show=True a few whole episodes as "samples"."""
+    n = cfg.num_samples_per_prompt_rollout
+    episodes, stats = play(cfg, client, rows, n, seed, tokenizer, env)
+    t = time.perf_counter()
+    rewards, failures, first_failure = score(pool, episodes)
     if first_failure:
         counts = ", ".join(f"{k}={v}" for k, v in failures.items() if v)
         tqdm.write(f"step {step}: {sum(failures.values())} reward(s) scored 0 ({counts}); first: {first_failure}")
     if cfg.format_reward:
-        rewards = [r + cfg.format_reward * has_answer_format(t) for r, t in zip(rewards, texts)]
-    shown = range(0, len(flat), max(1, len(flat) // SAMPLES_SHOWN))[:SAMPLES_SHOWN] if show else []  # different groups
+        rewards = [r + cfg.format_reward * has_answer_format(e.answer) for r, e in zip(rewards, episodes)]
     rewards = torch.tensor(rewards)
-    adv, std = group_advantages(rewards, cfg.num_samples_per_prompt_rollout, cfg.advantage_normalization_type)
+    adv, std = group_advantages(rewards, n, cfg.advantage_normalization_type)
     # std is exactly 0 for a group whose rewards are all equal (max == min), also at 2/3 or 0.1
     keep = (std > 0) if cfg.filter_zero_std_samples else torch.ones_like(std, dtype=torch.bool)
-    samples = [dict(prompt_ids=r["prompt_ids"], token_ids=s["token_ids"], logprobs=s["logprobs"], adv=a,
-                    version=s["version"])
-               for (r, s), a, k in zip(flat, adv.tolist(), keep.tolist()) if k]
-    lengths = torch.tensor([len(s["token_ids"]) for _, s in flat], dtype=torch.float)
-    return samples, dict(rewards=rewards, lengths=lengths, **failures, time_generate=t1 - t0,
-                         time_score=time.perf_counter() - t1, stops=sum(s["finish_reason"] == "stop" for _, s in flat),
-                         filtered_groups=int((~keep).sum().item()) // cfg.num_samples_per_prompt_rollout,
-                         samples=[dict(step=step, prompt=flat[i][0]["prompt_text"], completion=texts[i],
-                                       reward=rewards[i].item()) for i in shown])
+    for e, a, r in zip(episodes, adv.tolist(), rewards.tolist()):
+        e.sample.adv, e.sample.reward = a, r
+    shown = range(0, len(episodes), max(1, len(episodes) // SAMPLES_SHOWN))[:SAMPLES_SHOWN] if show else []
+    lost = stats.pop("tool_failures")
+    tools = dict(tool_calls=sum(e.tool_calls for e in episodes), turns=sum(e.turns for e in episodes),
+                 **{f"tool_{what}": lost.count(what) for what in ("errors", "timeouts", "crashes")})
+    return [e.sample for e, k in zip(episodes, keep.tolist()) if k], dict(
+        rewards=rewards, lengths=torch.tensor([len(e.sample.token_ids) for e in episodes], dtype=torch.float),
+        **failures, **stats, **tools, time_score=time.perf_counter() - t, stops=sum(not e.cut for e in episodes),
+        filtered_groups=int((~keep).sum().item()) // n,
+        samples=[show_episode(step, episodes[i], tokenizer) for i in shown])
 
 
-def rollout_batch(cfg, client, sampler, step, pool, tokenizer):
-    """Rank 0: prompts -> vLLM completions -> rewards (scored by `pool`) -> group advantages.
+def show_episode(step, e, tokenizer):
+    """One logged episode: the prompt, the whole episode after it with the environment's tokens
+    marked [env: ...], and its reward."""
+    parts, s = [], e.sample
+    for i, m in enumerate(s.mask):
+        if not parts or parts[-1][0] != m:
+            parts.append((m, []))
+        parts[-1][1].append(s.token_ids[i])
+    text = "".join(tokenizer.decode(ids) if m else f"[env: {tokenizer.decode(ids)}]" for m, ids in parts)
+    return dict(step=step, prompt=e.row["prompt_text"], completion=text, reward=s.reward)
+
+
+def rollout_batch(cfg, client, sampler, step, pool, tokenizer, env=None):
+    """Rank 0: prompts -> episodes -> rewards (scored by `pool`) -> group advantages.
     With active_sampling (DAPO's dynamic sampling) the groups the zero-std filter drops are
     refilled from new prompts, a whole batch of prompts per round, for at most
     active_sampling_max_rounds more rounds; groups beyond the batch are discarded.
     Returns the samples to train on and the step's rollout metrics (rewards, lengths and
     counts over every round; times summed); every log_samples_freq steps they carry a few
-    (prompt, completion, reward) of the first round as "samples"."""
+    episodes of the first round as "samples"."""
     prompts, n = cfg.num_unique_prompts_rollout, cfg.num_samples_per_prompt_rollout
     # Disjoint sampling seeds: vLLM seeds sample j of a request seed + j, so the request of
-    # prompt i gets base + i * n (rollout.py), and every step and round its own block of seeds.
-    seed = lambda r: cfg.seed * 2 ** 32 + (step * (cfg.active_sampling_max_rounds + 1) + r) * prompts * n  # noqa: E731
+    # prompt i gets base + i * n (vllm_client.py), a later turn of episode k base + turn * prompts * n + k
+    # (play), and every step and round its own block of seeds.
+    block = prompts * n * cfg.episode_turns
+    seed = lambda r: cfg.seed * 2 ** 32 + (step * (cfg.active_sampling_max_rounds + 1) + r) * block  # noqa: E731
     show = bool(cfg.log_samples_freq) and step % cfg.log_samples_freq == 0
-    samples, stats = sample_groups(cfg, client, sampler.next_batch(prompts), seed(0), step, pool, tokenizer, show)
+    samples, stats = sample_groups(cfg, client, sampler.next_batch(prompts), seed(0), step, pool, tokenizer, env, show)
     rounds = [stats]
     while cfg.active_sampling and len(samples) < prompts * n and len(rounds) <= cfg.active_sampling_max_rounds:
         more, stats = sample_groups(cfg, client, sampler.next_batch(prompts), seed(len(rounds)), step, pool,
-                                    tokenizer)
+                                    tokenizer, env)
         samples += more[:prompts * n - len(samples)]  # whole groups: both counts are multiples of n
         rounds.append(stats)
     rewards, lengths = torch.cat([r["rewards"] for r in rounds]), torch.cat([r["lengths"] for r in rounds])
@@ -104,19 +226,23 @@ def rollout_batch(cfg, client, sampler, step, pool, tokenizer):
              time_score=total("time_score"), prompts_seen=sampler.position, response_tokens=lengths.sum().item())
     if rounds[0]["samples"]:
         m["samples"] = rounds[0]["samples"]
+    if env:  # assistant turns and tool calls per episode; tools that failed; seconds in the environment
+        m.update(turns=total("turns") / len(lengths), tool_calls=total("tool_calls") / len(lengths),
+                 tool_errors=total("tool_errors"), tool_timeouts=total("tool_timeouts"),
+                 tool_crashes=total("tool_crashes"), time_tools=total("time_tools"))
     if cfg.active_sampling:  # extra rounds run, and groups still missing after them
         m.update(active_sampling_rounds=len(rounds) - 1, active_sampling_missing_groups=prompts - len(samples) // n)
     return samples, m
 
 
 def drop_stale(samples, version, max_staleness):
-    """Label each sample with its staleness (weight updates since the weights that sampled it;
-    0 in the synchronous loop) and drop those older than max_staleness. Whole groups share a
-    version (one request each), so a group is kept or dropped together."""
+    """Label each sample with its staleness (weight updates since the weights that sampled its
+    first turn; 0 in the synchronous loop) and drop those older than max_staleness. A group's
+    first turns are one request, so a group is kept or dropped together."""
     for s in samples:
-        s["staleness"] = version - s["version"]
-    kept = [s for s in samples if s["staleness"] <= max_staleness]
-    return kept, dict(staleness_mean=sum(s["staleness"] for s in samples) / max(len(samples), 1),
+        s.staleness = version - s.version
+    kept = [s for s in samples if s.staleness <= max_staleness]
+    return kept, dict(staleness_mean=sum(s.staleness for s in samples) / max(len(samples), 1),
                       stale_dropped=len(samples) - len(kept))
 
 

@@ -1,6 +1,6 @@
 """The trainer's side of vLLM: the server, the weights in it, and each step's batch on every rank.
 
-    gen = Generator(cfg, policy, tokenizer, sampler, pool, rank, device)
+    gen = Generator(cfg, policy, tokenizer, sampler, pool, rank, device, env)
     samples, m = gen.batch(step, policy)   # every rank; rank 0 asks vLLM, scores, broadcasts
     gen.sync(policy)                       # every rank: the policy's weights into the server
     gen.close()
@@ -8,7 +8,7 @@
 The server is ours (launched on an untied copy of the policy, stopped on close) or the
 user's (vllm_server_urls, given our weights first). A server we launched that dies is
 restarted, up to vllm_max_restarts times, given the current weights, and asked for the
-same step's prompts again; any other failure raises rollout.VLLMError on every rank.
+same step's prompts again; any other failure raises vllm_client.VLLMError on every rank.
 """
 
 import os
@@ -16,15 +16,17 @@ import os
 import torch.distributed as dist
 from tqdm import tqdm
 
-import rollout
+import vllm_client
+import vllm_server
 from data import stop_token_ids
 from episodes import Rollouts, drop_stale, evaluate, rollout_batch
 from weight_sync import full_state_dict, make_weight_sync, write_serving_dir
 
 
 class Generator:
-    def __init__(self, cfg, policy, tokenizer, sampler, pool, rank, device):
+    def __init__(self, cfg, policy, tokenizer, sampler, pool, rank, device, env=None):
         self.cfg, self.tokenizer, self.sampler, self.pool, self.rank, self.device = cfg, tokenizer, sampler, pool, rank, device
+        self.env = env  # an --environment (environments.Environment) or None: one turn per episode
         self.client = self.server = self.weight_sync = self.rollouts = None
         self.restarts, self.position = 0, sampler.position  # the sampler's position after the last batch taken
         self.max_staleness = cfg.async_steps if cfg.max_sample_staleness is None else cfg.max_sample_staleness
@@ -35,13 +37,13 @@ class Generator:
             # ignores generation_config.json (--generation-config vllm), and its serving copy has none
             stop_ids = stop_token_ids(tokenizer, cfg.model_name_or_path)
             if rank == 0 and cfg.vllm_server_urls:
-                self.client = rollout.VLLMClient(cfg.vllm_server_urls, None, cfg.vllm_request_timeout,
+                self.client = vllm_client.VLLMClient(cfg.vllm_server_urls, None, cfg.vllm_request_timeout,
                                                  cfg.vllm_max_retries, stop_token_ids=stop_ids)
             full = full_state_dict(policy)  # a collective: every rank takes part
             if rank == 0 and not cfg.vllm_server_urls:
                 write_serving_dir(full, policy.config, tokenizer, self.served)
-                self.server, url = rollout.launch_server(self.served, cfg, self.log_path)
-                self.client = rollout.VLLMClient([url], self.served, cfg.vllm_request_timeout, cfg.vllm_max_retries,
+                self.server, url = vllm_server.launch_server(self.served, cfg, self.log_path)
+                self.client = vllm_client.VLLMClient([url], self.served, cfg.vllm_request_timeout, cfg.vllm_max_retries,
                                                  proc=self.server, log_path=self.log_path, stop_token_ids=stop_ids)
             del full
             self.weight_sync = make_weight_sync(cfg, self.client, rank, device)
@@ -52,7 +54,7 @@ class Generator:
             raise
 
     def make_batch(self, step):
-        return rollout_batch(self.cfg, self.client, self.sampler, step, self.pool, self.tokenizer)
+        return rollout_batch(self.cfg, self.client, self.sampler, step, self.pool, self.tokenizer, self.env)
 
     def batch(self, step, policy):
         """(samples, metrics) of `step` on every rank: rank 0 takes them from vLLM (generated ahead
@@ -67,7 +69,7 @@ class Generator:
                     samples, m = self.rollouts.get(step)
                     samples, stale = drop_stale(samples, self.client.version, self.max_staleness)
                     payload = [(samples, dict(m, **stale, vllm_restarts=self.restarts))]
-                except rollout.VLLMError as e:
+                except vllm_client.VLLMError as e:
                     died = self.server is not None and self.server.poll() is not None
                     payload = [dict(error=str(e), restart=died and self.restarts < self.cfg.vllm_max_restarts)]
             dist.broadcast_object_list(payload, src=0)
@@ -76,7 +78,7 @@ class Generator:
                 self.position = m["prompts_seen"]  # what a checkpoint of this step records
                 return samples, m
             if not payload[0]["restart"]:
-                raise rollout.VLLMError(payload[0]["error"])
+                raise vllm_client.VLLMError(payload[0]["error"])
             self.restart(step, policy)
 
     def restart(self, step, policy):
@@ -87,8 +89,8 @@ class Generator:
             self.rollouts.close()
             self.rollouts = None
             self.sampler.position = self.position  # this step's prompts again
-            rollout.stop_server(self.server)
-            self.server, _ = rollout.launch_server(self.served, self.cfg, self.log_path)
+            vllm_server.stop_server(self.server)
+            self.server, _ = vllm_server.launch_server(self.served, self.cfg, self.log_path)
             self.client.proc = self.server
         self.weight_sync.close()
         self.weight_sync = make_weight_sync(self.cfg, self.client, self.rank, self.device)
@@ -99,8 +101,10 @@ class Generator:
         self.weight_sync.sync(policy)
 
     def evaluate(self, eval_rows):
-        """Rank 0: greedy accuracy on the held-out prompts."""
-        return evaluate(self.cfg, self.client, eval_rows, self.pool, self.tokenizer)
+        """Rank 0: greedy accuracy on the held-out prompts (and with an environment the fraction of
+        episodes that called a tool), as metrics."""
+        accuracy, tool_calls = evaluate(self.cfg, self.client, eval_rows, self.pool, self.tokenizer, self.env)
+        return dict(eval_accuracy=accuracy, **({"eval_tool_calls": tool_calls} if self.env else {}))
 
     def sleep(self):  # single_gpu_mode: the server frees the GPU for training
         self.client.sleep()
@@ -114,4 +118,4 @@ class Generator:
         if self.weight_sync:
             self.weight_sync.close()
         if self.rank == 0:
-            rollout.stop_server(self.server)
+            vllm_server.stop_server(self.server)

@@ -30,15 +30,17 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from episodes import Sample
+
 
 def length(s):
-    """Tokens of one sample in the forward pass: prompt and completion."""
-    return len(s["prompt_ids"]) + len(s["token_ids"])
+    """Tokens of one sample in the forward pass: the prompt and every token after it."""
+    return len(s.prompt_ids) + len(s.token_ids)
 
 
 # A sample that carries no tokens to the loss: it fills a rank's micro-batch so that every rank
 # runs the same number of forward passes (FSDP's all-gathers are collectives).
-PADDING = dict(prompt_ids=[0], token_ids=[0], logprobs=[0.0], adv=0.0, valid=False)
+PADDING = Sample(prompt_ids=[0], token_ids=[0], logprobs=[0.0], valid=False)
 
 
 def mini_batches(samples, num_mini_batches, group_size):
@@ -78,25 +80,30 @@ def pack_ranks(mini, world_size, budget):
                      "raise it to at least max_prompt_length + response_length")
 
 
+def loss_tokens(s, i):
+    """The per-token lists of sample s (number i in its micro-batch) over its policy tokens: the
+    sampler's logprobs, the advantage, whether the weights the trainer holds sampled it, i."""
+    logp = [lp for lp, m in zip(s.logprobs, s.mask) if m]
+    return logp, [s.adv] * len(logp), [s.staleness == 0] * len(logp), [i] * len(logp)
+
+
 def collate(samples):
-    """One packed row: input_ids and position_ids (1, L), the completion mask over next-token
-    targets (1, L-1), and per-token vllm_logp, adv, fresh and seq_ids (the sample of each token
-    within this micro-batch) (N,) in the mask's order. The last token of a sequence predicts
-    nothing: the token after it begins the next sequence."""
-    ids, positions, mask, vllm_logp, adv, fresh, seq_ids = [], [], [], [], [], [], []
+    """One packed row: input_ids and position_ids (1, L), the loss mask over next-token targets
+    (1, L-1): the policy's tokens, not the prompt's or an environment's; and per-token vllm_logp,
+    adv, fresh and seq_ids (the sample of each token within this micro-batch) (N,) in the mask's
+    order. The last token of a sequence predicts nothing: the token after it begins the next one."""
+    ids, positions, mask, per = [], [], [], [[], [], [], []]
     for i, s in enumerate(samples):
-        p, c, valid = len(s["prompt_ids"]), len(s["token_ids"]), s.get("valid", True)
-        ids += s["prompt_ids"] + s["token_ids"]
+        p, c = len(s.prompt_ids), len(s.token_ids)
+        ids += s.prompt_ids + s.token_ids
         positions += range(p + c)
-        # position j predicts token j+1: the prompt's last token predicts the first completion token
-        mask += [False] * (p - 1) + [valid] * c + [False]
-        if valid:
-            vllm_logp += s["logprobs"]
-            adv += [s["adv"]] * c
-            fresh += [s.get("staleness", 0) == 0] * c  # sampled by the weights the trainer holds now
-            seq_ids += [i] * c
+        # position j predicts token j+1: the prompt's last token predicts the first token after it
+        mask += [False] * (p - 1) + [s.valid and bool(m) for m in s.mask] + [False]
+        if s.valid:
+            for acc, values in zip(per, loss_tokens(s, i)):
+                acc += values
     return dict(input_ids=torch.tensor([ids]), position_ids=torch.tensor([positions]),
-                mask=torch.tensor([mask[:-1]], dtype=torch.bool), **per_token(vllm_logp, adv, fresh, seq_ids))
+                mask=torch.tensor([mask[:-1]], dtype=torch.bool), **per_token(*per))
 
 
 def packed_sdpa(module, query, key, value, attention_mask, position_ids=None, sliding_window=None, **kwargs):
@@ -136,13 +143,13 @@ def per_token(vllm_logp, adv, fresh, seq_ids):
 
 
 def micro_batches(samples, cfg, world_size, rank):
-    """This rank's packed micro-batches of each mini-batch, with the whole mini-batch's completion
-    tokens and sequences: [(micro-batches, tokens, sequences)]. Every rank computes the same
-    assignment from the same samples and keeps its own part."""
+    """This rank's packed micro-batches of each mini-batch, with the whole mini-batch's policy
+    tokens (those in the loss) and sequences: [(micro-batches, tokens, sequences)]. Every rank
+    computes the same assignment from the same samples and keeps its own part."""
     out = []
     for mini in mini_batches(samples, cfg.num_mini_batches, cfg.num_samples_per_prompt_rollout):
         mine = pack_ranks(mini, world_size, cfg.max_tokens_per_micro_batch)[rank] if mini else []
-        out.append(([collate(mb) for mb in mine], sum(len(s["token_ids"]) for s in mini), len(mini)))
+        out.append(([collate(mb) for mb in mine], sum(s.policy_tokens for s in mini), len(mini)))
     return out
 
 
@@ -153,16 +160,13 @@ def collate_padded(samples, pad_id):
     input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(samples), width), dtype=torch.long)
     mask = torch.zeros((len(samples), width - 1), dtype=torch.bool)
-    vllm_logp, adv, fresh, seq_ids = [], [], [], []
+    per = [[], [], [], []]
     for i, s in enumerate(samples):
-        p, c = len(s["prompt_ids"]), len(s["token_ids"])
-        input_ids[i, :p + c] = torch.tensor(s["prompt_ids"] + s["token_ids"])
+        p, c = len(s.prompt_ids), len(s.token_ids)
+        input_ids[i, :p + c] = torch.tensor(s.prompt_ids + s.token_ids)
         attention_mask[i, :p + c] = 1
-        if s.get("valid", True):
-            mask[i, p - 1:p + c - 1] = True
-            vllm_logp += s["logprobs"]
-            adv += [s["adv"]] * c
-            fresh += [s.get("staleness", 0) == 0] * c
-            seq_ids += [i] * c
-    return dict(input_ids=input_ids, attention_mask=attention_mask, mask=mask,
-                **per_token(vllm_logp, adv, fresh, seq_ids))
+        if s.valid:
+            mask[i, p - 1:p + c - 1] = torch.tensor(s.mask, dtype=torch.bool)
+            for acc, values in zip(per, loss_tokens(s, i)):
+                acc += values
+    return dict(input_ids=input_ids, attention_mask=attention_mask, mask=mask, **per_token(*per))

@@ -17,7 +17,7 @@ open-instruct's GRPO distributed knobs (DeepSpeed terms) and what they are here:
 | gradient_checkpointing                 | activation_checkpointing (each decoder layer)           |
 | sequence_parallel_size                 | sequence_parallel_size: Ulysses (sequence_parallel.py)  |
 | num_learners_per_node                  | torchrun --nproc_per_node                               |
-| single_gpu_mode                        | single_gpu_mode (vLLM sleep mode, rollout.py)           |
+| single_gpu_mode                        | single_gpu_mode (vLLM sleep mode, vllm_server.py)       |
 | backend_timeout                        | backend_timeout (the process group)                     |
 
 The reference gets the policy's mesh and placements, so its shards sit beside the

@@ -111,6 +111,17 @@ def math_reward_last_number(prompt, completion, example):
     return float(pred is not None and same_answer(gold_answer(example["answer"]), pred))
 
 
+def number_reward(prompt, completion, example):
+    """1.0 when the completion's last \\boxed{} holds a plain number (7, -12, 1,000, 2.5) equal to
+    the gold answer. An expression does not count: math-verify would accept \\boxed{193 + 600} for
+    793, and a calculator environment's policy must compute, not box the question."""
+    pred = last_boxed(completion)
+    if pred is None or NUMBER.fullmatch(pred) is None:
+        return 0.0
+    gold = gold_answer(example["answer"]).replace(",", "")
+    return float(NUMBER.fullmatch(gold) is not None and float(pred.replace(",", "")) == float(gold))
+
+
 # --- user rewards
 
 
@@ -128,23 +139,30 @@ def to_float(r):
     return value
 
 
-def load_reward_fn(path):
-    """`module:function` (importable) or `path/to/file.py:function`."""
-    module_name, sep, fn_name = path.rpartition(":")
-    if not sep or not module_name or not fn_name:
-        raise ValueError(f"reward_fn={path!r} must look like 'module:function' or 'file.py:function'")
+def load_object(path, flag="reward_fn", kind="function"):
+    """`module:name` (importable) or `path/to/file.py:name`; errors name the flag it came from."""
+    module_name, sep, name = path.rpartition(":")
+    if not sep or not module_name or not name:
+        raise ValueError(f"{flag}={path!r} must look like 'module:{kind}' or 'file.py:{kind}'")
     try:
         if module_name.endswith(".py"):
             if not os.path.isfile(module_name):
-                raise ValueError(f"reward_fn file {module_name!r} does not exist; give a path to a .py file")
-            spec = importlib.util.spec_from_file_location("user_reward", module_name)
+                raise ValueError(f"{flag} file {module_name!r} does not exist; give a path to a .py file")
+            spec = importlib.util.spec_from_file_location(f"user_{flag}", module_name)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
         else:
             module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"reward_fn={path!r}: cannot import {module_name!r} ({e}); check the module path") from None
-    fn = getattr(module, fn_name, None)
+        raise ValueError(f"{flag}={path!r}: cannot import {module_name!r} ({e}); check the module path") from None
+    obj = getattr(module, name, None)
+    if obj is None:
+        raise ValueError(f"{flag}={path!r}: {module_name!r} has no {kind} {name!r}")
+    return obj
+
+
+def load_reward_fn(path):
+    fn = load_object(path)
     if not callable(fn):
-        raise ValueError(f"reward_fn={path!r}: {module_name!r} has no function {fn_name!r}")
+        raise ValueError(f"reward_fn={path!r} is not a function")
     return fn

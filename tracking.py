@@ -17,8 +17,8 @@ import torch
 from tqdm import tqdm
 
 SAMPLE_COLUMNS = ("step", "prompt", "completion", "reward")
-CONSOLE = ("step", "reward_mean", "eval_accuracy", "response_length", "loss", "kl", "clip_frac", "entropy",
-           "grad_norm", "vllm_logp_diff_max", "time_step")
+CONSOLE = ("step", "reward_mean", "eval_accuracy", "eval_tool_calls", "response_length", "tool_calls", "loss", "kl",
+           "clip_frac", "entropy", "grad_norm", "vllm_logp_diff_max", "time_step")
 
 
 def run_info(cfg, world_size):

@@ -44,12 +44,13 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import checkpoint
-import rollout
+import vllm_client
 import sequence_parallel
 import tracking
 from cli import parse_args_or_exit
 from config import Config
 from data import PromptSampler, load_model_config, load_prompts, load_tokenizer
+from environments import Environment
 from generator import Generator
 from parallel import check_model_config, close_distributed, load_model, setup_distributed
 from reference import EMAReference
@@ -92,8 +93,9 @@ def load_inputs(cfg):
         cfg.batch_plan(int(os.environ.get("WORLD_SIZE", 1)))
         tokenizer = load_tokenizer(cfg)
         check_outside(cfg)
-        train_rows, eval_rows, skipped, reward_fn = load_prompts(cfg, tokenizer)
-        return tokenizer, train_rows, eval_rows, skipped, reward_fn, tracking.open_tracker(cfg) if rank0 else None
+        env = Environment(cfg.environment, tokenizer, cfg) if cfg.environment else None
+        train_rows, eval_rows, skipped, reward_fn = load_prompts(cfg, tokenizer, env)
+        return tokenizer, env, train_rows, eval_rows, skipped, reward_fn, tracking.open_tracker(cfg) if rank0 else None
     except ValueError as e:
         if rank0:
             print(f"error: {e}", file=sys.stderr)
@@ -194,7 +196,7 @@ def export(cfg, policy, tokenizer, rank, name):
 def finish_log(cfg, log, m, gen, eval_rows, last, t0, device):
     """Rank 0: evaluation when due, the step's time, throughput and peak memory, then one log line."""
     if cfg.eval_freq > 0 and (m["step"] % cfg.eval_freq == 0 or last):
-        m["eval_accuracy"] = gen.evaluate(eval_rows)
+        m.update(gen.evaluate(eval_rows))
     m["time_step"] = time.perf_counter() - t0
     m["tokens_per_s"] = m.pop("response_tokens") / m["time_step"]
     m["peak_memory_gb"] = (torch.cuda.max_memory_allocated() if device.type == "cuda" else
@@ -205,7 +207,7 @@ def finish_log(cfg, log, m, gen, eval_rows, last, t0, device):
 def main(cfg: Config):
     """One run; returns the exit status (0, or 143 after a SIGTERM). The caller then calls
     close_distributed(), once the run's models are out of scope."""
-    tokenizer, train_rows, eval_rows, skipped, reward_fn, tracker = load_inputs(cfg)
+    tokenizer, env, train_rows, eval_rows, skipped, reward_fn, tracker = load_inputs(cfg)
     sigterm = Sigterm()
     rank, world_size, device, mesh = setup_distributed(cfg)
     plan = cfg.batch_plan(world_size)
@@ -218,14 +220,16 @@ def main(cfg: Config):
     resumed_from, start = resume(cfg, rank, policy, ref, optimizer, scheduler, sampler)
     # rewards scored in worker processes with a per-sample timeout; daemons: they end with this process
     pool = RewardPool(cfg.reward_fn or reward_fn, cfg.reward_workers, cfg.reward_timeout) if rank == 0 else None
+    if env and rank == 0:
+        env.start()  # its steps (tool calls) in worker processes with a per-call timeout
     log = tracking.MetricsLog(cfg.output_dir, start, tracker) if rank == 0 else None
     if rank == 0:
         announce(cfg, plan, world_size, device, (train_rows, eval_rows, skipped, reward_fn), resumed_from, start)
     gen, saved, trained, skipped_in_a_row = None, start, start, 0
     try:
-        gen = Generator(cfg, policy, tokenizer, sampler, pool, rank, device)  # our vLLM server, or the user's
+        gen = Generator(cfg, policy, tokenizer, sampler, pool, rank, device, env)  # our vLLM server, or the user's
         if rank == 0 and cfg.eval_freq > 0 and eval_rows and not start:
-            log.write({"step": 0, "eval_accuracy": gen.evaluate(eval_rows), "skipped_rows": skipped})
+            log.write({"step": 0, **gen.evaluate(eval_rows), "skipped_rows": skipped})
         sigterm.in_loop = True
         for step in tqdm(range(start + 1, cfg.num_training_steps + 1), disable=rank != 0, desc="grpo",
                          initial=start, total=cfg.num_training_steps):
@@ -252,7 +256,7 @@ def main(cfg: Config):
                 if samples:
                     gen.sync(policy)
                 m["time_sync"] = time.perf_counter() - t3
-            except rollout.VLLMError:  # a server we cannot repair, or a sync that did not take (found before
+            except vllm_client.VLLMError:  # a server we cannot repair, or a sync that did not take (found before
                 # the step's update): log and checkpoint what was trained, then stop
                 if rank == 0 and trained == step:
                     log.write(m)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from loss import ess, grpo_loss, mismatch_keep, step_denominator
 from packing import micro_batches
-from rollout import VLLMError
+from vllm_client import VLLMError
 from sequence_parallel import piece
 
 

@@ -29,7 +29,8 @@ import threading
 
 import torch
 
-from rollout import VLLMError, server_dtype
+from vllm_client import VLLMError
+from vllm_server import server_dtype
 
 def full_state_dict(model):
     """The full, unsharded state dict, on CPU, on rank 0 (empty on other ranks).

@@ -9,7 +9,7 @@ once, at the memory-copy rate timed here).
 The request is the demo's: 4 prompts x 8 samples, 64-token prompts, 128 new tokens with
 ignore_eos (so every run generates 4096 tokens), T 0.7, sent as the trainer sends it (one
 request per prompt, concurrently). Each setting launches its own server through
-rollout.launch_server with the environment and arguments below, runs one warm-up request and
+vllm_server.launch_server with the environment and arguments below, runs one warm-up request and
 --repeats timed ones, and stops it. Port --port.
 """
 
@@ -28,7 +28,8 @@ import torch
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(SCRIPTS)
 sys.path[:0] = [SCRIPTS, ROOT]
-import rollout  # noqa: E402
+import vllm_client  # noqa: E402
+import vllm_server  # noqa: E402
 import weight_sync  # noqa: E402
 from config import Config  # noqa: E402
 
@@ -75,7 +76,7 @@ SETTINGS = {
     # the engine's wait on the worker polled by vLLM's compiled spin loop instead of sched_yield
     "all_cores_iomp_spinloop": (dict(OMP_NUM_THREADS=str(CORES), VLLM_CPU_OMP_THREADS_BIND=ALL,
                                      VLLM_CPU_NUM_OF_RESERVED_CPU="0", LD_PRELOAD="IOMP", VLLM_USE_SPINLOOP_EXT="1"), []),
-    # what train.py launches (rollout.cpu_placement)
+    # what train.py launches (vllm_server.cpu_placement)
     "trainer": (None, None),
 }
 
@@ -137,10 +138,10 @@ def run_setting(name, cfg, served, payloads, repeats, log_dir):
         env = resolve(env)
         if env is None:
             return dict(setting=name, skipped="preload library not installed")
-    proc, url = rollout.launch_server(served, cfg, os.path.join(log_dir, f"{name}.log"), env=env,
+    proc, url = vllm_server.launch_server(served, cfg, os.path.join(log_dir, f"{name}.log"), env=env,
                                       extra_args=args or ())
     try:
-        client = rollout.VLLMClient([url], served, timeout=600)
+        client = vllm_client.VLLMClient([url], served, timeout=600)
         client.map("/v1/completions", payloads)  # warm-up
         times, cpu = [], {}
         for _ in range(repeats):
@@ -152,7 +153,7 @@ def run_setting(name, cfg, served, payloads, repeats, log_dir):
             tokens = sum(len(c["token_ids"]) for o in outs for c in o["choices"])
         return dict(setting=name, seconds=times, tokens=tokens, cpu_seconds=cpu)
     finally:
-        rollout.stop_server(proc)
+        vllm_server.stop_server(proc)
 
 
 def main(argv=None):
@@ -183,7 +184,7 @@ def main(argv=None):
     cfg = Config(model_name_or_path=args.model, max_prompt_length=args.prompt_tokens, response_length=args.new_tokens,
                  vllm_port=args.port)
     payloads = [dict(model=served, prompt=ids, n=args.samples, max_tokens=args.new_tokens, temperature=0.7,
-                     top_p=1.0, **rollout.NEUTRAL_SAMPLING, logprobs=0, return_token_ids=True, ignore_eos=True, seed=1 + i * args.samples)
+                     top_p=1.0, **vllm_client.NEUTRAL_SAMPLING, logprobs=0, return_token_ids=True, ignore_eos=True, seed=1 + i * args.samples)
                 for i, ids in enumerate(prompts)]
 
     # the bounds, measured before any server runs

@@ -26,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+from episodes import Sample
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
@@ -40,7 +41,7 @@ def rollouts(n_prompts, n_samples, min_new, max_new, seed=0):
         prompt = torch.randint(3, 64, (int(torch.randint(8, 12, (1,), generator=g)),), generator=g).tolist()
         for _ in range(n_samples):
             c = int(torch.randint(min_new, max_new + 1, (1,), generator=g))
-            samples.append(dict(prompt_ids=prompt, token_ids=torch.randint(3, 64, (c,), generator=g).tolist(),
+            samples.append(Sample(prompt_ids=prompt, token_ids=torch.randint(3, 64, (c,), generator=g).tolist(),
                                 logprobs=(-4 * torch.rand(c, generator=g)).tolist(),
                                 adv=torch.randn(1, generator=g).item()))
     return samples
@@ -84,7 +85,7 @@ def main(argv=None):
     samples = rollouts(args.prompts, args.samples, args.min_new, args.max_new)
     cfg = Config(loss_fn="dapo", num_unique_prompts_rollout=args.prompts, num_samples_per_prompt_rollout=args.samples,
                  max_prompt_length=11, response_length=args.max_new, max_tokens_per_micro_batch=args.max_tokens)
-    denom = float(sum(len(s["token_ids"]) for s in samples))
+    denom = float(sum(len(s.token_ids) for s in samples))
     padded = [packing.collate_padded(samples[i:i + args.micro_batch], pad_id=0)
               for i in range(0, len(samples), args.micro_batch)]
     packed = [b for mbs, _, _ in packing.micro_batches(samples, cfg, 1, 0) for b in mbs]

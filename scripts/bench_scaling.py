@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from episodes import Sample
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
@@ -56,7 +57,7 @@ def synthetic_rollouts(n_prompts, n_samples, new_tokens, vocab, seed=0):
     for _ in range(n_prompts):
         prompt = torch.randint(3, hi, (int(torch.randint(8, 12, (1,), generator=g)),), generator=g).tolist()
         for _ in range(n_samples):
-            samples.append(dict(prompt_ids=prompt, token_ids=torch.randint(3, hi, (new_tokens,), generator=g).tolist(),
+            samples.append(Sample(prompt_ids=prompt, token_ids=torch.randint(3, hi, (new_tokens,), generator=g).tolist(),
                                 logprobs=(-4 * torch.rand(new_tokens, generator=g)).tolist(),
                                 adv=torch.randn(1, generator=g).item()))
     return samples
@@ -141,8 +142,8 @@ def worker(args):
     params = sum(p.numel() for p in policy.parameters())
     emb = cfg_hf.vocab_size * cfg_hf.hidden_size
     body = params - emb * (1 if cfg_hf.tie_word_embeddings else 2)
-    t_all = sum(len(s["prompt_ids"]) + len(s["token_ids"]) for s in samples)
-    t_comp = sum(len(s["token_ids"]) for s in samples)
+    t_all = sum(len(s.prompt_ids) + len(s.token_ids) for s in samples)
+    t_comp = sum(len(s.token_ids) for s in samples)
     fwd_flops = 2 * body * t_all + 2 * emb * t_comp
     passes = (1 if cfg.num_mini_batches > 1 else 0) + (1 if cfg.beta > 0 else 0) + 3 * cfg.num_epochs
     if rank == 0:

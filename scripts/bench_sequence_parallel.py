@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from episodes import Sample
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
@@ -41,7 +42,7 @@ def one_step(policy, cfg, tokens, rank, size, device):
     from sequence_parallel import piece
 
     g = torch.Generator().manual_seed(0)
-    sample = dict(prompt_ids=torch.randint(3, 64, (PROMPT,), generator=g).tolist(),
+    sample = Sample(prompt_ids=torch.randint(3, 64, (PROMPT,), generator=g).tolist(),
                   token_ids=torch.randint(3, 64, (tokens - PROMPT,), generator=g).tolist(),
                   logprobs=[-1.0] * (tokens - PROMPT), adv=1.0)
     b = collate([sample])

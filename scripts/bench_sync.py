@@ -31,7 +31,8 @@ import torch
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [SCRIPTS, os.path.dirname(SCRIPTS)]  # make_tiny_model, and rollout / config without PYTHONPATH
 import make_tiny_model  # noqa: E402
-import rollout  # noqa: E402
+import vllm_client  # noqa: E402
+import vllm_server  # noqa: E402
 import weight_sync  # noqa: E402
 from config import Config  # noqa: E402
 
@@ -72,11 +73,11 @@ def bench(name, port, repeats, workdir):
     sync = weight_sync.FilesystemSync(None, 0, workdir)  # its directory: /dev/shm, as in training
     sync_dir = sync.dir
     t = time.perf_counter()
-    proc, url = rollout.launch_server(serving, cfg, log, port=port)
+    proc, url = vllm_server.launch_server(serving, cfg, log, port=port)
     print(f"[{name}] {params / 1e6:.1f} M params, server up in {time.perf_counter() - t:.0f}s (log {log})", flush=True)
     try:
         # No retries: a retried reload would be timed as one; a generous timeout for 2.5 GB on one core.
-        client = rollout.VLLMClient([url], serving, timeout=900, max_retries=0, proc=proc, log_path=log)
+        client = vllm_client.VLLMClient([url], serving, timeout=900, max_retries=0, proc=proc, log_path=log)
         writes, reloads = [], []
         for i in range(repeats + 1):  # i == 0 is the warm-up (first-touch page faults, first reload)
             perturb(model, seed=i)
@@ -96,7 +97,7 @@ def bench(name, port, repeats, workdir):
         stale = max_diff(model, client)
         print(f"[{name}] max |trainer - vLLM| logprob: {synced:.2e} after sync, {stale:.2e} unsynced", flush=True)
     finally:
-        rollout.stop_server(proc)
+        vllm_server.stop_server(proc)
         sync.close()
     del model, sd  # free the trainer copy before the baseline allocates 2 x nbytes
     write, reload = statistics.median(writes), statistics.median(reloads)
@@ -124,7 +125,7 @@ def main():
         for i, name in enumerate(names):
             try:
                 rows.append(bench(name, args.port + i, args.repeats, workdir))
-            except rollout.VLLMError as e:  # one model's server failing should not lose the others' numbers
+            except vllm_client.VLLMError as e:  # one model's server failing should not lose the others' numbers
                 print(f"[{name}] FAILED: {e}", flush=True)
     print(f"\nfilesystem weight sync, float32, median of {args.repeats}, {torch.get_num_threads()} trainer thread(s), "
           f"{time.perf_counter() - start:.0f}s in all\n")

@@ -7,6 +7,7 @@
 #   bash scripts/demo.sh                          # the real model
 #   bash scripts/demo.sh --num_training_steps 10  # extra arguments go to train.py
 #   bash scripts/demo.sh --tiny                   # smoke run: the random 0.3 M model, 5 steps (learns nothing)
+#   bash scripts/demo.sh --tools                  # SmolLM2 learns to use a calculator over several turns
 #
 # The reward is rewards:math_reward_last_number (a \boxed{} answer, else the last number):
 # untrained, the model boxes about one answer in five and is right about one time in five.
@@ -15,7 +16,22 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 out=output/demo
-if [ "${1:-}" = "--tiny" ]; then
+task=(--dataset math --reward_fn rewards:math_reward_last_number)
+if [ "${1:-}" = "--tools" ]; then
+    shift
+    out=output/demo-tools
+    .venv/bin/python scripts/prepare_smollm2.py
+    # "What is 214 + 659?" with 3-digit numbers, + - and * (a 2-digit factor): the calculator
+    # environment describes <calc>...</calc> in a system message with one worked example; an
+    # episode is at most 3 assistant turns and 96 tokens after the prompt, the tool's answers
+    # included (out of the loss). The reward is number_reward: the final turn's \boxed{} number.
+    task=(--dataset calc --environment environments:calculator --math_digits 3 --math_operations "+-*")
+    args=(--model_name_or_path models/smollm2-135m-instruct --max_prompt_length 160 --response_length 96
+          --max_turns 3 --num_training_steps 30 --eval_freq 10 --num_eval_prompts 64 --temperature 0.7
+          --learning_rate 5e-6 --warm_up_steps 5
+          --num_unique_prompts_rollout 4 --num_samples_per_prompt_rollout 8
+          --beta 0 --load_ref_policy false)
+elif [ "${1:-}" = "--tiny" ]; then
     shift
     out=output/demo-tiny
     [ -f models/tiny/config.json ] || .venv/bin/python scripts/make_tiny_model.py --out models/tiny
@@ -37,13 +53,15 @@ else
           --beta 0 --load_ref_policy false)
 fi
 start=$(date +%s)
-.venv/bin/torchrun --nproc_per_node 2 train.py --dataset math --reward_fn rewards:math_reward_last_number \
-    --log_samples_freq 10 --output_dir "$out" "${args[@]}" "$@"
+.venv/bin/torchrun --nproc_per_node 2 train.py "${task[@]}" --log_samples_freq 10 --output_dir "$out" "${args[@]}" "$@"
 .venv/bin/python scripts/plot_metrics.py "$out/metrics.jsonl"
 .venv/bin/python - "$out/metrics.jsonl" "$(( $(date +%s) - start ))" <<'EOF'
 import json, sys
-evals = [(r["step"], r["eval_accuracy"]) for r in map(json.loads, open(sys.argv[1])) if r.get("eval_accuracy") is not None]
-(s0, before), (s1, after) = evals[0], evals[-1]
-print(f"held-out greedy accuracy: {before:.3f} at step {s0} -> {after:.3f} at step {s1} "
-      f"({100 * (after - before):+.1f} points); the run took {int(sys.argv[2]) // 60} min {int(sys.argv[2]) % 60} s")
+evals = [r for r in map(json.loads, open(sys.argv[1])) if r.get("eval_accuracy") is not None]
+first, last = evals[0], evals[-1]
+tools = (f"; tool-call rate {first['eval_tool_calls']:.3f} -> {last['eval_tool_calls']:.3f}"
+         if "eval_tool_calls" in first else "")
+print(f"held-out greedy accuracy: {first['eval_accuracy']:.3f} at step {first['step']} -> {last['eval_accuracy']:.3f} "
+      f"at step {last['step']} ({100 * (last['eval_accuracy'] - first['eval_accuracy']):+.1f} points){tools}; "
+      f"the run took {int(sys.argv[2]) // 60} min {int(sys.argv[2]) % 60} s")
 EOF

@@ -33,7 +33,7 @@ trap cleanup EXIT
 urls=()
 port=$PORT
 for gpu in $VLLM_GPUS; do
-    # The same server train.py launches for itself (rollout.launch_server), on one GPU:
+    # The same server train.py launches for itself (vllm_server.launch_server), on one GPU:
     #   VLLM_SERVER_DEV_MODE=1         enables /collective_rpc (reload_weights), /reset_prefix_cache,
     #                                  /pause and /resume, the routes weight sync uses
     #   --dtype bfloat16               the trainer computes in bf16 on GPUs (MixedPrecisionPolicy);

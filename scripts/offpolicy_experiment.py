@@ -52,7 +52,7 @@ def main():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import make_tiny_model
-    import rollout
+    import vllm_server
     import weight_sync
     from config import Config
 
@@ -63,7 +63,7 @@ def main():
     served = os.path.join(args.out, "vllm_model")
     weight_sync.write_serving_dir(weight_sync.full_state_dict(model), model.config, AutoTokenizer.from_pretrained(args.model),
                               served)
-    server, url = rollout.launch_server(served, Config(vllm_startup_timeout=900), os.path.join(args.out, "vllm.log"),
+    server, url = vllm_server.launch_server(served, Config(vllm_startup_timeout=900), os.path.join(args.out, "vllm.log"),
                                         port=args.port)
     results = {}
     try:
@@ -86,7 +86,7 @@ def main():
                     results.setdefault(name, []).append([json.loads(line) for line in f])
                 print(f"{name} seed {seed}: {summary(results[name][-1])}", flush=True)
     finally:
-        rollout.stop_server(server)
+        vllm_server.stop_server(server)
 
     import matplotlib
 

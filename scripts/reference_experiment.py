@@ -87,7 +87,7 @@ def start_server(args):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import rollout
+    import vllm_server
     import weight_sync
     from config import Config
 
@@ -96,7 +96,7 @@ def start_server(args):
     weight_sync.write_serving_dir(weight_sync.full_state_dict(model), model.config,
                                   AutoTokenizer.from_pretrained(args.model), served)
     max_len = 256 + 16 if args.tiny else 128 + 128
-    return rollout.launch_server(served, Config(vllm_startup_timeout=900, vllm_max_model_len=max_len),
+    return vllm_server.launch_server(served, Config(vllm_startup_timeout=900, vllm_max_model_len=max_len),
                                  os.path.join(args.out, "vllm.log"), port=args.port)
 
 
@@ -181,7 +181,7 @@ def main():
         if subprocess.run(prepare).returncode:
             sys.exit("error: the model could not be prepared (see above)")
     os.makedirs(args.out, exist_ok=True)
-    import rollout
+    import vllm_server
 
     # Seed-major, so an interrupted experiment has every run at its first seeds; finished runs
     # (their last step evaluated in OUT) are read back, not run again.
@@ -193,7 +193,7 @@ def main():
             run_one(args, name, RUNS[name], seed, url)
             print(f"{name} seed {seed}: accuracy {curves(finished(args, name, seed))}", flush=True)
     finally:
-        rollout.stop_server(server)
+        vllm_server.stop_server(server)
     results = {name: [rows for rows in (finished(args, name, seed) for seed in range(1, args.seeds + 1)) if rows]
                for name in RUNS}
     results = {name: runs for name, runs in results.items() if runs}

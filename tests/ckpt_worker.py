@@ -21,6 +21,7 @@ from config import Config
 from data import PromptSampler
 from reference import EMAReference
 from weight_sync import full_state_dict
+from episodes import Sample
 
 mode, model_dir, out = sys.argv[1:4]
 root = os.path.join(out, "ckpt")
@@ -32,10 +33,12 @@ rank, world_size, device, mesh = train.setup_distributed(cfg)
 
 
 def rollouts(step):
-    """16 sequences of uneven lengths with fixed advantages."""
+    """16 sequences of uneven lengths with fixed advantages; those of 4 tokens or more are
+    multi-turn (2 environment tokens in the middle, out of the loss)."""
     g = torch.Generator().manual_seed(100 + step)
-    return [dict(prompt_ids=[5 + i % 7, 9, 11], token_ids=torch.randint(3, 64, (1 + i % 9,), generator=g).tolist(),
-                 logprobs=[-3.0] * (1 + i % 9), adv=i % 4 - 1.5) for i in range(16)]
+    masks = [[1] * c if c < 4 else [1] * (c // 2) + [0, 0] + [1] * (c - c // 2 - 2) for c in (1 + i % 9 for i in range(16))]
+    return [Sample(prompt_ids=[5 + i % 7, 9, 11], token_ids=torch.randint(3, 64, (len(m),), generator=g).tolist(),
+                   logprobs=[-3.0 * x for x in m], mask=m, adv=i % 4 - 1.5) for i, m in enumerate(masks)]
 
 
 def fresh():

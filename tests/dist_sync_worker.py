@@ -1,4 +1,4 @@
-"""Run by test_rollout under torchrun: sync an FSDP2-sharded model into a vLLM server."""
+"""Run by test_vllm under torchrun: sync an FSDP2-sharded model into a vLLM server."""
 
 import sys
 
@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
-import rollout
+import vllm_client
 from parallel import close_distributed
 import weight_sync
 
@@ -26,7 +26,7 @@ for layer in model.model.layers:
     fully_shard(layer, mesh=mesh)
 fully_shard(model, mesh=mesh)
 assert type(model.model.layers[0].mlp.up_proj.weight).__name__ == "DTensor"
-client = rollout.VLLMClient([url], served, timeout=60, max_retries=1)
+client = vllm_client.VLLMClient([url], served, timeout=60, max_retries=1)
 weight_sync.FilesystemSync(client, rank, tmp).sync(model)
 if rank == 0:
     seqs = [[7, 8, 9, 10, 11, 12], [20, 21, 22, 23]]

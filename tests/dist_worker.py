@@ -24,6 +24,7 @@ from cli import convert
 from config import Config
 from reference import EMAReference, local
 from weight_sync import full_state_dict
+from episodes import Sample
 
 mode, model_dir, out = sys.argv[1:4]
 positional = [a for a in sys.argv[4:] if "=" not in a]
@@ -53,11 +54,18 @@ def fixed_rollouts(step):
     samples = []
     for _ in range(16):
         p, c = torch.randint(2, 7, (1,), generator=g).item(), torch.randint(1, 13, (1,), generator=g).item()
-        samples.append(dict(prompt_ids=torch.randint(3, 64, (p,), generator=g).tolist(),
-                            token_ids=torch.randint(3, 64, (c,), generator=g).tolist(),
-                            logprobs=(-4 * torch.rand(c, generator=g)).tolist(),
-                            adv=torch.randn(1, generator=g).item()))
+        samples.append(Sample(prompt_ids=torch.randint(3, 64, (p,), generator=g).tolist(),
+                              token_ids=torch.randint(3, 64, (c,), generator=g).tolist(),
+                              logprobs=(-4 * torch.rand(c, generator=g)).tolist(), mask=tool_turn(c),
+                              adv=torch.randn(1, generator=g).item()))
+        s = samples[-1]
+        s.logprobs = [lp if m else 0.0 for lp, m in zip(s.logprobs, s.mask)]
     return samples
+
+
+def tool_turn(c):
+    """A multi-turn episode's mask when it has room: policy, 2 environment tokens, policy."""
+    return [1] * c if c < 4 else [1] * (c // 2) + [0, 0] + [1] * (c - c // 2 - 2)
 
 
 if mode == "train":

@@ -11,7 +11,7 @@ import sys
 
 import checkpoint
 import generator
-import rollout
+import vllm_client
 import train
 import update
 from cli import parse_args
@@ -44,14 +44,14 @@ if __name__ == "__main__":  # the reward pool's workers import this script again
 
         checkpoint.fsync = fsync
     elif kind == "lost_sync":  # at the HTTP boundary: the reload request is never sent, and nothing says so
-        real_reload, syncs = rollout.VLLMClient.reload_weights, [0]  # sync 0: a user's server gets our weights
+        real_reload, syncs = vllm_client.VLLMClient.reload_weights, [0]  # sync 0: a user's server gets our weights
 
         def reload_weights(self, weights_dir, timeout=None):
             syncs[0] += 1
             if syncs[0] - 1 not in steps:
                 real_reload(self, weights_dir, timeout)
 
-        rollout.VLLMClient.reload_weights = reload_weights
+        vllm_client.VLLMClient.reload_weights = reload_weights
     else:
         raise SystemExit(f"unknown fault {kind!r}")
 

@@ -1,6 +1,7 @@
 """Run by test_nccl_sync under torchrun: NCCLSync's gather and its failures on 2 gloo ranks,
 against fake servers (the NCCL calls themselves need a GPU and never run here)."""
 
+import os
 import sys
 import time
 
@@ -9,9 +10,16 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
-import rollout
+import vllm_client
 import weight_sync
 from parallel import close_distributed
+
+
+
+def say(line):
+    """One line in one write: both ranks share the pipe, and print() writes the newline apart."""
+    os.write(1, (line + "\n").encode())
+
 
 model_dir, urls = sys.argv[1], sys.argv[2:]
 dist.init_process_group("gloo")
@@ -31,17 +39,17 @@ if rank == 0:  # the serving copy (untied), cast to the server's dtype
     assert all(v.dtype == torch.bfloat16 and torch.equal(v, want[k].to(torch.bfloat16)) for k, v in gathered.items())
 else:
     assert gathered == {}
-print(f"RANK {rank} GATHER OK", flush=True)
+say(f"RANK {rank} GATHER OK")
 
 for url in urls:  # each fake server fails the sync its own way
-    sync.client = rollout.VLLMClient([url], "m", timeout=3.0, max_retries=1)
+    sync.client = vllm_client.VLLMClient([url], "m", timeout=3.0, max_retries=1)
     t = time.monotonic()
     try:
         sync.sync(model)
-        print(f"RANK {rank} NO ERROR", flush=True)
-    except rollout.VLLMError as e:
-        print(f"RANK {rank} VLLMError after {time.monotonic() - t:.1f}s: {str(e).splitlines()[0]}", flush=True)
+        say(f"RANK {rank} NO ERROR")
+    except vllm_client.VLLMError as e:
+        say(f"RANK {rank} VLLMError after {time.monotonic() - t:.1f}s: {str(e).splitlines()[0]}")
     except Exception as e:  # noqa: BLE001 -- reported, for the test to see which
-        print(f"RANK {rank} {type(e).__name__}: {e}", flush=True)
+        say(f"RANK {rank} {type(e).__name__}: {e}")
 del model
 close_distributed()

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from episodes import Rollouts, drop_stale
+from episodes import Rollouts, Sample, drop_stale
 
 
 def test_batches_come_in_order_and_at_most_k_steps_ahead():
@@ -47,9 +47,9 @@ def test_an_error_while_making_a_batch_is_raised_for_that_step():
 
 
 def test_stale_samples_are_labelled_and_dropped():
-    samples = [dict(version=v) for v in (5, 5, 4, 4, 3, 3)]
+    samples = [Sample([1], [2], [-1.0], versions=(v, v + 1)) for v in (5, 5, 4, 4, 3, 3)]  # the first turn counts
     kept, m = drop_stale(samples, 5, 1)
-    assert [s["staleness"] for s in kept] == [0, 0, 1, 1]
+    assert [s.staleness for s in kept] == [0, 0, 1, 1]
     assert m == dict(staleness_mean=1.0, stale_dropped=2)
 
 

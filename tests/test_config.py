@@ -254,7 +254,7 @@ def test_max_seed_keeps_every_request_seed_in_int64(tiny_model_dir):
     cfg = Config(**{**dataclasses.asdict(cfg), "seed": cfg.max_seed})
     sent = []
 
-    def generate(prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None):  # VLLMClient.generate's seeds
+    def generate(prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=()):  # VLLMClient.generate's seeds
         sent.extend(seed + i * n + j for i in range(len(prompt_ids)) for j in range(n))
         return [[dict(token_ids=[5], logprobs=[-0.1], finish_reason="length", text="", version=0)] * n
                 for _ in prompt_ids]  # one answer per group: zero std, every group filtered

@@ -1,7 +1,7 @@
 """A step's batch (episodes.rollout_batch): disjoint sampling seeds, whole groups, and DAPO's
 dynamic sampling (active_sampling) refilling the groups the zero-std filter drops. The
 server is replaced by a scripted one here so that which groups survive is known exactly;
-test_rollout.py checks the seeds against a real vLLM server."""
+test_vllm.py checks the seeds against a real vLLM server."""
 
 import pytest
 
@@ -19,7 +19,7 @@ class ScriptedServer:
         self.a, self.b = tokenizer.convert_tokens_to_ids(["a", "b"])
         self.agree, self.seeds = agree, []
 
-    def generate(self, prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None):
+    def generate(self, prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=()):
         self.seeds.append(seed)
         return [[dict(token_ids=[self.a if ids[0] in self.agree or j % 2 else self.b], logprobs=[-0.5],
                       finish_reason="length", text="", version=0) for j in range(n)] for ids in prompt_ids]
@@ -54,8 +54,8 @@ def test_filtered_groups_are_refilled_until_the_batch_is_full(tokenizer):
     rounds = signal[3] // 4  # the extra rounds until the 4th prompt with signal (4 prompts a round)
     samples, m = rollout_batch(cfg, server, PromptSampler(rows(12), seed=0), 7, RewardPool(reward, workers=0), tokenizer)
     assert len(samples) == 8 and m["active_sampling_missing_groups"] == 0 and m["active_sampling_rounds"] == rounds
-    assert [g[0]["prompt_ids"][0] for g in groups_of(samples, 2)] == [order[i] for i in signal[:4]]
-    assert all(g[0]["prompt_ids"] == g[1]["prompt_ids"] for g in groups_of(samples, 2))  # whole groups
+    assert [g[0].prompt_ids[0] for g in groups_of(samples, 2)] == [order[i] for i in signal[:4]]
+    assert all(g[0].prompt_ids == g[1].prompt_ids for g in groups_of(samples, 2))  # whole groups
     assert m["filtered_groups"] == sum(k in agree for k in order[:4 * (rounds + 1)])
     assert m["prompts_seen"] == 4 * (rounds + 1)
     block = 4 * 2  # each round's requests use seeds base .. base + prompts x samples - 1
@@ -88,19 +88,19 @@ def test_groups_of_equal_partial_credit_are_filtered(tokenizer, credit):
     cfg = Config(num_unique_prompts_rollout=2, num_samples_per_prompt_rollout=8)
     samples, m = rollout_batch(cfg, ScriptedServer(tokenizer, agree={0}), PromptSampler(rows(2), 0), 1,
                                RewardPool(score, workers=0), tokenizer)
-    assert m["filtered_groups"] == 1 and len(samples) == 8 and {s["prompt_ids"][0] for s in samples} == {1}
+    assert m["filtered_groups"] == 1 and len(samples) == 8 and {s.prompt_ids[0] for s in samples} == {1}
     cfg = Config(num_unique_prompts_rollout=2, num_samples_per_prompt_rollout=8, filter_zero_std_samples=False)
     samples, m = rollout_batch(cfg, ScriptedServer(tokenizer, agree={0}), PromptSampler(rows(2), 0), 1,
                                RewardPool(score, workers=0), tokenizer)
-    assert m["filtered_groups"] == 0 and [s["adv"] for s in samples if s["prompt_ids"][0] == 0] == [0.0] * 8
+    assert m["filtered_groups"] == 0 and [s.adv for s in samples if s.prompt_ids[0] == 0] == [0.0] * 8
 
 
 def test_request_seeds_leave_room_for_every_sample():
     """vLLM gives sample j of a request with seed s the seed s + j: prompt i must get
     base + i * n, or neighbouring prompts share n - 1 of their n streams."""
-    import rollout
+    import vllm_client
 
-    client = rollout.VLLMClient(["http://127.0.0.1:9"], "m")
+    client = vllm_client.VLLMClient(["http://127.0.0.1:9"], "m")
     sent = []
     client.map = lambda route, payloads, fn=None: sent.extend(payloads) or []
     client.generate([[1], [2], [3]], n=8, max_tokens=4, seed=100)

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-import rollout
+import vllm_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONPATH=ROOT)
@@ -22,11 +22,11 @@ VOLATILE = ("time_", "tokens_per_s", "peak_memory_gb")  # wall-clock figures dif
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     """A server "the user runs": the trainer pushes its weights into it at start."""
-    from test_rollout import serve
+    from test_vllm import serve
 
     _, client = serve(tiny_model_dir, str(tmp_path_factory.mktemp("server")), 8051)
     yield client
-    rollout.stop_server(client.proc)
+    vllm_server.stop_server(client.proc)
 
 
 def command(script, nproc, port=29641):
@@ -242,7 +242,7 @@ def test_a_server_the_user_runs_is_reported_when_it_dies(server, tiny_model_dir,
     proc = start(command("train.py", 1) + flags(tiny_model_dir, tmp_path, 1000, "--checkpoint_state_freq", "500",
                                                 "--vllm_max_retries", "1", url=url))
     wait_for_step(proc, tmp_path, 2)
-    rollout.stop_server(server.proc)
+    vllm_server.stop_server(server.proc)
     text = proc.communicate(timeout=300)[0]
     assert proc.returncode != 0
     assert f"vLLM server {url} failed" in text, text[-2000:]

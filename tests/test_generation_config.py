@@ -15,11 +15,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-import rollout
+import vllm_client
+import vllm_server
 import weight_sync
 from episodes import completion_text
 from data import stop_token_ids
-from test_rollout import CFG
+from test_vllm import CFG
 
 # Far from neutral, each of them: every one left to the server moves the sampling logprobs.
 DEFAULTS = dict(top_k=3, min_p=0.1, repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.5)
@@ -50,23 +51,23 @@ def users_server(served, tmp_path_factory):
     url = "http://127.0.0.1:8026"
     deadline = time.monotonic() + 400
     while True:
-        assert proc.poll() is None and time.monotonic() < deadline, rollout.log_tail(log)
+        assert proc.poll() is None and time.monotonic() < deadline, vllm_client.log_tail(log)
         try:
             urllib.request.urlopen(url + "/health", timeout=5)
             break
         except OSError:
             time.sleep(1)
-    yield model, rollout.VLLMClient([url], out, timeout=60, max_retries=1, stop_token_ids=[2])
-    rollout.stop_server(proc)
+    yield model, vllm_client.VLLMClient([url], out, timeout=60, max_retries=1, stop_token_ids=[2])
+    vllm_server.stop_server(proc)
 
 
 @pytest.fixture(scope="module")
 def our_server(served, tmp_path_factory):
     model, tokenizer, out = served
     log = str(tmp_path_factory.mktemp("ours") / "vllm.log")
-    proc, url = rollout.launch_server(out, CFG, log, port=8027)
+    proc, url = vllm_server.launch_server(out, CFG, log, port=8027)
     yield model, tokenizer, url, proc
-    rollout.stop_server(proc)
+    vllm_server.stop_server(proc)
 
 
 def assert_full_softmax(model, prompts, groups, temperature):
@@ -123,13 +124,13 @@ def test_extra_end_of_sequence_ids_stop_and_are_stripped(our_server, served, tmp
     model, tokenizer, url, _ = our_server
     prompt = next(p for p in ([7 + i, 8, 9] for i in range(20)) if greedy(model, p, 1)[0] not in (0, 2))
     extra = greedy(model, prompt, 1)[0]  # the token greedy decoding writes first
-    plain = rollout.VLLMClient([url], served[2], timeout=60, max_retries=1)
+    plain = vllm_client.VLLMClient([url], served[2], timeout=60, max_retries=1)
     alone = plain.generate([prompt], n=1, max_tokens=4, temperature=0.0)[0][0]
     assert alone["token_ids"][0] == extra and len(alone["token_ids"]) > 1  # the server alone does not stop there
     GenerationConfig(eos_token_id=[2, extra]).save_pretrained(tmp_path)  # the policy's directory lists both
     stop_ids = stop_token_ids(tokenizer, str(tmp_path))
     assert stop_ids == sorted({2, extra})
-    client = rollout.VLLMClient([url], served[2], timeout=60, max_retries=1, stop_token_ids=stop_ids)
+    client = vllm_client.VLLMClient([url], served[2], timeout=60, max_retries=1, stop_token_ids=stop_ids)
     s = client.generate([prompt], n=1, max_tokens=4, temperature=0.0)[0][0]
     assert s["token_ids"] == [extra] and s["finish_reason"] == "stop" and s["eos"]
     assert completion_text(tokenizer, s) == ""

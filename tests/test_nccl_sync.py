@@ -17,7 +17,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-import rollout
+import vllm_client
+import vllm_server
 import weight_sync
 from config import Config
 
@@ -87,9 +88,9 @@ def test_nccl_sync_of_perturbed_weights(tiny_model_dir, tmp_path):
     served = str(tmp_path / "serving")
     weight_sync.write_serving_dir(weight_sync.full_state_dict(model), model.config,
                                   AutoTokenizer.from_pretrained(tiny_model_dir), served)
-    proc, url = rollout.launch_server(served, cfg, str(tmp_path / "vllm.log"), port=8071)
+    proc, url = vllm_server.launch_server(served, cfg, str(tmp_path / "vllm.log"), port=8071)
     try:
-        client = rollout.VLLMClient([url], served, proc=proc, log_path=str(tmp_path / "vllm.log"))
+        client = vllm_client.VLLMClient([url], served, proc=proc, log_path=str(tmp_path / "vllm.log"))
         sync = weight_sync.make_weight_sync(cfg, client, 0, torch.device("cuda"))
         seqs = [[7, 8, 9, 10, 11, 12], [20, 21, 22, 23]]
         with torch.no_grad():
@@ -101,4 +102,4 @@ def test_nccl_sync_of_perturbed_weights(tiny_model_dir, tmp_path):
         assert before[1] > 1e-3 and after[1] < 1e-4, (before, after)
         sync.close()
     finally:
-        rollout.stop_server(proc)
+        vllm_server.stop_server(proc)

@@ -12,6 +12,7 @@ import packing
 from config import Config, flash_attention_available
 from loss import grpo_loss
 from parallel import sequence_logprobs
+from episodes import Sample
 
 
 def rollouts(n, seed, prompt=(2, 12), completion=(1, 30)):
@@ -19,9 +20,10 @@ def rollouts(n, seed, prompt=(2, 12), completion=(1, 30)):
     out = []
     for i in range(n):
         p, c = rng.randint(*prompt), rng.randint(*completion)
-        out.append(dict(prompt_ids=[rng.randint(3, 63) for _ in range(p)],
-                        token_ids=[rng.randint(3, 63) for _ in range(c)],
-                        logprobs=[-4 * rng.random() for _ in range(c)], adv=rng.gauss(0, 1), index=i))
+        out.append(Sample(prompt_ids=[rng.randint(3, 63) for _ in range(p)],
+                          token_ids=[rng.randint(3, 63) for _ in range(c)],
+                          logprobs=[-4 * rng.random() for _ in range(c)], adv=rng.gauss(0, 1)))
+        out[-1].index = i  # which sample, wherever packing puts it
     return out
 
 
@@ -51,7 +53,7 @@ def test_packed_position_ids_give_per_sequence_attention(models, arch, impl):
     model, device, tol = models[arch], "cpu", 1e-5
     if impl == "flash_attention_2":  # bf16 on the GPU: compared with sdpa there, at bf16's precision
         model, device, tol = copy.deepcopy(model).to("cuda", torch.bfloat16), "cuda", 3e-2
-    seqs = [s["prompt_ids"] + s["token_ids"] for s in rollouts(4, seed=1)]
+    seqs = [s.prompt_ids + s.token_ids for s in rollouts(4, seed=1)]
     ids = torch.tensor([sum(seqs, [])], device=device)
     positions = torch.tensor([[j for s in seqs for j in range(len(s))]], device=device)
     with torch.no_grad():
@@ -70,8 +72,8 @@ def test_packed_position_ids_give_per_sequence_attention(models, arch, impl):
 def test_boundary_mask_and_per_token_order():
     """Hand-built: (prompt 2, completion 2), padding, (prompt 1, completion 3). Position j predicts
     token j+1; the last token of each sequence predicts the next one's first token: masked out."""
-    a = dict(prompt_ids=[10, 11], token_ids=[12, 13], logprobs=[-1.0, -2.0], adv=0.5, staleness=1)
-    b = dict(prompt_ids=[20], token_ids=[21, 22, 23], logprobs=[-3.0, -4.0, -5.0], adv=-1.0)
+    a = Sample(prompt_ids=[10, 11], token_ids=[12, 13], logprobs=[-1.0, -2.0], adv=0.5, staleness=1)
+    b = Sample(prompt_ids=[20], token_ids=[21, 22, 23], logprobs=[-3.0, -4.0, -5.0], adv=-1.0)
     got = packing.collate([a, packing.PADDING, b])
     assert got["input_ids"].tolist() == [[10, 11, 12, 13, 0, 0, 20, 21, 22, 23]]
     assert got["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 0, 1, 2, 3]]
@@ -92,8 +94,8 @@ def mini_batch_loss(model, batches, cfg, denom, key):
         loss, _ = grpo_loss(logp, b["vllm_logp"], b["adv"], b["seq_ids"], denom, cfg)
         loss.backward()
         total += loss.item()
-        parts = logp.detach().split([len(s["token_ids"]) for s in samples if s.get("valid", True)])
-        logps.update({s["index"]: part for s, part in zip([s for s in samples if s.get("valid", True)], parts)})
+        parts = logp.detach().split([len(s.token_ids) for s in samples if s.valid])
+        logps.update({s.index: part for s, part in zip([s for s in samples if s.valid], parts)})
     return logps, total
 
 
@@ -107,7 +109,7 @@ def test_packed_matches_padded_logprobs_loss_and_gradients(models, loss_fn, impl
     samples = rollouts(12, seed=2)
     cfg = Config(loss_fn=loss_fn, max_prompt_length=12, response_length=30, max_tokens_per_micro_batch=64,
                  num_unique_prompts_rollout=3, num_samples_per_prompt_rollout=4)
-    denom = float(sum(len(s["token_ids"]) for s in samples))
+    denom = float(sum(len(s.token_ids) for s in samples))
     shares = packing.pack_ranks(samples, 1, 64)[0]
     assert len(shares) >= 3 and all(sum(map(packing.length, mb)) <= 64 for mb in shares)
     packed = [(mb, packing.collate(mb)) for mb in shares]
@@ -144,23 +146,23 @@ def test_balancer_whole_groups_every_sequence_once_balanced_ranks(world_size, bu
     each under the budget; padding micro-batches carry no tokens."""
     samples = rollouts(96, seed=world_size, prompt=(4, 40), completion=(8, 256))
     for s in samples:
-        s["group"] = s["index"] // 8
+        s.group = s.index // 8
     cfg = Config(num_unique_prompts_rollout=12, num_samples_per_prompt_rollout=8, num_mini_batches=3,
                  max_prompt_length=40, response_length=256, max_tokens_per_micro_batch=budget)
     minis = packing.mini_batches(samples, 3, 8)
     for j, mini in enumerate(minis):
-        assert {s["group"] for s in mini} == set(range(4 * j, 4 * j + 4)) and len(mini) == 32
+        assert {s.group for s in mini} == set(range(4 * j, 4 * j + 4)) and len(mini) == 32
         ranks = packing.pack_ranks(mini, world_size, budget)
         assert len({len(r) for r in ranks}) == 1  # the same number of forward passes on every rank
-        got = [s["index"] for r in ranks for mb in r for s in mb if s.get("valid", True)]
-        assert sorted(got) == sorted(s["index"] for s in mini)
-        loads = [sum(packing.length(s) for mb in r for s in mb if s.get("valid", True)) for r in ranks]
+        got = [s.index for r in ranks for mb in r for s in mb if s.valid]
+        assert sorted(got) == sorted(s.index for s in mini)
+        loads = [sum(packing.length(s) for mb in r for s in mb if s.valid) for r in ranks]
         assert max(loads) - min(loads) <= max(map(packing.length, mini))
         assert all(sum(map(packing.length, mb)) <= budget for r in ranks for mb in r)
     per_rank = [packing.micro_batches(samples, cfg, world_size, rank) for rank in range(world_size)]
     for j in range(3):
         assert len({len(p[j][0]) for p in per_rank}) == 1
-        assert {(p[j][1], p[j][2]) for p in per_rank} == {(sum(len(s["token_ids"]) for s in minis[j]), 32)}
+        assert {(p[j][1], p[j][2]) for p in per_rank} == {(sum(len(s.token_ids) for s in minis[j]), 32)}
         tokens = sum(b["mask"].sum().item() for p in per_rank for b in p[j][0])
         assert tokens == per_rank[0][j][1]  # the denominator counts exactly the masked tokens
 

@@ -80,6 +80,30 @@ def test_math_task_answers_follow_the_words(digits, operations, steps):
     assert not {json.dumps(r["prompt"]) for r in rows} & {json.dumps(r["prompt"]) for r in evals}
 
 
+@pytest.mark.parametrize("completion,gold,expected", [
+    ("<calc>193 + 600</calc> \\boxed{793}", "793", 1.0), ("\\boxed{193 + 600}", "793", 0.0),  # computed, not boxed
+    ("\\boxed{ -12 }", "-12", 1.0), ("\\boxed{1,000}", "1000", 1.0), ("\\boxed{792}", "793", 0.0),
+    ("793", "793", 0.0), ("\\boxed{2.5}", "2.5", 1.0)])
+def test_number_reward_wants_a_boxed_number(completion, gold, expected):
+    assert rewards.number_reward("", completion, {"answer": gold}) == expected
+
+
+@pytest.mark.parametrize("digits,operations,steps", [(3, "+-*", 1), (2, "+-*", 3)])
+def test_calc_task_answers_are_the_expressions_values(digits, operations, steps):
+    rows = data.task_rows("calc", 200, 5, "train", digits=digits, operations=operations, steps=steps)
+    for row in rows:
+        (message,) = row["prompt"]
+        expression = re.fullmatch(r"What is (.*)\?", message["content"]).group(1)
+        terms = expression.split(" ")
+        assert len(terms) == 2 * steps + 1 and set(terms[1::2]) <= set(operations)
+        factors = [int(terms[i + 1]) for i in range(1, len(terms), 2) if terms[i] == "*"]
+        assert all(10 <= f <= 99 for f in factors)
+        assert all(len(t) == digits for i, t in enumerate(terms[::2]) if not (i and terms[2 * i - 1] == "*"))
+        assert int(row["answer"]) == eval(expression)  # noqa: S307 - digits and + - * only, checked above
+    evals = data.task_rows("calc", 50, 5, "eval", digits=digits, operations=operations, steps=steps)
+    assert not {json.dumps(r["prompt"]) for r in rows} & {json.dumps(r["prompt"]) for r in evals}
+
+
 def test_math_task_through_the_config(tiny_model_dir):
     from transformers import AutoTokenizer
 

@@ -5,6 +5,7 @@ and the sizes that must divide (the Config's other refusals: tests/test_config.p
 import pytest
 import torch
 
+from episodes import Sample
 from test_distributed import run
 
 
@@ -13,9 +14,11 @@ def rollouts(n=5, seed=0):
     out = []
     for i in range(n):
         p, c = torch.randint(2, 7, (1,), generator=g).item(), torch.randint(1, 13, (1,), generator=g).item()
-        out.append(dict(prompt_ids=torch.randint(3, 64, (p,), generator=g).tolist(),
-                        token_ids=torch.randint(3, 64, (c,), generator=g).tolist(),
-                        logprobs=(-4 * torch.rand(c, generator=g)).tolist(), adv=float(i), valid=i != 2))
+        mask = [1] * c if c < 4 else [1] * (c // 2) + [0, 0] + [1] * (c - c // 2 - 2)  # a tool's answer inside
+        out.append(Sample(prompt_ids=torch.randint(3, 64, (p,), generator=g).tolist(),
+                          token_ids=torch.randint(3, 64, (c,), generator=g).tolist(),
+                          logprobs=[-4 * torch.rand(1, generator=g).item() * m for m in mask], mask=mask,
+                          adv=float(i), valid=i != 2))
     return out
 
 

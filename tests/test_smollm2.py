@@ -52,6 +52,30 @@ def test_smollm2_trains_on_math_with_2_ranks_and_vllm_in_sync(smollm2, tmp_path)
         assert s["reward"] == rewards.math_reward_last_number(s["prompt"], s["completion"], gold)
 
 
+@pytest.mark.slow
+def test_smollm2_calls_the_calculator_over_several_turns_with_vllm_in_sync(smollm2, tmp_path):
+    """Multi-turn episodes on the real model and server: the calculator answers some calls,
+    and the trainer matches vLLM on the policy's tokens of whole episodes after every sync."""
+    out_dir = tmp_path / "run"
+    out = train(["--model_name_or_path", smollm2, "--output_dir", str(out_dir), "--dataset", "calc",
+                 "--environment", "environments:calculator", "--math_digits", "3", "--math_operations", "+-*",
+                 "--num_training_steps", "2", "--eval_freq", "0", "--num_unique_prompts_rollout", "4",
+                 "--num_samples_per_prompt_rollout", "4", "--max_prompt_length", "160", "--response_length", "64",
+                 "--max_turns", "3", "--learning_rate", "2e-5", "--temperature", "0.7",
+                 "--filter_zero_std_samples", "false", "--log_samples_freq", "1", "--vllm_port", "8045"],
+                nproc=2, timeout=1800)
+    assert out.returncode == 0, out.stderr[-4000:]
+    steps = [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:  # the bounds of the single-turn test above
+        assert r["vllm_logp_diff_mean"] < 2e-5 and r["vllm_logp_diff_max"] < 2.5e-4, r
+        assert r["tool_errors"] == r["tool_timeouts"] == r["tool_crashes"] == 0
+        assert r["trained_tokens"] > 0 and r["skipped_steps"] == 0
+    assert sum(r["tool_calls"] for r in steps) > 0 and max(r["turns"] for r in steps) > 1
+    samples = [json.loads(line) for line in open(out_dir / "samples.jsonl")]
+    assert any("[env: " in s["completion"] for s in samples)
+
+
 def test_preparation_checks_its_output_and_names_the_pip_command(tiny_model_dir, tmp_path, monkeypatch):
     import shutil
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from config import Config
-from rollout import VLLMClient, VLLMError
+from vllm_client import VLLMClient, VLLMError
 from weight_sync import FilesystemSync, make_weight_sync, within
 
 

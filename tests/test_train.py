@@ -22,6 +22,7 @@ def train(args, nproc=1, timeout=120):
     (["--model_name_or_path", "/nonexistent/model"], "make_tiny_model.py --out /nonexistent/model", 1),
     (["--dataset", "/nonexistent/data.jsonl"], "does not exist", 1),
     (["--reward_fn", "no_such_module:f"], "cannot import", 1),
+    (["--environment", "no_such_env.py:env"], "environment file 'no_such_env.py' does not exist", 1),
     (["--fsdp_shard_size", "3"], "does not divide the world of 2 ranks", 2),
 ])
 def test_bad_input_is_one_line_before_anything_starts(args, fragment, nproc, tiny_model_dir, tmp_path):

@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import rollout
+import vllm_client
+import vllm_server
 import weight_sync
 from config import Config
 
@@ -26,8 +27,8 @@ def serve(model_dir, tmp, port):
     serving = os.path.join(tmp, "serving")
     weight_sync.write_serving_dir(weight_sync.full_state_dict(model), model.config, AutoTokenizer.from_pretrained(model_dir),
                               serving)
-    proc, url = rollout.launch_server(serving, CFG, os.path.join(tmp, "vllm.log"), port=port)
-    return model, rollout.VLLMClient([url], serving, timeout=60, max_retries=1, proc=proc,
+    proc, url = vllm_server.launch_server(serving, CFG, os.path.join(tmp, "vllm.log"), port=port)
+    return model, vllm_client.VLLMClient([url], serving, timeout=60, max_retries=1, proc=proc,
                                      log_path=os.path.join(tmp, "vllm.log"))
 
 
@@ -35,14 +36,14 @@ def serve(model_dir, tmp, port):
 def untied(tiny_model_dir, tmp_path_factory):
     model, client = serve(tiny_model_dir, str(tmp_path_factory.mktemp("untied")), 8021)
     yield model, client
-    rollout.stop_server(client.proc)
+    vllm_server.stop_server(client.proc)
 
 
 @pytest.fixture(scope="module")
 def tied(tied_model_dir, tmp_path_factory):
     model, client = serve(tied_model_dir, str(tmp_path_factory.mktemp("tied")), 8022)
     yield model, client
-    rollout.stop_server(client.proc)
+    vllm_server.stop_server(client.proc)
 
 
 SEQS = [[7, 8, 9, 10, 11, 12, 13, 14], [20, 21, 22, 5, 6], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41]]
@@ -181,9 +182,9 @@ def test_weight_files_go_to_a_private_directory(tmp_path):
 
 
 def test_unreachable_server_fails_with_name_and_reason():
-    client = rollout.VLLMClient(["http://127.0.0.1:9"], "m", timeout=2, max_retries=2)
+    client = vllm_client.VLLMClient(["http://127.0.0.1:9"], "m", timeout=2, max_retries=2)
     t = time.monotonic()
-    with pytest.raises(rollout.VLLMError, match=r"http://127.0.0.1:9 failed /v1/completions after 3 attempt\(s\)"):
+    with pytest.raises(vllm_client.VLLMError, match=r"http://127.0.0.1:9 failed /v1/completions after 3 attempt\(s\)"):
         client.generate([[1, 2]], n=2, max_tokens=4)
     assert time.monotonic() - t < 20
 
@@ -196,9 +197,9 @@ def test_request_timeout_is_bounded():
     conns = []
     threading.Thread(target=lambda: [conns.append(sock.accept()) for _ in range(8)], daemon=True).start()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    client = rollout.VLLMClient([url], "m", timeout=0.5, max_retries=1)
+    client = vllm_client.VLLMClient([url], "m", timeout=0.5, max_retries=1)
     t = time.monotonic()
-    with pytest.raises(rollout.VLLMError, match="timed out"):
+    with pytest.raises(vllm_client.VLLMError, match="timed out"):
         client.score([[1, 2, 3]])
     assert time.monotonic() - t < 10
     sock.close()
@@ -210,8 +211,8 @@ def test_server_that_cannot_start_quotes_its_log(tmp_path):
     bad.mkdir()
     (bad / "config.json").write_text("{}")
     cfg = Config(vllm_startup_timeout=120)
-    with pytest.raises(rollout.VLLMError, match="exited with code") as e:
-        rollout.launch_server(str(bad), cfg, str(tmp_path / "log"), port=8023)
+    with pytest.raises(vllm_client.VLLMError, match="exited with code") as e:
+        vllm_server.launch_server(str(bad), cfg, str(tmp_path / "log"), port=8023)
     assert "log " in str(e.value) and len(str(e.value).splitlines()) > 2
 
 
@@ -231,7 +232,7 @@ def test_killed_server_gives_clear_error(untied):  # last: it kills the module's
     client.proc.kill()
     client.proc.wait()
     t = time.monotonic()
-    with pytest.raises(rollout.VLLMError, match="died"):
+    with pytest.raises(vllm_client.VLLMError, match="died"):
         client.generate([[7, 8]], n=2, max_tokens=4)
     assert time.monotonic() - t < 5
 
@@ -240,7 +241,7 @@ def test_cpu_server_takes_every_core_unless_generation_overlaps_training(monkeyp
     """Synchronous: every core bound, none reserved for vLLM's scheduler; async: the last half;
     vllm_cpu_threads overrides both; a binding the user exported is kept."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    place = lambda env={}, **kw: rollout.cpu_placement(Config(**kw), env)  # noqa: E731
+    place = lambda env={}, **kw: vllm_server.cpu_placement(Config(**kw), env)  # noqa: E731
     assert place() == dict(OMP_NUM_THREADS="4", VLLM_CPU_OMP_THREADS_BIND="0,1,2,3", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     async_cfg = dict(async_steps=1, use_vllm_logprobs=True)
     assert place(**async_cfg)["VLLM_CPU_OMP_THREADS_BIND"] == "2,3" and place(**async_cfg)["OMP_NUM_THREADS"] == "2"

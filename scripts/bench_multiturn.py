@@ -1,0 +1,72 @@
+"""Generated tokens/s of multi-turn episodes against the single-turn path, side by side on one
+vLLM CPU server (what train.py launches) in one invocation.
+
+    .venv/bin/python scripts/bench_multiturn.py                   # SmolLM2, 2 repeats of each
+    .venv/bin/python scripts/bench_multiturn.py --repeats 3
+
+Both play the tools demo's batch through episodes.play: 4 prompts x 8 samples of the `calc`
+task (3 digits, + - *) with the calculator's first messages, at most 96 tokens after the
+prompt, T 0.7. "multi-turn": the calculator answers, at most 3 assistant turns; "single-turn":
+no environment, one turn on the same prompts. tokens/s counts the policy's sampled tokens
+over the seconds spent generating (tool time apart); requests of a turn go out together.
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), ROOT]
+import vllm_client  # noqa: E402
+import vllm_server  # noqa: E402
+from bench_generation import cpu_name  # noqa: E402
+from config import Config  # noqa: E402
+from data import load_prompts, load_tokenizer, stop_token_ids  # noqa: E402
+from environments import Environment  # noqa: E402
+from episodes import play  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=os.path.join(ROOT, "models", "smollm2-135m-instruct"))
+    p.add_argument("--repeats", type=int, default=2, choices=range(1, 100), metavar="N")
+    p.add_argument("--port", type=int, default=8032)
+    args = p.parse_args(argv)
+    cfg = Config(model_name_or_path=args.model, dataset="calc", environment="environments:calculator", math_digits=3,
+                 math_operations="+-*", max_prompt_length=160, response_length=96, max_turns=3, temperature=0.7,
+                 num_unique_prompts_rollout=4, num_samples_per_prompt_rollout=8, vllm_port=args.port)
+    tok = load_tokenizer(cfg)
+    env = Environment(cfg.environment, tok, cfg)
+    rows = load_prompts(cfg, tok, env)[0][:cfg.num_unique_prompts_rollout]
+    env.start()
+    log = os.path.join(tempfile.mkdtemp(prefix="bench_multiturn_"), "vllm.log")
+    proc, url = vllm_server.launch_server(args.model, cfg, log)
+    try:
+        client = vllm_client.VLLMClient([url], args.model, stop_token_ids=stop_token_ids(tok, args.model))
+        play(cfg, client, rows, cfg.num_samples_per_prompt_rollout, 0, tok, env)  # warm-up
+        out = {}
+        for name, e in [("single-turn", None), ("multi-turn", env)] * args.repeats:
+            episodes, stats = play(cfg, client, rows, cfg.num_samples_per_prompt_rollout, len(out), tok, e)
+            tokens = sum(x.sample.policy_tokens for x in episodes)
+            r = out.setdefault(name, dict(tokens_per_s=[], turns=[], tool_calls=[], seconds=[], time_tools=[]))
+            r["tokens_per_s"].append(tokens / stats["time_generate"])
+            r["seconds"].append(stats["time_generate"])
+            r["time_tools"].append(stats["time_tools"])
+            r["turns"].append(sum(x.turns for x in episodes) / len(episodes))
+            r["tool_calls"].append(sum(x.tool_calls for x in episodes) / len(episodes))
+            print(f"{name:12s} {tokens} policy tokens in {stats['time_generate']:.1f} s generating -> "
+                  f"{tokens / stats['time_generate']:.0f} tokens/s; {r['turns'][-1]:.2f} turns and "
+                  f"{r['tool_calls'][-1]:.2f} tool calls an episode; tools {stats['time_tools']:.2f} s", flush=True)
+    finally:
+        vllm_server.stop_server(proc)
+        env.close()
+    best = {k: max(v["tokens_per_s"]) for k, v in out.items()}
+    print(f"{cpu_name()}: multi-turn / single-turn tokens/s (best of {args.repeats}) = "
+          f"{best['multi-turn'] / best['single-turn']:.2f}")
+    print(json.dumps(dict(cpu=cpu_name(), **out)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""Multi-turn episodes (episodes.play, environments.py) against a scripted server: the tokens
+appended turn by turn are the chat template's rendering of the final conversation, only the
+policy's tokens reach the loss, tools that hang, crash or raise become error messages, and
+budgets cut episodes with ids, mask and logprobs aligned. test_smollm2.py runs the calculator
+on SmolLM2 with the real vLLM server."""
+
+import copy
+import re
+
+import pytest
+import torch
+
+import packing
+from config import Config
+from environments import ChatTokens, Environment
+from episodes import Sample, play
+from loss import grpo_loss
+from parallel import sequence_logprobs
+
+IM_END = 4  # the tiny tokenizer's <|im_end|>, a stop id of the model like SmolLM2's (llama_like_dir)
+
+# Qwen2.5's way with tool results: user turns of <tool_response> blocks (consecutive ones merged)
+QWEN2_STYLE = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "\n<tool_response>\n{{ m.content }}\n</tool_response>"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+class Adder:
+    """A lowercase calculator for the character tokenizer: <calc>a+b</calc> -> the sum. The row's
+    "tool" picks a misbehaving tool: hang, crash or raise."""
+
+    stop = ["</calc>"]
+
+    def reset(self, row):
+        return [{"role": "system", "content": "add with <calc>a+b</calc>."}, {"role": "user", "content": row["prompt"]}]
+
+    def step(self, row, messages):
+        import os
+        import time
+
+        call = re.search(r"<calc>(\d+)\+(\d+)</calc>", messages[-1]["content"])
+        if call is None:
+            return []
+        if row.get("tool") == "hang":
+            time.sleep(60)
+        if row.get("tool") == "crash":
+            os._exit(3)
+        if row.get("tool") == "raise":
+            raise ValueError("boom")
+        return [{"role": "tool", "content": str(int(call.group(1)) + int(call.group(2))) * row.get("repeat", 1)}]
+
+
+adder = Adder()
+
+
+class ScriptedClient:
+    """Answers like VLLMClient.generate: turn t of every episode says script[t] (its tokens,
+    then <|im_end|> when the text does not end on a stop string); logprobs -0.1, -0.2, ...;
+    cut at the request's max_tokens. Records each request's prompt."""
+
+    def __init__(self, tokenizer, script):
+        self.tokenizer, self.script, self.turn, self.prompts = tokenizer, script, 0, []
+
+    def generate(self, prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=()):
+        text = self.script[self.turn]
+        self.turn += 1
+        budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompt_ids)
+        self.prompts.append(prompt_ids)
+        out = []
+        for budget in budgets:
+            stopped = any(text.endswith(s) for s in stop)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + ([] if stopped else [IM_END])
+            cut = len(ids) > budget
+            ids = ids[:budget]
+            out.append([dict(token_ids=ids, logprobs=[-0.1 * (j + 1) for j in range(len(ids))],
+                             finish_reason="length" if cut else "stop", eos=not cut and not stopped, version=0,
+                             text="") for _ in range(n)])
+        return out
+
+
+@pytest.fixture(params=["chatml", "qwen2_style"])
+def tokenizer(request, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    if request.param == "qwen2_style":
+        tok.chat_template = QWEN2_STYLE
+    return tok
+
+
+def episodes_of(tokenizer, script, rows, workers=0, **kw):
+    cfg = Config(environment="test_multiturn:adder", tool_workers=workers, tool_timeout=2.0, max_prompt_length=200,
+                 **{"response_length": 256, "max_turns": 4, "num_samples_per_prompt_rollout": 2, **kw})
+    env = Environment(cfg.environment, tokenizer, cfg)
+    env.start()
+    try:
+        for row in rows:
+            row["messages"] = env.reset(row)
+            row["prompt_text"] = tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+            row["prompt_ids"] = tokenizer(row["prompt_text"], add_special_tokens=False)["input_ids"]
+        client = ScriptedClient(tokenizer, script)
+        episodes, stats = play(cfg, client, rows, cfg.num_samples_per_prompt_rollout, 0, tokenizer, env)
+    finally:
+        env.close()
+    return episodes, stats, client
+
+
+def test_episode_tokens_are_the_templates_rendering_of_the_conversation(tokenizer):
+    """Sampled turns and the environment's rendered messages, appended as tokens, equal the chat
+    template's rendering of the final conversation; mask 1 exactly on what was sampled."""
+    episodes, stats, client = episodes_of(tokenizer, ["<calc>2+3</calc>", "so <calc>5+10</calc> then", "it is 15."],
+                                          [dict(prompt="what is 2+3+10?")])
+    for e in episodes:
+        assert e.turns == 3 and e.tool_calls == 2 and not e.cut and e.answer == "it is 15."
+        assert e.messages[-1] == {"role": "assistant", "content": "it is 15."}  # the environment ended it there
+        rendered = tokenizer(tokenizer.apply_chat_template(e.messages, tokenize=False),
+                             add_special_tokens=False)["input_ids"]
+        assert e.ids + tokenizer("\n", add_special_tokens=False)["input_ids"] == rendered
+        s = e.sample
+        sampled = [t for t, m in zip(s.token_ids, s.mask) if m]
+        # the first turn ended on its stop string, the second on <|im_end|> (the template's closing follows
+        # each), the last on <|im_end|>
+        assert sampled == sum((tokenizer(t, add_special_tokens=False)["input_ids"] + [IM_END] * (i > 0)
+                               for i, t in enumerate(client.script)), [])
+        assert all(lp == 0.0 for lp, m in zip(s.logprobs, s.mask) if not m) and all(
+            lp < 0 for lp, m in zip(s.logprobs, s.mask) if m)
+        assert [m["content"] for m in e.messages if m["role"] == "tool"] == ["5", "15"]
+    # every later turn is one request per live episode, sent together, each extending its episode
+    assert [len(p) for p in client.prompts] == [1, 2, 2]
+    assert stats["tool_failures"] == []
+
+
+def test_budgets_cut_episodes_with_ids_mask_and_logprobs_aligned(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    script = ["<calc>2+3</calc>"] * 4
+    episodes, _, _ = episodes_of(tok, script, [dict(prompt="add", repeat=1)], max_turns=2)
+    assert all(e.turns == 2 and e.tool_calls == 1 and not e.cut for e in episodes)  # max_turns
+    episodes, _, _ = episodes_of(tok, script, [dict(prompt="add", repeat=40)], response_length=40)
+    for e in episodes:  # the tool's 40-char answer does not fit: the episode ends on environment tokens
+        s = e.sample
+        assert e.cut and e.turns == 1 and len(s.token_ids) == len(s.mask) == len(s.logprobs) == 40
+        assert s.mask[-1] == 0 and s.mask[0] == 1
+    episodes, _, _ = episodes_of(tok, script, [dict(prompt="add", repeat=40)], tool_output_max_tokens=6)
+    assert all(e.messages[3]["content"] == "555555 [cut]" for e in episodes)  # cut to 6 tokens
+
+
+def test_tools_that_hang_crash_or_raise_become_error_messages(tiny_model_dir):
+    """In worker processes: each misbehaving tool is told to the policy as an error, counted, and
+    the episode goes on to its next turn."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = [dict(prompt="a", tool="hang"), dict(prompt="b", tool="crash"), dict(prompt="c", tool="raise"),
+            dict(prompt="d")]
+    episodes, stats, _ = episodes_of(tok, ["<calc>2+3</calc>", "done."], rows, workers=2,
+                                     num_samples_per_prompt_rollout=2)
+    said = {e.row.get("tool"): e.messages[-2]["content"] for e in episodes}
+    assert said[None] == "5"
+    assert said["hang"] == "error: no answer after tool_timeout=2.0s"
+    assert said["crash"].startswith("error: the tool's process died (exit code 3)")
+    assert said["raise"] == "error: ValueError: boom"
+    assert sorted(stats["tool_failures"]) == ["crashes"] * 2 + ["errors"] * 2 + ["timeouts"] * 2
+    assert all(e.turns == 2 and e.answer == "done." for e in episodes)
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = ("{% for m in messages %}{% if m.role != 'assistant' or loop.last %}<|im_start|>{{ m.role }}\n"
+                         "{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # drops earlier answers
+    with pytest.raises(ValueError, match="does not render a conversation with tool messages as its earlier turns"):
+        ChatTokens(tok)
+
+
+def multi_turn_samples(seed):
+    """Samples whose token_ids alternate policy spans (mask 1) and environment spans (mask 0)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(6):
+        spans = [(1, 3 + i), (0, 2 + i % 3), (1, 2), (0, 4), (1, 1 + i % 2)][:1 + 2 * (i % 3)]
+        mask = [m for m, n in spans for _ in range(n)]
+        logprobs = [-float(j % 5 + 1) / 4 if m else 0.0 for j, m in enumerate(mask)]
+        out.append(Sample(torch.randint(3, 64, (2 + i,), generator=g).tolist(),
+                          torch.randint(3, 64, (len(mask),), generator=g).tolist(), logprobs, mask,
+                          adv=torch.randn(1, generator=g).item()))
+    return out
+
+
+def packed_loss(model, samples, cfg, ref):
+    """The packed path: collate (the loss mask), then the policy's and reference's logprobs, then grpo_loss."""
+    b = packing.collate(samples)
+    logp = sequence_logprobs(model, b["input_ids"], b["mask"], 1.0, position_ids=b["position_ids"])[0]
+    with torch.no_grad():
+        ref_logp = sequence_logprobs(ref, b["input_ids"], b["mask"], 1.0, position_ids=b["position_ids"])[0]
+    tis = torch.exp(logp.detach() - b["vllm_logp"]).clamp(max=2.0)
+    return grpo_loss(logp, logp.detach(), b["adv"], b["seq_ids"], float(b["mask"].sum()), cfg, ref_logp=ref_logp,
+                     tis_weight=tis)[0]
+
+
+def by_hand_loss(model, samples, cfg, ref):
+    """Each sample alone, every token after the prompt scored, then only the policy's kept: the
+    same objective on hand-picked tokens."""
+    logp, ref_logp, vllm, adv, seq = [], [], [], [], []
+    for i, s in enumerate(samples):
+        ids = torch.tensor([s.prompt_ids + s.token_ids])
+        after = torch.zeros(1, ids.shape[1] - 1, dtype=torch.bool)
+        after[0, len(s.prompt_ids) - 1:] = True
+        keep = torch.tensor(s.mask, dtype=torch.bool)
+        logp.append(sequence_logprobs(model, ids, after, 1.0)[0][keep])
+        with torch.no_grad():
+            ref_logp.append(sequence_logprobs(ref, ids, after, 1.0)[0][keep])
+        vllm += [lp for lp, m in zip(s.logprobs, s.mask) if m]
+        adv += [s.adv] * int(keep.sum())
+        seq += [i] * int(keep.sum())
+    logp, ref_logp = torch.cat(logp), torch.cat(ref_logp)
+    tis = torch.exp(logp.detach() - torch.tensor(vllm)).clamp(max=2.0)
+    return grpo_loss(logp, logp.detach(), torch.tensor(adv), torch.tensor(seq), float(len(adv)), cfg,
+                     ref_logp=ref_logp, tis_weight=tis)[0]
+
+
+@pytest.mark.parametrize("loss_fn", ["dapo", "gspo"])
+def test_only_policy_tokens_reach_the_loss_and_its_gradients(tiny_model_dir, loss_fn):
+    """Policy term, ratios, TIS weights, the k3 KL, GSPO's sequence ratio and the token count see
+    only mask-1 tokens; environment tokens are context. Changing a mask-0 token's logprob field
+    changes nothing; changing a mask-1 token, or a mask-0 token's id, changes the loss."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    cfg = Config(loss_fn=loss_fn, beta=0.1, kl_estimator="k3", truncated_importance_sampling_ratio_cap=2.0)
+    samples = multi_turn_samples(0)
+    assert packing.micro_batches(samples, Config(num_samples_per_prompt_rollout=6, max_tokens_per_micro_batch=4096),
+                                 1, 0)[0][1] == sum(sum(s.mask) for s in samples)  # the denominator: policy tokens
+    loss = packed_loss(model, samples, cfg, ref)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    hand = by_hand_loss(model, samples, cfg, ref)
+    hand.backward()
+    torch.testing.assert_close(loss, hand, rtol=1e-5, atol=1e-6)
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6)
+    model.zero_grad()
+    env_at = samples[1].mask.index(0)
+    changed = copy.deepcopy(samples)
+    changed[1].logprobs[env_at] = -7.0  # not the policy's: no term reads it
+    assert packed_loss(model, changed, cfg, ref).item() == loss.item()
+    changed[1].token_ids[env_at] = (changed[1].token_ids[env_at] + 1) % 64  # context of what follows
+    assert packed_loss(model, changed, cfg, ref).item() != loss.item()
+    changed = copy.deepcopy(samples)
+    changed[1].token_ids[0] = (changed[1].token_ids[0] + 1) % 64
+    assert packed_loss(model, changed, cfg, ref).item() != loss.item()
+
+
+def test_readme_environment_runs(tiny_model_dir, tmp_path):
+    """The README's "Writing an environment", as written, in a file: three guesses, two hints,
+    and its reward of the last guess over the turns taken."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    from episodes import score
+    from reward_pool import RewardPool
+    from test_objectives import ROOT
+
+    text = open(os.path.join(ROOT, "README.md")).read().split("\n### Writing an environment\n", 1)[1]
+    (code,) = re.findall(r"```python\n(.*?)```", text.split("\n## ", 1)[0], re.S)
+    (tmp_path / "guess.py").write_text(code)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = Config(environment=f"{tmp_path}/guess.py:guess", tool_workers=1, response_length=256, max_turns=6,
+                 max_prompt_length=200, num_samples_per_prompt_rollout=2)
+    env = Environment(cfg.environment, tok, cfg)
+    env.start()
+    row = dict(prompt="guess", answer="42", messages=env.reset(dict(prompt="guess")))
+    row["prompt_text"] = tok.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+    row["prompt_ids"] = tok(row["prompt_text"], add_special_tokens=False)["input_ids"]
+    try:
+        episodes, stats = play(cfg, ScriptedClient(tok, ["50", "25", "42"]), [row], 2, 0, tok, env)
+    finally:
+        env.close()
+    assert [m["content"] for m in episodes[0].messages[1:]] == ["50", "lower", "25", "higher", "42"]
+    rewards, _, _ = score(RewardPool(f"{tmp_path}/guess.py:reward", workers=0), episodes)
+    assert rewards == [1 / 3, 1 / 3] and stats["tool_failures"] == []

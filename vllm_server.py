@@ -1,0 +1,136 @@
+"""The vLLM server we launch: a real OpenAI-compatible server as a subprocess (`python -m
+vllm.entrypoints.openai.api_server`; the `vllm` console script of the CPU build is broken),
+on the CPU's cores or a GPU, stopped (it and only it) when training ends. Without
+`vllm_server_urls` train.py launches one; the HTTP client is vllm_client.py.
+
+single_gpu_mode (untested here: it needs a GPU build of vLLM): the server we launch shares
+the trainer's GPU, started with --enable-sleep-mode and the vllm_gpu_memory_utilization
+fraction. train.py puts it to sleep before training (POST /sleep?level=1: weights to CPU
+memory, KV cache freed) and wakes it (POST /wake_up) before the weight sync and the next
+generation. Level 1, not 2: a step without samples syncs nothing, and must still find
+the weights it left.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import torch
+
+from vllm_client import VLLMError, log_tail
+
+
+def die_with_parent():
+    """In the child before exec: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # SIGTERM: it then stops its engine too
+    except (OSError, AttributeError):
+        pass  # not Linux: stop_server and the finally in train.py still stop it on a clean exit
+
+
+def server_dtype(cfg):
+    """The server's dtype: vllm_dtype, where "auto" means the trainer's compute dtype. vLLM's own
+    "auto" turns float32 into bfloat16 on CPU, which puts a 1e-3 gap between trainer and server logprobs."""
+    return cfg.vllm_dtype if cfg.vllm_dtype != "auto" else "bfloat16" if torch.cuda.is_available() else "float32"
+
+
+def launch_server(model_dir, cfg, log_path, port=None, env=None, extra_args=()):
+    """Start a vLLM server on `model_dir` and return (process, url) once /health answers.
+    A server that exits or stays unhealthy past vllm_startup_timeout is stopped and the
+    tail of its log is quoted in the error. `env` and `extra_args` (benchmarks) are laid over
+    the environment and the arguments below; None in `env` unsets a variable."""
+    port = port or cfg.vllm_port
+    max_len = cfg.vllm_max_model_len or cfg.max_prompt_length + cfg.response_length
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", server_dtype(cfg), "--max-model-len", str(max_len),
+           "--seed", str(cfg.seed), "--logprobs-mode", "processed_logprobs", "--disable-log-stats",
+           "--generation-config", "vllm",  # vLLM's neutral defaults, not the model's (NEUTRAL_SAMPLING)
+           "--gpu-memory-utilization", str(cfg.vllm_gpu_memory_utilization)]
+    if not torch.cuda.is_available():
+        # The CPU build crashes ("CPU Generator does not use offset") when a seeded request's
+        # prompt is prefilled in chunks, i.e. when a step's prompt tokens pass the batch budget
+        # (2048 on CPU): 4 prompts x 8 samples of 120 tokens did. Whole prompts only.
+        cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(2048, max_len))]
+    else:  # the LM head in float32, as the trainer computes it (vLLM's head_dtype docs: required for RL)
+        cmd += ["--hf-overrides", json.dumps({"head_dtype": "float32"})]
+    if cfg.weight_sync_transport == "nccl":
+        cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+    if cfg.single_gpu_mode:
+        if not torch.cuda.is_available():
+            raise VLLMError("single_gpu_mode=True needs a GPU (vLLM's sleep mode frees GPU memory); "
+                            "set single_gpu_mode=False on CPU")
+        cmd += ["--enable-sleep-mode"]
+    cmd += list(extra_args)
+    server_env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=str(cfg.vllm_kv_cache_space_gb))
+    if not torch.cuda.is_available():
+        server_env.update(cpu_placement(cfg, server_env))
+    for k, v in (env or {}).items():
+        server_env.pop(k, None) if v is None else server_env.__setitem__(k, v)
+    log = open(log_path, "w")
+    # A new session: the server and its engine processes form one group we can stop together.
+    # It also dies with the trainer if the trainer is killed (SIGKILL, OOM) and cannot stop it.
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=server_env, start_new_session=True,
+                            preexec_fn=die_with_parent)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + cfg.vllm_startup_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise VLLMError(f"vLLM server on {model_dir} exited with code {proc.returncode} while starting; "
+                            f"log {log_path}:\n{log_tail(log_path)}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return proc, url
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(1)
+    stop_server(proc)
+    raise VLLMError(f"vLLM server on {model_dir} not healthy after {cfg.vllm_startup_timeout:.0f}s "
+                    f"(vllm_startup_timeout); log {log_path}:\n{log_tail(log_path)}")
+
+
+def cpu_placement(cfg, environ):
+    """OpenMP threads and core binding of a CPU server we launch (BENCHMARKS.md,
+    "Generation on the CPU": scripts/bench_generation.py measures each choice).
+
+    vLLM's automatic binding keeps one core per worker free for its scheduler process, so on a
+    2-core machine the model runs on one. In the synchronous loop the training ranks only wait
+    while the server generates, so the server takes every core the process may use, and none is
+    reserved; with async_steps > 0 they compute at the same time and the server gets the last
+    half of the cores (vllm_cpu_threads overrides both). The binding variables are defaults: a
+    VLLM_CPU_OMP_THREADS_BIND or VLLM_CPU_NUM_OF_RESERVED_CPU already set is kept."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    n = min(len(cores), cfg.vllm_cpu_threads or (len(cores) if cfg.async_steps == 0 else max(1, len(cores) // 2)))
+    bound = cores[-n:]
+    return dict(OMP_NUM_THREADS=str(n),  # not the trainer's: demo.sh gives each training rank one thread
+                VLLM_CPU_OMP_THREADS_BIND=environ.get("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, bound))),
+                VLLM_CPU_NUM_OF_RESERVED_CPU=environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"))
+
+
+def stop_server(proc, timeout=30):
+    """Stop a server we launched and its engine processes (its process group), nothing else.
+    The group is stopped even when the server itself is already dead: its engine may not be."""
+    if proc is None:
+        return
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout)
+        time.sleep(0.5)  # the engine stops after the server
+        os.killpg(proc.pid, signal.SIGKILL)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+# --- the client
