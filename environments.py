@@ -68,7 +68,7 @@ class ChatTokens:
             again, last = self.render(second[:-1], True), self.render(second)
         except Exception as e:  # noqa: BLE001 - a Jinja template may raise anything
             opened, self.done, again, last = "", "", "", f"{type(e).__name__}: {e}"
-        self.close = self.done[len(opened) + 2:]
+        self.close = self.done[len(opened + "A1"):]  # what the template puts after an assistant turn
         if not (self.done.startswith(opened + "A1") and again.startswith(self.done) and last == again + "A2" + self.close):
             raise ValueError(f"the chat template of {tokenizer.name_or_path!r} does not render a conversation with "
                              "tool messages as its earlier turns followed by the new ones, so an episode's tokens "
