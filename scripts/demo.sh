@@ -27,7 +27,7 @@ if [ "${1:-}" = "--tools" ]; then
     # included (out of the loss). The reward is number_reward: the final turn's \boxed{} number.
     task=(--dataset calc --environment environments:calculator --math_digits 3 --math_operations "+-*")
     args=(--model_name_or_path models/smollm2-135m-instruct --max_prompt_length 160 --response_length 96
-          --max_turns 3 --num_training_steps 30 --eval_freq 10 --num_eval_prompts 64 --temperature 0.7
+          --max_turns 3 --num_training_steps 20 --eval_freq 10 --num_eval_prompts 64 --temperature 0.7
           --learning_rate 5e-6 --warm_up_steps 5
           --num_unique_prompts_rollout 4 --num_samples_per_prompt_rollout 8
           --beta 0 --load_ref_policy false)
