@@ -166,6 +166,10 @@ class Config:
                     "there, or use packed_sdpa (the default)")
 
     def _check_rollouts(self):
+        idle = [f for f in ("max_turns", "tool_workers", "tool_timeout", "tool_output_max_tokens")
+                if not self.environment and getattr(self, f) != Config.__dataclass_fields__[f].default]
+        if idle:
+            return f"{', '.join(idle)} act only on multi-turn episodes: set --environment, or leave them at their defaults"
         if self.top_p != 1.0:
             return (f"top_p={self.top_p} is not supported: vLLM reports logprobs renormalised over the nucleus while "
                     "the trainer's cover the whole vocabulary, so every ratio and TIS weight would be biased; set top_p=1")
