@@ -95,6 +95,9 @@ class Environment:
 
     def __init__(self, spec, tokenizer, cfg):
         obj = load_object(spec, "environment", "environment")
+        if isinstance(obj, type):
+            raise ValueError(f"environment={spec!r} names a class; name an instance of it "
+                             f"(a module-level `{obj.__name__.lower()} = {obj.__name__}()`)")
         if not callable(getattr(obj, "step", None)):
             raise ValueError(f"environment={spec!r} has no step(row, messages) method; see environments.py")
         self.obj, self.stop, self.tools = obj, list(getattr(obj, "stop", ())), getattr(obj, "tools", None)

@@ -220,8 +220,6 @@ def main(cfg: Config):
     resumed_from, start = resume(cfg, rank, policy, ref, optimizer, scheduler, sampler)
     # rewards scored in worker processes with a per-sample timeout; daemons: they end with this process
     pool = RewardPool(cfg.reward_fn or reward_fn, cfg.reward_workers, cfg.reward_timeout) if rank == 0 else None
-    if env and rank == 0:
-        env.start()  # its steps (tool calls) in worker processes with a per-call timeout
     log = tracking.MetricsLog(cfg.output_dir, start, tracker) if rank == 0 else None
     if rank == 0:
         announce(cfg, plan, world_size, device, (train_rows, eval_rows, skipped, reward_fn), resumed_from, start)

@@ -171,6 +171,16 @@ def test_tools_that_hang_crash_or_raise_become_error_messages(tiny_model_dir):
     assert all(e.turns == 2 and e.answer == "done." for e in episodes)
 
 
+@pytest.mark.parametrize("spec,fragment", [("environments:Calculator", "names a class; name an instance"),
+                                           ("environments:arithmetic", "has no step(row, messages) method"),
+                                           ("environments:nope", "has no environment 'nope'")])
+def test_a_wrong_environment_is_refused_in_one_line(tiny_model_dir, spec, fragment):
+    from transformers import AutoTokenizer
+
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        Environment(spec, AutoTokenizer.from_pretrained(tiny_model_dir), Config(environment=spec))
+
+
 def test_a_template_that_rewrites_earlier_turns_is_refused(tiny_model_dir):
     from transformers import AutoTokenizer
 
