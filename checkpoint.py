@@ -3,6 +3,7 @@
     checkpoint_state_dir/
         step_00000040/           a complete checkpoint: resumed from automatically
             .metadata, *.distcp  policy, reference (+ its fp32 master), optimizer: each rank writes its shards
+                                 (with LoRA the adapters only: the frozen base is the model's own files)
             trainer_state.pt     step, scheduler, sampler position, config (rank 0)
             rng_0.pt, rng_1.pt   each rank's RNG states
         step_00000050.partial/   being written, or killed while being written: never resumed from
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 
@@ -44,7 +45,7 @@ RESUMABLE = {
     "backend_timeout", "weight_sync_timeout", "vllm_startup_timeout", "vllm_request_timeout", "vllm_max_retries",
     "vllm_max_restarts", "vllm_server_urls", "vllm_port", "vllm_kv_cache_space_gb", "vllm_gpu_memory_utilization",
     "vllm_logp_tolerance", "weight_sync_dir", "weight_sync_master_address", "weight_sync_master_port",
-    "fsdp_shard_size", "reshard_after_forward", "activation_checkpointing", "offload_params", "offload_ref_policy",
+    "lora_weight_sync", "fsdp_shard_size", "reshard_after_forward", "activation_checkpointing", "offload_params", "offload_ref_policy",
 }
 
 
@@ -85,11 +86,18 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def policy_state(policy):
+    """The policy's part of a checkpoint: with LoRA its adapters alone (the trained one and the EMA
+    reference's), the frozen base being read from model_name_or_path again on resume."""
+    sd = get_model_state_dict(policy)
+    return {k: v for k, v in sd.items() if ".lora_" in k} or sd
+
+
 def sharded_state(policy, ref, optimizer):
     """What DCP writes and reads in place: every tensor a DTensor shard on its own rank.
     For a fresh optimizer this initialises its state (a step at lr 0), so it can be loaded."""
-    state = {"policy": get_model_state_dict(policy), "optimizer": get_optimizer_state_dict(policy, optimizer)}
-    if ref is not None:
+    state = {"policy": policy_state(policy), "optimizer": get_optimizer_state_dict(policy, optimizer)}
+    if ref is not None and isinstance(ref.model, torch.nn.Module):  # a LoRA reference is in the policy's state
         state["ref"] = get_model_state_dict(ref.model)
         if ref.master is not None:  # the fp32 master shards, wrapped with their parameter's sharding
             state["ref_master"] = {
@@ -159,9 +167,10 @@ def load(path, policy, ref, optimizer, scheduler, cfg=None):
         cause = [line for line in str(e).splitlines() if line.strip()][-1].strip()
         raise ValueError(f"cannot resume from {path}: {cause[:300]}; it was written for another model or setup: "
                          "give a new checkpoint_state_dir, or the model it was made with") from None
-    set_model_state_dict(policy, state["policy"])
+    lora = any(".lora_" in k for k in state["policy"])
+    set_model_state_dict(policy, state["policy"], options=StateDictOptions(strict=not lora))
     set_optimizer_state_dict(policy, optimizer, state["optimizer"])
-    if ref is not None:
+    if "ref" in state:
         set_model_state_dict(ref.model, state["ref"])
         if ref.master is not None:  # DCP loaded into the wrappers; a no-op where they alias the master
             for m, t in zip(ref.master, state["ref_master"].values()):

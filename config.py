@@ -5,7 +5,7 @@ one. `Config.__post_init__` refuses every contradiction before any process group
 """
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Literal, Optional, get_args, get_origin
 
 
@@ -14,6 +14,12 @@ def flash_attention_available() -> bool:
 
     import torch
     return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+def default(name):
+    """A Config field's default value."""
+    f = Config.__dataclass_fields__[name]
+    return f.default_factory() if f.default_factory is not MISSING else f.default
 
 
 @dataclass
@@ -98,6 +104,12 @@ class Config:
     load_ref_policy: bool = True  # allow a reference policy; it is built only when beta > 0 (its only use)
     ref_policy_update_freq: Optional[int] = None  # Polyak-update the reference every N steps; None = fixed reference
     alpha: float = 0.6  # Polyak weight: ref = alpha * policy + (1 - alpha) * ref
+    # --- LoRA (lora.py: PEFT adapters on a frozen base; the reference is an adapter, not a model)
+    lora_rank: int = 0  # rank of the LoRA adapters trained instead of the model's weights; 0 = train every weight
+    lora_alpha: float = 32.0  # the adapters' scale is lora_alpha / lora_rank
+    lora_dropout: float = 0.0  # dropout on the adapters' input in the forward that takes a gradient (old logprobs then get a forward of their own)
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # PEFT's module names (q_proj,v_proj,...) or all-linear (every linear layer but the LM head)
+    lora_weight_sync: Literal["adapter", "merged"] = "adapter"  # adapter: the servers load each new adapter (vLLM --enable-lora); merged: full weights with the adapter folded in (servers without LoRA)
     # --- distributed (parallel.py; the README maps open-instruct's DeepSpeed knobs to these)
     fsdp_shard_size: int = 0  # ranks one weight copy is sharded over; 0 = all (FSDP), a divisor of the world = hybrid (HSDP)
     reshard_after_forward: bool = True  # free a layer's gathered weights after forward (ZeRO-3); False keeps them until backward (fewer gathers)
@@ -153,7 +165,8 @@ class Config:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0{notes.get(name, '')}")
         if problem := (self._check_data() or self._check_rollouts() or self._check_batch() or self._check_objective()
-                       or self._check_reference() or self._check_distributed() or self._check_output()):
+                       or self._check_reference() or self._check_lora() or self._check_distributed()
+                       or self._check_output()):
             raise ValueError(problem)
 
     def _check_data(self):
@@ -273,6 +286,31 @@ class Config:
             return f"alpha={self.alpha} must be in (0, 1]: ref = alpha * policy + (1 - alpha) * ref"
         if self.offload_ref_policy and not self.load_ref_policy:
             return "offload_ref_policy=True but load_ref_policy=False: there is no reference to offload"
+
+    def _check_lora(self):
+        lora = ("lora_alpha", "lora_dropout", "lora_target_modules", "lora_weight_sync")
+        if not self.lora_rank and (idle := [f for f in lora if getattr(self, f) != default(f)]):
+            return f"{', '.join(idle)} act only on LoRA adapters: set lora_rank > 0, or leave them at their defaults"
+        if not self.lora_rank:
+            return None
+        if self.lora_rank < 0 or self.lora_alpha <= 0:
+            return f"lora_rank={self.lora_rank} and lora_alpha={self.lora_alpha} must be > 0 (lora_rank=0: no LoRA)"
+        if self.lora_rank > 512 and self.lora_weight_sync == "adapter":
+            return (f"lora_rank={self.lora_rank} is above vLLM's largest max_lora_rank (512); pick a rank up to 512 "
+                    "or lora_weight_sync='merged'")
+        if not 0 <= self.lora_dropout < 1:
+            return f"lora_dropout={self.lora_dropout} must be in [0, 1)"
+        if self.lora_dropout and self.use_vllm_logprobs:
+            return ("lora_dropout > 0 with use_vllm_logprobs=True: the sync check then has no dropout-free trainer "
+                    "logprobs to compare with vLLM's; set lora_dropout=0 or use_vllm_logprobs=False")
+        if not self.lora_target_modules:
+            return "lora_target_modules is empty; name the modules (q_proj,v_proj,...) or write all-linear"
+        if self.weight_sync_transport == "nccl":
+            return ("lora_rank > 0 syncs through the filesystem (an adapter directory, or merged weights); "
+                    "set weight_sync_transport='filesystem'")
+        if self.offload_ref_policy:
+            return ("offload_ref_policy=True with lora_rank > 0: the reference is an adapter of the policy, there is "
+                    "no separate model to offload; set offload_ref_policy=False")
 
     def _check_distributed(self):
         if problem := self._check_sequence_parallel():

@@ -20,6 +20,9 @@ open-instruct's GRPO distributed knobs (DeepSpeed terms) and what they are here:
 | single_gpu_mode                        | single_gpu_mode (vLLM sleep mode, vllm_server.py)       |
 | backend_timeout                        | backend_timeout (the process group)                     |
 
+With lora_rank the adapters are injected before the sharding (lora.py); the reference is
+then an adapter of the policy's own module, and load_model never builds a second model.
+
 The reference gets the policy's mesh and placements, so its shards sit beside the
 policy's (the EMA update stays local); it never runs backward, so it is never
 checkpointed and always reshards after forward.
@@ -38,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
                                     register_fsdp_forward_method)
 
+import lora
 import packing  # noqa: F401 - registers attn_implementation="packed_sdpa" with transformers
 import sequence_parallel  # registers attn_implementation="ulysses"
 from loss import token_logprobs
@@ -148,13 +152,17 @@ def check_architecture(model):
                          "by one); only models laid out as Llama, Qwen2 and Mistral are supported")
 
 
-def check_model_config(model_config):
+def check_model_config(model_config, cfg=None):
     """check_architecture on the model's config alone, built on the meta device (no weights
-    read, no memory): the refusal comes before any process group or server starts."""
+    read, no memory), and with cfg.lora_rank the adapters' target modules: the refusal comes
+    before any process group or server starts."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        check_architecture(AutoModelForCausalLM.from_config(model_config))
+        model = AutoModelForCausalLM.from_config(model_config)
+        check_architecture(model)
+        if cfg is not None and cfg.lora_rank:
+            lora.add_adapters(model, cfg)
 
 
 def load_model(cfg, device, mesh, reference=False):
@@ -168,6 +176,8 @@ def load_model(cfg, device, mesh, reference=False):
                                                  attn_implementation="ulysses" if sp else cfg.attn_implementation)
     check_architecture(model)
     sequence_parallel.check_heads(model.config, cfg.sequence_parallel_size)  # train.py checked it already
+    if cfg.lora_rank and not reference:  # before the wrappers and the sharding: each adapter is sharded with its layer
+        lora.add_adapters(model, cfg)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" \
         else MixedPrecisionPolicy()
     offload = cfg.offload_ref_policy if reference else cfg.offload_params

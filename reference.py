@@ -14,6 +14,9 @@ shards lives on the rank that owns the matching policy shard: the update is one
 memory O(parameters / world size). The anchors we know loop over parameters with
 mul_/add_ and, under ZeRO-3, gather full parameters to do it.
 
+With lora_rank the reference is an adapter beside the trained one in the policy's module
+(lora.py): the same update over the two adapters' local shards, one adapter of memory.
+
 With offload_ref_policy the reference's shards stay in CPU memory: the update then runs
 there, on a copy of the policy's local shards (still no collective); with offload_params
 too, both are there already.
@@ -35,14 +38,19 @@ def local(t):
 
 
 class EMAReference:
-    def __init__(self, ref_model, policy_model, alpha):
-        ref_params, pol_params = list(ref_model.parameters()), list(policy_model.parameters())
+    """ref_model computes the reference's logprobs (its sequence_logprobs). Its parameters follow
+    policy_model's, or with params=(ref_params, policy_params) those two lists: with LoRA the
+    reference adapter follows the trained one inside the policy's own module (lora.py)."""
+
+    def __init__(self, ref_model, policy_model, alpha, params=None):
+        ref_params, pol_params = params or (list(ref_model.parameters()), list(policy_model.parameters()))
         assert len(ref_params) == len(pol_params), "reference and policy must have the same parameters"
         for r, p in zip(ref_params, pol_params):
             assert r.shape == p.shape and getattr(r, "placements", None) == getattr(p, "placements", None), \
                 "reference and policy must be sharded the same way"
             r.requires_grad_(False)
         self.model, self.policy, self.alpha, self.updates = ref_model, policy_model, alpha, 0
+        self.ref_params, self.policy_params = ref_params, pol_params
         low = any(local(r).dtype != torch.float32 for r in ref_params)
         self.master = [local(r).float().clone() for r in ref_params] if low else None
 
@@ -50,8 +58,8 @@ class EMAReference:
     def update(self):
         """One Polyak step on this rank's shards. Issues no collective."""
         # Shard views are taken anew each time: FSDP2 may re-point a parameter's local tensor.
-        ref = [local(r) for r in self.model.parameters()]
-        policy = [local(p) for p in self.policy.parameters()]
+        ref = [local(r) for r in self.ref_params]
+        policy = [local(p) for p in self.policy_params]
         if policy[0].device != ref[0].device:  # an offloaded reference (offload_ref_policy) beside a policy
             policy = [t.to(ref[0].device) for t in policy]  # on the GPU: a copy of the local shards, no collective
         if self.master is None:

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import checkpoint
+import lora
 import vllm_client
 import sequence_parallel
 import tracking
@@ -64,7 +65,7 @@ def check_outside(cfg):
     the run writes and the servers you run. ValueError with one line naming the fix."""
     model_config = load_model_config(cfg)
     cfg.check_model(model_config)
-    check_model_config(model_config)  # an LM head or layout the logprobs do not implement
+    check_model_config(model_config, cfg)  # an LM head or layout the logprobs do not implement, LoRA targets
     sequence_parallel.check_heads(model_config, cfg.sequence_parallel_size)
     for name in ("output_dir", "checkpoint_state_dir", "weight_sync_dir"):
         path = getattr(cfg, name)
@@ -83,6 +84,19 @@ def check_outside(cfg):
         except (urllib.error.URLError, OSError) as e:
             raise ValueError(f"vllm_server_urls: {url} does not answer /health ({getattr(e, 'reason', e)}); "
                              "start the server first or fix the URL") from None
+
+
+def make_reference(cfg, policy, device, mesh):
+    """The reference: None without a KL term; an EMA (or fixed) copy of the policy, sharded like it;
+    with LoRA an adapter of the policy's own module (the EMA's) or none at all (fixed: the base)."""
+    if not cfg.uses_reference:
+        return None
+    if not cfg.lora_rank:
+        return EMAReference(load_model(cfg, device, mesh, reference=True), policy, cfg.alpha)
+    if not cfg.ref_policy_update_freq:
+        return EMAReference(lora.Reference(policy, None), policy, cfg.alpha, params=([], []))
+    pairs = [[p for _, p in lora.adapter_parameters(policy, a)] for a in (lora.REFERENCE, lora.ADAPTER)]
+    return EMAReference(lora.Reference(policy, lora.REFERENCE), policy, cfg.alpha, params=pairs)
 
 
 def load_inputs(cfg):
@@ -140,7 +154,7 @@ def resume(cfg, rank, policy, ref, optimizer, scheduler, sampler):
     return path[0], state["step"]
 
 
-def announce(cfg, plan, world_size, device, data, resumed_from, start):
+def announce(cfg, plan, world_size, device, data, resumed_from, start, policy):
     """Rank 0, before step 0: what reproduces the run (run_info.json) and the batch arithmetic."""
     train_rows, eval_rows, skipped, reward_fn = data
     info = tracking.run_info(cfg, world_size)
@@ -156,6 +170,10 @@ def announce(cfg, plan, world_size, device, data, resumed_from, start):
           f"its full length); {plan['optimizer_steps']} optimizer step(s) per rollout")
     print(f"data: {len(train_rows)} train / {len(eval_rows)} eval prompts from {cfg.dataset!r}, skipped {skipped}; "
           f"reward {reward_fn.__name__}")
+    if cfg.lora_rank:  # the model's parameters and the trained adapter's (the EMA reference's adapter apart)
+        total = sum(p.numel() for n, p in policy.named_parameters() if not lora.is_adapter(n, lora.REFERENCE))
+        trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+        print(f"lora: rank {cfg.lora_rank}, {trainable:,} trainable parameters of {total:,} ({trainable / total:.2%})")
     if resumed_from:
         print(f"resumed from {resumed_from} (step {start})")
 
@@ -187,8 +205,13 @@ def check_health(cfg, m, step, skipped_in_a_row):
 
 
 def export(cfg, policy, tokenizer, rank, name):
-    """A Hugging Face directory of the full policy in output_dir/name (gathered on every rank, written by rank 0)."""
+    """A Hugging Face directory of the full policy in output_dir/name (gathered on every rank, written by
+    rank 0); with LoRA the adapter merged in, and PEFT's adapter directory in output_dir/name_adapter."""
     full = full_state_dict(policy)
+    if rank == 0 and cfg.lora_rank:
+        adapter = {lora.peft_key(k): v for k, v in full.items() if lora.is_adapter(k, lora.ADAPTER)}
+        lora.write_adapter(adapter, cfg, os.path.join(cfg.output_dir, f"{name}_adapter"))
+        full = lora.merge(full, cfg)
     if rank == 0:
         checkpoint.export(full, policy.config, tokenizer, os.path.join(cfg.output_dir, name))
 
@@ -214,7 +237,7 @@ def main(cfg: Config):
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.output_dir, exist_ok=True)
     policy = load_model(cfg, device, mesh)
-    ref = EMAReference(load_model(cfg, device, mesh, reference=True), policy, cfg.alpha) if cfg.uses_reference else None
+    ref = make_reference(cfg, policy, device, mesh)
     optimizer, scheduler = make_optimizer(cfg, policy, cfg.num_training_steps * plan["optimizer_steps"], device)
     sampler = PromptSampler(train_rows, cfg.seed)
     resumed_from, start = resume(cfg, rank, policy, ref, optimizer, scheduler, sampler)
@@ -222,7 +245,8 @@ def main(cfg: Config):
     pool = RewardPool(cfg.reward_fn or reward_fn, cfg.reward_workers, cfg.reward_timeout) if rank == 0 else None
     log = tracking.MetricsLog(cfg.output_dir, start, tracker) if rank == 0 else None
     if rank == 0:
-        announce(cfg, plan, world_size, device, (train_rows, eval_rows, skipped, reward_fn), resumed_from, start)
+        announce(cfg, plan, world_size, device, (train_rows, eval_rows, skipped, reward_fn), resumed_from, start,
+                 policy)
     gen, saved, trained, skipped_in_a_row = None, start, start, 0
     try:
         gen = Generator(cfg, policy, tokenizer, sampler, pool, rank, device, env)  # our vLLM server, or the user's

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+import lora
 from loss import ess, grpo_loss, mismatch_keep, step_denominator
 from packing import micro_batches
 from vllm_client import VLLMError
@@ -29,7 +30,8 @@ def make_optimizer(cfg, policy, total_updates, device):
     """AdamW (fused on CUDA, foreach on CPU or offloaded) and the warm-up + schedule, in optimizer steps."""
     from transformers import get_scheduler
 
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+    trained = [p for p in policy.parameters() if p.requires_grad]  # with LoRA: the adapter alone
+    optimizer = torch.optim.AdamW(trained, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                   **({"fused": True} if device.type == "cuda" and not cfg.offload_params else {"foreach": True}))
     name = "constant_with_warmup" if cfg.lr_scheduler_type == "constant" else cfg.lr_scheduler_type
     return optimizer, get_scheduler(name, optimizer, num_warmup_steps=cfg.warm_up_steps,
@@ -175,7 +177,9 @@ def train_on_batch(cfg, policy, ref_model, optimizer, scheduler, samples, rank, 
                                        position_ids=b["position_ids"].to(device), **piece_of_row, **kw)
 
     kl_heads = cfg.kl_estimator == "topk" and cfg.beta > 0
-    reuse_old = cfg.num_mini_batches == 1 and cfg.num_epochs == 1 and not cfg.use_vllm_logprobs and not kl_heads
+    # lora_dropout: the ratio compares the dropout forward with the dropout-free one that sampled
+    reuse_old = (cfg.num_mini_batches == 1 and cfg.num_epochs == 1 and not cfg.use_vllm_logprobs and not kl_heads
+                 and not cfg.lora_dropout)
     before = [logprobs_before_update(cfg, policy, ref_model, mbs, forward, reuse_old, device) for mbs in micro]
     # Dr GRPO's constant denominator counts the configured sequences of a mini-batch, not those
     # left after filtering: a token weighs the same at every step
@@ -212,20 +216,29 @@ def mini_batch_backward(cfg, policy, mbs, befores, forward, denom, world_size, m
     if cfg.ess_scope == "step":
         metrics.ess.append(ess_value)  # once per optimizer step, however many micro-batches it packs
     losses = []
-    for i, (b, before) in enumerate(zip(mbs, befores)):
-        policy.set_requires_gradient_sync(i == len(mbs) - 1)  # reduce-scatter once per step
-        logp, entropy, head_logp, _ = forward(policy, b, head_ids=before.head_ids)
-        if cfg.loss_fn == "ess" and cfg.ess_scope == "micro_batch":  # over this micro-batch on every rank
-            old_logp = logp.detach() if before.old_logp is None else before.old_logp
-            ess_value = ess(torch.exp(logp.detach() - old_logp))
-            metrics.ess.append(ess_value)
-        loss, s, masked = micro_batch_loss(cfg, logp, head_logp, b, before, denom, ess_value)
-        # The loss is already divided by the step's global count; FSDP averages gradients over
-        # ranks, so scale by the world size to get their sum (gloo has no premul-sum).
-        (loss * world_size).backward()
-        losses.append(loss.detach())
-        metrics.add(loss=loss.detach().double() * denom, pg_loss=s["pg_loss"], kl=s["kl"], clipped=s["clipped"],
-                    entropy=entropy.sum(), ess_trust=s["ess_trust"], masked=masked, tokens=logp.numel())
-        if sync_check:  # trainer vs vLLM on the tokens the current weights sampled, before any update
-            metrics.add_vllm_diff((logp.detach() - b["vllm_logp"]).abs()[b["fresh"].to(logp.device)])
+    with lora.dropout(policy, cfg.lora_dropout > 0):  # on through backward: a checkpointed layer recomputes it
+        for i, (b, before) in enumerate(zip(mbs, befores)):
+            losses.append(micro_batch_backward(cfg, policy, b, before, forward, denom, world_size, metrics,
+                                               ess_value, i == len(mbs) - 1, sync_check))
     return torch.stack(losses).sum()
+
+
+def micro_batch_backward(cfg, policy, b, before, forward, denom, world_size, metrics, ess_value, last, sync_check):
+    """Forward and backward of one micro-batch; its loss."""
+    policy.set_requires_gradient_sync(last)  # reduce-scatter once per step
+    logp, entropy, head_logp, _ = forward(policy, b, head_ids=before.head_ids)
+    if cfg.loss_fn == "ess" and cfg.ess_scope == "micro_batch":  # over this micro-batch on every rank
+        old_logp = logp.detach() if before.old_logp is None else before.old_logp
+        ess_value = ess(torch.exp(logp.detach() - old_logp))
+        metrics.ess.append(ess_value)
+    loss, s, masked = micro_batch_loss(cfg, logp, head_logp, b, before, denom, ess_value)
+    # The loss is already divided by the step's global count; FSDP averages gradients over
+    # ranks, so scale by the world size to get their sum (gloo has no premul-sum).
+    (loss * world_size).backward()
+    metrics.add(loss=loss.detach().double() * denom, pg_loss=s["pg_loss"], kl=s["kl"], clipped=s["clipped"],
+                entropy=entropy.sum(), ess_trust=s["ess_trust"], masked=masked, tokens=logp.numel())
+    if sync_check:  # trainer vs vLLM on the tokens the current weights sampled, before any update
+        # (with lora_dropout, the dropout-free old logprobs: the same weights, the forward vLLM runs)
+        trainer = before.old_logp if cfg.lora_dropout else logp.detach()
+        metrics.add_vllm_diff((trainer - b["vllm_logp"]).abs()[b["fresh"].to(logp.device)])
+    return loss.detach()

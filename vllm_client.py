@@ -105,7 +105,10 @@ class VLLMClient:
             try:
                 with urllib.request.urlopen(req, timeout=timeout) as r:
                     body = r.read()
+                try:
                     return json.loads(body) if body else {}
+                except ValueError:  # the LoRA routes answer in plain text
+                    return body.decode(errors="replace")
             except urllib.error.HTTPError as e:
                 last = f"HTTP {e.code}: {e.read().decode(errors='replace')[:500]}"
                 if e.code < 500:
@@ -124,8 +127,10 @@ class VLLMClient:
             return [f.result() for f in futures]
 
     def versioned_post(self, url, route, payload):
+        """A generation request on the weights of one version: the model it names (a LoRA adapter's
+        name changes at each sync) is read once no update is under way."""
         with self.generating() as version:
-            return self.post(url, route, payload), version
+            return self.post(url, route, dict(payload, model=self.model)), version
 
     def broadcast(self, route, payload=None, params="", timeout=None):
         return [self.post(url, route, payload, params, timeout) for url in self.urls]
@@ -141,7 +146,7 @@ class VLLMClient:
         budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * k
         seeds = seed if isinstance(seed, list) else [None if seed is None else seed + i * n for i in range(k)]
         extra = dict(stop=list(stop), include_stop_str_in_output=True) if stop else {}
-        payloads = [dict(model=self.model, prompt=ids, n=n, max_tokens=budget, temperature=temperature,
+        payloads = [dict(prompt=ids, n=n, max_tokens=budget, temperature=temperature,
                          top_p=top_p, **NEUTRAL_SAMPLING, stop_token_ids=self.stop_token_ids, logprobs=0,
                          return_token_ids=True, seed=s, **extra)  # vLLM seeds sample j with seed + j
                     for ids, budget, s in zip(prompt_ids, budgets, seeds)]
@@ -176,6 +181,18 @@ class VLLMClient:
             raise VLLMError(f"weight sync: {e}\n(each attempt may take weight_sync_timeout="
                             f"{timeout or self.timeout:g}s; raise it if the server is only slow to reload)") from None
         self.broadcast("/reset_prefix_cache")
+
+    def load_adapter(self, name, path, timeout=None):
+        """Each server loads the LoRA adapter directory `path` as model `name` (its requests then
+        name it). The server runs with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True."""
+        try:
+            self.broadcast("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, timeout=timeout)
+        except VLLMError as e:
+            raise VLLMError(f"weight sync: {e}\n(a server you run needs --enable-lora, --max-lora-rank >= "
+                            "lora_rank and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; or set lora_weight_sync=merged)") from None
+
+    def unload_adapter(self, name):
+        self.broadcast("/v1/unload_lora_adapter", {"lora_name": name})
 
     def sleep(self):
         """single_gpu_mode: free the GPU for training (level 1: weights to CPU memory, KV cache dropped)."""

@@ -21,6 +21,7 @@ import urllib.request
 
 import torch
 
+import lora
 from vllm_client import VLLMError, log_tail
 
 
@@ -62,13 +63,17 @@ def launch_server(model_dir, cfg, log_path, port=None, env=None, extra_args=()):
         cmd += ["--hf-overrides", json.dumps({"head_dtype": "float32"})]
     if cfg.weight_sync_transport == "nccl":
         cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+    if cfg.lora_rank and cfg.lora_weight_sync == "adapter":  # each sync loads the new adapter by name
+        rank = next(r for r in lora.VLLM_MAX_LORA_RANKS if r >= cfg.lora_rank)
+        cmd += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "1"]
     if cfg.single_gpu_mode:
         if not torch.cuda.is_available():
             raise VLLMError("single_gpu_mode=True needs a GPU (vLLM's sleep mode frees GPU memory); "
                             "set single_gpu_mode=False on CPU")
         cmd += ["--enable-sleep-mode"]
     cmd += list(extra_args)
-    server_env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=str(cfg.vllm_kv_cache_space_gb))
+    server_env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=str(cfg.vllm_kv_cache_space_gb),
+                      VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")  # the LoRA load and unload routes
     if not torch.cuda.is_available():
         server_env.update(cpu_placement(cfg, server_env))
     for k, v in (env or {}).items():

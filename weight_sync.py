@@ -15,6 +15,10 @@ Both are bounded by weight_sync_timeout: the reload request is an HTTP timeout; 
 transfer, which would otherwise wait forever for a peer that is gone, runs in a thread
 that is abandoned with a TimeoutError when it takes longer.
 
+- LoRA (lora_rank > 0): the adapter alone, as PEFT's adapter directory that each server
+  loads by name (AdapterSync; the server runs with --enable-lora), or with
+  lora_weight_sync='merged' full weights with the adapter folded in (servers without LoRA).
+
 Tied embeddings: the CPU server's `reload_weights` does not refresh a tied LM head
 ("ParallelLMHead: Failed to load weights"), so the server always gets an untied copy:
 config.json says tie_word_embeddings=false and every weight file carries lm_head.weight
@@ -27,8 +31,11 @@ import shutil
 import tempfile
 import threading
 
+import uuid
+
 import torch
 
+import lora
 from vllm_client import VLLMError
 from vllm_server import server_dtype
 
@@ -42,6 +49,13 @@ def full_state_dict(model):
     if not dist.is_initialized():
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def serving_state_dict(model, cfg=None):
+    """full_state_dict, with a LoRA policy's adapter folded into its base weights (lora.merge):
+    what a server without LoRA serves. Every rank must call it."""
+    sd = full_state_dict(model)
+    return lora.merge(sd, cfg) if cfg is not None and cfg.lora_rank and sd else sd
 
 
 def untie(state_dict):
@@ -83,8 +97,8 @@ def write_serving_dir(state_dict, hf_config, tokenizer, out_dir):
 class FilesystemSync:
     """Gather on every rank, then rank 0 writes safetensors and asks each server to reload."""
 
-    def __init__(self, client, rank, output_dir, timeout=None, base=None):
-        self.client, self.rank, self.dir, self.timeout = client, rank, None, timeout
+    def __init__(self, client, rank, output_dir, timeout=None, base=None, cfg=None):
+        self.client, self.rank, self.dir, self.timeout, self.cfg = client, rank, None, timeout, cfg
         if rank == 0:  # memory-backed /dev/shm when there is one, unless the servers need a shared directory
             if base is None:
                 base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else output_dir
@@ -95,7 +109,7 @@ class FilesystemSync:
         """Returns the bytes written (rank 0) or 0. A failed reload raises VLLMError on every
         rank, so all can save a checkpoint first; unless it failed because a server we
         launched died: then the next rollout restarts it and pushes the weights again."""
-        sd = full_state_dict(model)
+        sd = serving_state_dict(model, self.cfg)  # with LoRA (lora_weight_sync='merged'): the adapter folded in
         nbytes, error = 0, None
         if self.rank == 0:
             try:
@@ -110,6 +124,40 @@ class FilesystemSync:
     def close(self):
         if self.dir:
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class AdapterSync(FilesystemSync):
+    """LoRA (lora_weight_sync='adapter'): gather the trained adapter alone; rank 0 writes PEFT's
+    adapter directory and each server loads it under a new name (/v1/load_lora_adapter), which
+    every later request names; the previous adapter is then unloaded. A new name is a new LoRA id
+    in vLLM, and its prefix cache is keyed by that id: no cached prefix of the old adapter serves a
+    new request (the cache is reset too, as after a full-weight sync)."""
+
+    def __init__(self, client, rank, output_dir, timeout=None, base=None, cfg=None):
+        super().__init__(client, rank, output_dir, timeout, base, cfg)
+        self.tag, self.syncs, self.loaded = uuid.uuid4().hex[:8], 0, None  # names unique across runs of one server
+
+    def sync(self, model):
+        tensors = lora.gather_adapter(model, self.rank)  # a collective per tensor
+        nbytes, error = 0, None
+        if self.rank == 0:
+            try:
+                self.syncs += 1
+                name = f"policy-{self.tag}-{self.syncs}"
+                path = os.path.join(self.dir, name)
+                nbytes = lora.write_adapter(tensors, self.cfg, path)
+                with self.client.updating():  # in-flight generations finish on the old adapter; new ones wait
+                    self.client.load_adapter(name, path, timeout=self.timeout)
+                    self.client.model = name  # what every request names from now on
+                    if self.loaded:
+                        self.client.unload_adapter(self.loaded)
+                        shutil.rmtree(os.path.join(self.dir, self.loaded), ignore_errors=True)
+                    self.loaded = name
+                    self.client.broadcast("/reset_prefix_cache")
+            except Exception as e:  # noqa: BLE001 -- whatever it was, every rank must hear of it
+                error = failure(self.client, e)
+        raise_on_every_rank(error)
+        return nbytes
 
 
 class NCCLSync:
@@ -235,7 +283,8 @@ def make_weight_sync(cfg, client, rank, device):
     if cfg.weight_sync_transport == "nccl":
         return NCCLSync(client, rank, cfg.weight_sync_master_address, cfg.weight_sync_master_port, device,
                         cfg.weight_sync_timeout, getattr(torch, server_dtype(cfg)))
-    return FilesystemSync(client, rank, cfg.output_dir, cfg.weight_sync_timeout, cfg.weight_sync_dir)
+    sync = AdapterSync if cfg.lora_rank and cfg.lora_weight_sync == "adapter" else FilesystemSync
+    return sync(client, rank, cfg.output_dir, cfg.weight_sync_timeout, cfg.weight_sync_dir, cfg)
 
 
 def within(seconds, fn, what, device=None):
