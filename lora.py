@@ -49,6 +49,11 @@ def add_adapters(model, cfg):
     from peft import inject_adapter_in_model
 
     config = peft_config(cfg)
+    names = [n for n, _ in model.named_modules()]
+    if missing := [t for t in cfg.lora_target_modules if t != "all-linear" and not
+                   any(n == t or n.endswith("." + t) for n in names)]:  # PEFT refuses only when none is found
+        raise ValueError(f"lora_target_modules: {type(model).__name__} has no module named {', '.join(missing)}; "
+                         "use its own names (q_proj, v_proj, ...) or all-linear")
     try:
         inject_adapter_in_model(config, model, adapter_name=ADAPTER)
         if cfg.uses_reference and cfg.ref_policy_update_freq:
@@ -62,7 +67,9 @@ def add_adapters(model, cfg):
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter(name, ADAPTER))
     set_active(model, ADAPTER)
-    return model
+    # from_pretrained's models are in eval mode, the modules PEFT adds are not: without this its
+    # dropout would act in every forward, the sampler's logprobs and the reference's included
+    return model.eval()
 
 
 def is_adapter(name, adapter):

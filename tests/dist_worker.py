@@ -18,11 +18,12 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import dataclasses
 
+import lora
 import train
 import update
 from cli import convert
 from config import Config
-from reference import EMAReference, local
+from reference import local
 from weight_sync import full_state_dict
 from episodes import Sample
 
@@ -43,9 +44,20 @@ cfg = Config(**{**dict(model_name_or_path=model_dir, num_unique_prompts_rollout=
 rank, world_size, device, mesh = train.setup_distributed(cfg)
 torch.manual_seed(0)
 policy = train.load_model(cfg, device, mesh)
-ref = EMAReference(train.load_model(cfg, device, mesh, reference=True), policy, cfg.alpha)
+ref = train.make_reference(cfg, policy, device, mesh)  # with lora_rank: the reference adapter
 mesh_info = dict(shape=tuple(mesh.shape), placements=[str(p) for p in next(policy.parameters()).placements],
                  shard_device=str(local(next(policy.parameters())).device))
+
+
+def states():
+    """Full state dicts: (policy, the part the EMA moves, the reference). With LoRA the two adapters,
+    the reference's under the trained one's names."""
+    whole = full_state_dict(policy)
+    if not cfg.lora_rank:
+        return whole, whole, full_state_dict(ref.model)
+    adapter = {a: {k.replace(f".{a}.", f".{lora.ADAPTER}."): v for k, v in whole.items() if lora.is_adapter(k, a)}
+               for a in (lora.ADAPTER, lora.REFERENCE)}
+    return whole, adapter[lora.ADAPTER], adapter[lora.REFERENCE]
 
 
 def fixed_rollouts(step):
@@ -77,7 +89,7 @@ if mode == "train":
         ref.update()
         losses.append([m["loss"], m["kl"], m["clip_frac"], m["grad_norm"], m.get("ess", 1.0), m["grad_norm_max"],
                        m["trained_tokens"]])
-    policy_sd, ref_sd = full_state_dict(policy), full_state_dict(ref.model)
+    policy_sd, _, ref_sd = states()
     if rank == 0:
         torch.save(dict(losses=losses, policy=policy_sd, ref=ref_sd, mesh=mesh_info), out)
 elif mode == "filtered":
@@ -91,22 +103,22 @@ elif mode == "filtered":
         torch.save(dict(m=m, policy=policy_sd, scheduler_steps=scheduler.last_epoch), out)
 elif mode == "ema":
     # clone: in a world of one the "gathered" tensors may be the live parameters themselves
-    ref0, pol0 = [{k: v.clone() for k, v in full_state_dict(m).items()} for m in (ref.model, policy)]
+    _, pol0, ref0 = [{k: v.clone() for k, v in sd.items()} for sd in states()]
     calls = []
     originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "all_gather_into_tensor",
                                                         "reduce_scatter_tensor", "broadcast", "send", "recv")}
     for name, fn in originals.items():
         setattr(dist, name, lambda *a, _n=name, _f=fn, **k: (calls.append(_n), _f(*a, **k))[1])
     with torch.no_grad(), CommDebugMode() as comm:
-        for p in policy.parameters():  # make policy and reference differ
+        for p in ref.policy_params:  # make policy and reference differ
             local(p).add_(0.1)
         for k in range(3):
-            for p in policy.parameters():  # the policy moves: pol_k = 1.1 * pol_{k-1} + 0.01
+            for p in ref.policy_params:  # the policy moves: pol_k = 1.1 * pol_{k-1} + 0.01
                 local(p).mul_(1.1).add_(0.01)
             ref.update()
     for name, fn in originals.items():
         setattr(dist, name, fn)
-    ref_k = full_state_dict(ref.model)
+    ref_k = states()[2]
     if rank == 0:
         torch.save(dict(ref0=ref0, pol0=pol0, ref_k=ref_k, calls=calls, comm=comm.get_total_counts(), mesh=mesh_info),
                    out)

@@ -69,6 +69,29 @@ def test_matches_one_process_after_three_steps(train_run, nproc, loss, extra):
             assert torch.allclose(one[name][k], other[name][k], atol=2e-5, rtol=0), (name, k)
 
 
+def test_lora_on_two_ranks_matches_one_process_and_leaves_the_base_bit_identical(train_run, tiny_model_dir):
+    """LoRA adapters (rank 4 on every linear layer) and the EMA reference adapter: the 2-rank twin
+    of 3 steps x 2 optimizer steps, as above; the frozen base weights equal the model's files bit
+    for bit after training on both; the adapters moved and the reference adapter followed."""
+    from transformers import AutoModelForCausalLM
+
+    one, two = train_run(1, "dapo", "k3", "lora_rank=4"), train_run(2, "dapo", "k3", "lora_rank=4")
+    assert torch.allclose(torch.tensor(one["losses"]), torch.tensor(two["losses"]), rtol=1e-5, atol=1e-6)
+    for name in ("policy", "ref"):
+        assert one[name].keys() == two[name].keys()
+        for k in one[name]:
+            assert torch.allclose(one[name][k], two[name][k], atol=2e-5, rtol=0), (name, k)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    frozen = {k: v for k, v in one["policy"].items() if ".lora_" not in k}
+    assert len(frozen) == len(base)
+    for run_ in (one, two):
+        for k in frozen:
+            assert torch.equal(run_["policy"][k], base[k.replace(".base_layer", "")]), k
+    b = "model.layers.0.mlp.up_proj.lora_B.default.weight"
+    assert one["policy"][b].abs().max() > 1e-3  # lora_B starts at 0: the adapter trained
+    assert 0 < one["ref"][b].abs().max() < one["policy"][b].abs().max()  # the EMA adapter lags behind it
+
+
 def test_constant_denominator_counts_the_configured_batch(tiny_model_dir, tmp_path):
     """Dr GRPO's constant denominator c x sequences must count the configured sequences, not
     those the filter left: the same 2 surviving groups weigh half as much in a batch
@@ -148,12 +171,14 @@ def test_ess_is_the_same_on_two_ranks_and_one_process(tiny_model_dir, tmp_path, 
     assert run("ess", tiny_model_dir, tmp_path / "ess.pt", nproc, 29666)["ess"] == pytest.approx(expected, rel=1e-12)
 
 
-@pytest.mark.parametrize("nproc,extra", [(1, ()), (2, ()), (4, ("fsdp_shard_size=2",))],
-                         ids=["1-process", "2-ranks", "hybrid-2x2"])
+@pytest.mark.parametrize("nproc,extra", [(1, ()), (2, ()), (4, ("fsdp_shard_size=2",)), (2, ("lora_rank=4",))],
+                         ids=["1-process", "2-ranks", "hybrid-2x2", "2-ranks-lora-adapters"])
 def test_ema_equals_closed_form_without_collectives(tiny_model_dir, tmp_path, nproc, extra):
     r = run("ema", tiny_model_dir, tmp_path / "ema.pt", nproc, 29667, *extra)
+    if extra == ("lora_rank=4",):  # the reference adapter followed the trained one, nothing else moved
+        assert r["ref0"] and all(".lora_" in k for k in r["ref0"]) and r["ref0"].keys() == r["pol0"].keys()
     assert r["calls"] == [] and r["comm"] == 0, f"the EMA update issued collectives: {r['calls']} {r['comm']}"
-    assert r["mesh"]["shape"] == ((2, 2) if extra else (nproc,))
+    assert r["mesh"]["shape"] == ((2, 2) if "fsdp_shard_size=2" in extra else (nproc,))
     a, K = 0.3, 3
     for k, ref0 in r["ref0"].items():
         pol = r["pol0"][k] + 0.1

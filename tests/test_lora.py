@@ -1,0 +1,218 @@
+"""LoRA (lora.py): what trains, the reference without a copy, the adapter's files and the merge, the
+config's refusals (in the test process, no process group); then, slow, real runs on a real vLLM CPU
+server serving the adapter: the sync check each step, resume after SIGKILL, the exports."""
+
+import dataclasses
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+import lora
+import vllm_server
+from config import Config
+from parallel import sequence_logprobs
+from update import make_optimizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def lora_model(model_dir, **overrides):
+    """The tiny model with adapters (rank 4, every linear layer), lora_B drawn away from 0 so that the
+    adapter changes the output; sequence_logprobs bound as parallel.load_model binds it."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = Config(model_name_or_path=model_dir, lora_rank=4, lora_alpha=8, beta=0.1, ref_policy_update_freq=1,
+                 **overrides)
+    torch.manual_seed(0)
+    model = lora.add_adapters(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), cfg)
+    with torch.no_grad():
+        for _, p in lora.adapter_parameters(model, lora.ADAPTER):
+            if p.abs().max() == 0:
+                p.normal_(0, 0.2)
+    model.sequence_logprobs = types.MethodType(sequence_logprobs, model)
+    return cfg, model
+
+
+def logprobs(model, ids):
+    mask = torch.ones(1, ids.shape[1] - 1, dtype=torch.bool)
+    return model.sequence_logprobs(ids, mask, 1.0, position_ids=torch.arange(ids.shape[1])[None])[0]
+
+
+IDS = torch.tensor([[5, 17, 30, 9, 44, 12, 3, 27, 51, 8]])
+
+
+def test_only_the_adapter_trains_and_the_reference_adapter_starts_at_it(tiny_model_dir):
+    cfg, model = lora_model(tiny_model_dir)
+    trained = dict(lora.adapter_parameters(model, lora.ADAPTER))
+    ref = lora.adapter_parameters(model, lora.REFERENCE)
+    assert trained and len(ref) == len(trained)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == set(trained)
+    optimizer, _ = make_optimizer(cfg, model, 10, torch.device("cpu"))
+    assert sum(p.numel() for g in optimizer.param_groups for p in g["params"]) == \
+        sum(p.numel() for p in trained.values())
+    # before lora_model drew lora_B away from 0 the two adapters were equal; lora_A still is
+    for name, p in ref:
+        if ".lora_A." in name:
+            assert torch.equal(p, trained[name.replace(".reference.", ".default.")]), name
+    # every linear layer but the LM head has one (all-linear), on q, k, v, o, gate, up, down
+    assert sum(".lora_A.default." in n for n in trained) == 7 * model.config.num_hidden_layers
+
+
+def test_the_fixed_reference_is_the_base_model_bit_for_bit(tiny_model_dir):
+    """With the adapters switched off the policy's module computes the base model's logprobs exactly;
+    with them on it does not, and afterwards the trained adapter is active again."""
+    from transformers import AutoModelForCausalLM
+
+    _, model = lora_model(tiny_model_dir)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    base.sequence_logprobs = types.MethodType(sequence_logprobs, base)
+    with torch.no_grad():
+        expected, adapted = logprobs(base, IDS), logprobs(model, IDS)
+        reference = logprobs(lora.Reference(model, None), IDS)
+        after = logprobs(model, IDS)
+        ema = logprobs(lora.Reference(model, lora.REFERENCE), IDS)
+    assert torch.equal(reference, expected)
+    assert (adapted - expected).abs().max() > 1e-3 and torch.equal(after, adapted)
+    assert (ema - adapted).abs().max() > 1e-3  # the reference adapter is another adapter
+
+
+def test_merge_and_the_adapter_directory_give_the_adapters_forward(tiny_model_dir, tmp_path):
+    """The merged state dict in a plain model, and PEFT loading the adapter directory we write onto the
+    base, compute what the adapted module computes."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    cfg, model = lora_model(tiny_model_dir)
+    sd = model.state_dict()
+    merged = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    merged.load_state_dict(lora.merge(sd, cfg))  # strict: exactly the base's names
+    adapter = {lora.peft_key(k): v for k, v in sd.items() if lora.is_adapter(k, lora.ADAPTER)}
+    lora.write_adapter(adapter, cfg, str(tmp_path / "adapter"))
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+                                     str(tmp_path / "adapter"))
+    with torch.no_grad():
+        want = model(input_ids=IDS).logits
+        assert (want - merged(input_ids=IDS).logits).abs().max() < 1e-5
+        assert torch.equal(peft(input_ids=IDS).logits, want)
+        assert (want - AutoModelForCausalLM.from_pretrained(tiny_model_dir)(input_ids=IDS).logits).abs().max() > 1e-3
+
+
+def test_lora_dropout_acts_only_inside_the_gradient_forward(tiny_model_dir):
+    _, model = lora_model(tiny_model_dir, lora_dropout=0.5)
+    with torch.no_grad():
+        plain = logprobs(model, IDS)
+        with lora.dropout(model, True):
+            dropped = logprobs(model, IDS)
+        assert (dropped - plain).abs().max() > 1e-4
+        assert torch.equal(logprobs(model, IDS), plain)
+    assert not any(m.training for m in model.modules())  # nothing else was ever switched to train mode
+
+
+@pytest.mark.parametrize("overrides,fragment", [
+    (dict(lora_alpha=8.0), "act only on LoRA adapters"),
+    (dict(lora_rank=-1), "must be > 0"),
+    (dict(lora_rank=1024), "above vLLM's largest max_lora_rank"),
+    (dict(lora_rank=8, lora_dropout=1.0), "lora_dropout=1.0 must be in [0, 1)"),
+    (dict(lora_rank=8, lora_dropout=0.1, use_vllm_logprobs=True), "no dropout-free trainer"),
+    (dict(lora_rank=8, weight_sync_transport="nccl"), "set weight_sync_transport='filesystem'"),
+    (dict(lora_rank=8, beta=0.1, offload_ref_policy=True), "no separate model to offload"),
+    (dict(lora_rank=8, lora_target_modules=[]), "lora_target_modules is empty"),
+])
+def test_config_refuses_what_does_not_make_sense_with_lora(overrides, fragment):
+    with pytest.raises(ValueError) as e:
+        Config(**overrides)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_target_module_the_model_lacks_is_refused_before_anything_starts(tiny_model_dir):
+    from transformers import AutoConfig
+
+    from parallel import check_model_config
+
+    cfg = Config(model_name_or_path=tiny_model_dir, lora_rank=4, lora_target_modules=["q_proj", "qkv_proj"])
+    with pytest.raises(ValueError, match="has no module named qkv_proj") as e:
+        check_model_config(AutoConfig.from_pretrained(tiny_model_dir), cfg)
+    assert "\n" not in str(e.value)
+    check_model_config(AutoConfig.from_pretrained(tiny_model_dir), dataclasses.replace(cfg, lora_target_modules=["q_proj"]))
+
+
+# --- real runs: train.py with a vLLM CPU server serving the adapter
+
+
+@pytest.fixture(scope="module")
+def lora_server(tiny_model_dir, tmp_path_factory):
+    """A server "the user runs", started with LoRA enabled (vllm_server.launch_server's flags)."""
+    from test_vllm import serve
+
+    _, client = serve(tiny_model_dir, str(tmp_path_factory.mktemp("lora_server")), 8053,
+                      cfg=Config(model_name_or_path=tiny_model_dir, lora_rank=8))
+    yield client
+    vllm_server.stop_server(client.proc)
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_with_lora_equals_the_uninterrupted_run(lora_server, tiny_model_dir, tmp_path):
+    """2 ranks, LoRA with the EMA reference adapter, a server serving each step's adapter: the
+    server's logprobs agree with the trainer's at every step; a run killed after its step-3
+    checkpoint resumes to the same metrics and the same adapters, optimizer and reference adapter,
+    bit for bit; the checkpoint holds the adapters alone; the exports load."""
+    from test_faults import command, flags, full, kill_job, metrics, run, stable, start, wait_for_step
+
+    url, lora_flags = lora_server.urls[0], ["--lora_rank", "8", "--checkpoint_state_freq", "3", "--eval_freq", "0"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    out = run(command("train.py", 2) + flags(tiny_model_dir, whole, 6, *lora_flags, url=url))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "trainable parameters" in out.stdout
+    proc = start(command("train.py", 2) + flags(tiny_model_dir, cut, 6, *lora_flags, url=url))
+    wait_for_step(proc, cut, 4)
+    kill_job(proc)
+    out = run(command("train.py", 2) + flags(tiny_model_dir, cut, 6, *lora_flags, url=url))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "step_00000003 (step 3)" in out.stdout, out.stdout[-2000:]
+    a, b = metrics(whole), metrics(cut)
+    assert [r["step"] for r in b] == list(range(1, 7)) and stable(a) == stable(b)
+    assert all(r["vllm_logp_diff_max"] < 1e-4 for r in a), [r["vllm_logp_diff_max"] for r in a]
+    wa, wb = full(whole / "ckpt" / "step_00000006"), full(cut / "ckpt" / "step_00000006")
+    assert wa["policy"] and all(".lora_" in k for k in wa["policy"]) and "ref" not in wa
+    for part in ("policy", "optimizer"):
+        assert repr(wa[part].keys()) == repr(wb[part].keys())
+    assert all(torch.equal(wa["policy"][k], wb["policy"][k]) for k in wa["policy"])
+    check_exports(whole / "out", tiny_model_dir)
+
+
+def check_exports(out_dir, base_dir):
+    """output_dir/final (the adapter merged in) loads in transformers; PEFT's adapter directory on the
+    base computes the same logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(out_dir / "final")
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), str(out_dir / "final_adapter"))
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    with torch.no_grad():
+        want = peft(input_ids=IDS).logits
+        assert (merged(input_ids=IDS).logits - want).abs().max() < 1e-4
+        assert (base(input_ids=IDS).logits - want).abs().max() > 1e-4  # the adapter trained
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [["--lora_dropout", "0.1"], ["--lora_weight_sync", "merged"]],
+                         ids=["adapter-dropout", "merged"])
+def test_a_server_we_launch_takes_the_adapter_or_the_merged_weights(extra, tiny_model_dir, tmp_path):
+    """One process and the server train.py launches: with LoRA enabled (and lora_dropout, whose
+    sync check reads the dropout-free logprobs), or without LoRA, given merged weights. The sync
+    check holds at every step, the run learns nothing wrong, and its exports load."""
+    from test_faults import metrics, run
+
+    out = run([sys.executable, os.path.join(ROOT, "train.py"), "--model_name_or_path", tiny_model_dir, "--output_dir",
+               str(tmp_path / "out"), "--num_training_steps", "4", "--eval_freq", "0", "--beta", "0.1",
+               "--lora_rank", "8", "--learning_rate", "1e-2", "--vllm_port", "8054", *extra])
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert len(rows) == 4 and all(r["vllm_logp_diff_max"] < 1e-4 for r in rows), rows
+    log = open(tmp_path / "out" / "vllm.log").read()
+    assert ("Loaded new LoRA adapter" in log) == ("merged" not in extra)
+    check_exports(tmp_path / "out", tiny_model_dir)
