@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 
 import torch
 
@@ -57,7 +58,9 @@ def add_adapters(model, cfg):
     try:
         inject_adapter_in_model(config, model, adapter_name=ADAPTER)
         if cfg.uses_reference and cfg.ref_policy_update_freq:
-            inject_adapter_in_model(config, model, adapter_name=REFERENCE)
+            with warnings.catch_warnings():  # PEFT warns that a second adapter is a second adapter
+                warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+                inject_adapter_in_model(config, model, adapter_name=REFERENCE)
     except ValueError as e:
         raise ValueError(f"lora_target_modules={','.join(cfg.lora_target_modules)}: {str(e).splitlines()[0]} "
                          "(PEFT names: q_proj, v_proj, ..., or all-linear)") from None

@@ -4,6 +4,7 @@
 #   bash scripts/launch_8gpu.sh                                   # Qwen2.5-0.5B, vLLM on GPUs 0-1, training on 2-7
 #   MODEL=Qwen/Qwen2.5-1.5B VLLM_GPUS="0 1" TRAIN_GPUS=2,3,4,5,6,7 bash scripts/launch_8gpu.sh --learning_rate 1e-6
 #   TRANSPORT=nccl VLLM_GPUS=0 TRAIN_GPUS=1,2,3,4,5,6,7 ... --num_unique_prompts_rollout 56   # NCCL weight sync
+#   LORA_RANK=16 bash scripts/launch_8gpu.sh --learning_rate 1e-5  # LoRA adapters; the servers load each new one
 #
 # Arguments after the script's name go to train.py and win over the flags below.
 # Needs the official GPU build of vLLM: pip install -e ".[gpu,dev,plot]".
@@ -18,6 +19,7 @@ VLLM_GPUS=${VLLM_GPUS:-"0 1"}            # one vLLM server per GPU listed (space
 TRAIN_GPUS=${TRAIN_GPUS:-2,3,4,5,6,7}    # the trainer's GPUs, one rank each (comma separated)
 PORT=${PORT:-8000}                       # first server's port; the next server takes PORT + 1, ...
 TRANSPORT=${TRANSPORT:-filesystem}       # weight sync: filesystem (any number of servers) or nccl (one server)
+LORA_RANK=${LORA_RANK:-0}                # > 0: train LoRA adapters of this rank (lora.py) and serve them
 OUT=${OUT:-output/8gpu}
 PYTHON=${PYTHON:-.venv/bin/python}
 mkdir -p "$OUT"
@@ -46,9 +48,16 @@ for gpu in $VLLM_GPUS; do
     #   --generation-config vllm       vLLM's neutral sampling defaults, not the model's generation_config.json
     #   --hf-overrides head_dtype      the LM head in float32, as the trainer computes its logprobs
     #   --weight-transfer-config       only for TRANSPORT=nccl: vLLM's native NCCL weight transfer
+    #   --enable-lora, --max-lora-rank only for LORA_RANK > 0 (with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True,
+    #                                  the load and unload routes): each sync loads the new adapter by name
+    #                                  (max-lora-rank: one of vLLM's values 8, 16, 32, 64, 128, 256, 320, 512)
     extra=()
     [ "$TRANSPORT" = nccl ] && extra=(--weight-transfer-config '{"backend": "nccl"}')
-    CUDA_VISIBLE_DEVICES=$gpu VLLM_SERVER_DEV_MODE=1 "$PYTHON" -m vllm.entrypoints.openai.api_server \
+    if [ "$LORA_RANK" -gt 0 ]; then
+        max_rank=8; while [ "$max_rank" -lt "$LORA_RANK" ]; do max_rank=$((max_rank * 2)); done
+        extra+=(--enable-lora --max-lora-rank "$max_rank" --max-loras 1)
+    fi
+    CUDA_VISIBLE_DEVICES=$gpu VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_RUNTIME_LORA_UPDATING=True "$PYTHON" -m vllm.entrypoints.openai.api_server \
         --model "$SERVING" --host 127.0.0.1 --port "$port" --dtype bfloat16 --max-model-len 2048 --seed 1 \
         --generation-config vllm --hf-overrides '{"head_dtype": "float32"}' \
         --logprobs-mode processed_logprobs --disable-log-stats --gpu-memory-utilization 0.9 "${extra[@]}" \
@@ -85,4 +94,4 @@ CUDA_VISIBLE_DEVICES=$TRAIN_GPUS "$PYTHON" -m torch.distributed.run --standalone
     train.py --model_name_or_path "$MODEL" --output_dir "$OUT" \
     --vllm_server_urls "$(IFS=,; echo "${urls[*]}")" --weight_sync_transport "$TRANSPORT" \
     --num_unique_prompts_rollout 48 --num_samples_per_prompt_rollout 8 --max_tokens_per_micro_batch 16384 \
-    --response_length 1024 --max_prompt_length 1024 "$@"
+    --response_length 1024 --max_prompt_length 1024 --lora_rank "$LORA_RANK" "$@"
