@@ -93,10 +93,11 @@ def policy_state(policy):
     return {k: v for k, v in sd.items() if ".lora_" in k} or sd
 
 
-def sharded_state(policy, ref, optimizer):
+def sharded_state(train_state):
     """What DCP writes and reads in place: every tensor a DTensor shard on its own rank.
     For a fresh optimizer this initialises its state (a step at lr 0), so it can be loaded."""
-    state = {"policy": policy_state(policy), "optimizer": get_optimizer_state_dict(policy, optimizer)}
+    policy, ref = train_state.policy, train_state.ref
+    state = {"policy": policy_state(policy), "optimizer": get_optimizer_state_dict(policy, train_state.optimizer)}
     if ref is not None and isinstance(ref.model, torch.nn.Module):  # a LoRA reference is in the policy's state
         state["ref"] = get_model_state_dict(ref.model)
         if ref.master is not None:  # the fp32 master shards, wrapped with their parameter's sharding
@@ -107,9 +108,10 @@ def sharded_state(policy, ref, optimizer):
     return state
 
 
-def save(root, step, policy, ref, optimizer, scheduler, position, cfg, keep):
-    """Write checkpoint `step` (every rank calls it) and prune old ones. `position` is the
-    prompt sampler's after the batch of `step`. Returns its path."""
+def save(root, step, train_state, position, cfg, keep_last):
+    """Write checkpoint `step` of `train_state` (update.TrainState; every rank calls it) and keep the
+    newest `keep_last` complete ones. `position` is the prompt sampler's after the batch of `step`.
+    Returns its path."""
     rank = dist.get_rank()
     final = os.path.join(root, f"step_{step:08d}")
     partial = final + ".partial"
@@ -117,11 +119,11 @@ def save(root, step, policy, ref, optimizer, scheduler, position, cfg, keep):
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
     dist.barrier()
-    dcp.save(sharded_state(policy, ref, optimizer), checkpoint_id=partial)  # fsyncs its files
+    dcp.save(sharded_state(train_state), checkpoint_id=partial)  # fsyncs its files
     files = [(os.path.join(partial, f"rng_{rank}.pt"), rng_state())]
     if rank == 0:
         files.append((os.path.join(partial, "trainer_state.pt"),
-                      dict(step=step, scheduler=scheduler.state_dict(), sampler_position=position,
+                      dict(step=step, scheduler=train_state.scheduler.state_dict(), sampler_position=position,
                            config=asdict(cfg), world_size=dist.get_world_size())))
     for path, obj in files:
         torch.save(obj, path)
@@ -131,7 +133,7 @@ def save(root, step, policy, ref, optimizer, scheduler, position, cfg, keep):
         shutil.rmtree(final, ignore_errors=True)  # a re-run of the same step replaces it
         os.rename(partial, final)
         fsync(root)
-        for old in complete(root)[:-keep]:
+        for old in complete(root)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
@@ -152,15 +154,16 @@ def latest(root):
     return found[-1] if found else None
 
 
-def load(path, policy, ref, optimizer, scheduler, cfg=None):
-    """Restore everything `save` wrote, in place, on every rank. Returns the trainer state
+def load(path, train_state, cfg=None):
+    """Restore everything `save` wrote into train_state, in place, on every rank. Returns the trainer state
     (step, sampler_position, config, ...). A world size other than the saved one reshards; RNG states then
     come only for the ranks that existed. With cfg, first refuse a config that changes the run
     (check_resumable)."""
     trainer = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
     if cfg is not None:
         check_resumable(trainer["config"], cfg, path)
-    state = sharded_state(policy, ref, optimizer)
+    state = sharded_state(train_state)
+    policy, ref = train_state.policy, train_state.ref
     try:
         dcp.load(state, checkpoint_id=path)
     except CheckpointException as e:  # a traceback per rank; its last line says what did not fit
@@ -169,13 +172,13 @@ def load(path, policy, ref, optimizer, scheduler, cfg=None):
                          "give a new checkpoint_state_dir, or the model it was made with") from None
     lora = any(".lora_" in k for k in state["policy"])
     set_model_state_dict(policy, state["policy"], options=StateDictOptions(strict=not lora))
-    set_optimizer_state_dict(policy, optimizer, state["optimizer"])
+    set_optimizer_state_dict(policy, train_state.optimizer, state["optimizer"])
     if "ref" in state:
         set_model_state_dict(ref.model, state["ref"])
         if ref.master is not None:  # DCP loaded into the wrappers; a no-op where they alias the master
             for m, t in zip(ref.master, state["ref_master"].values()):
                 m.copy_(t.to_local() if isinstance(t, DTensor) else t)
-    scheduler.load_state_dict(trainer["scheduler"])
+    train_state.scheduler.load_state_dict(trainer["scheduler"])
     rng = os.path.join(path, f"rng_{dist.get_rank()}.pt")
     if os.path.exists(rng):
         set_rng_state(torch.load(rng, weights_only=False))

@@ -16,6 +16,13 @@ def flash_attention_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
 
 
+def objectives():
+    """loss.OBJECTIVES, imported on first use: reading a config needs no torch."""
+    from loss import OBJECTIVES
+
+    return OBJECTIVES
+
+
 def default(name):
     """A Config field's default value."""
     f = Config.__dataclass_fields__[name]
@@ -84,7 +91,7 @@ class Config:
     weight_decay: float = 0.0  # AdamW weight decay
     max_grad_norm: float = 1.0  # gradient clipping; 0 disables
     # --- objective
-    loss_fn: Literal["dapo", "cispo", "ess", "gspo"] = "dapo"  # dapo (asymmetric clip), cispo (capped weight x logp), ess (batch-adaptive, "Trust the Batch" by Fakoor et al.; no clip constants) or gspo (clipped sequence ratio, GSPO by Zheng et al.; the paper clips at 3e-4 / 4e-4)
+    loss_fn: str = "dapo"  # an objective of loss.OBJECTIVES: dapo (asymmetric clip), cispo (capped weight x logp), ess (batch-adaptive, "Trust the Batch" by Fakoor et al.; no clip constants) or gspo (clipped sequence ratio, GSPO by Zheng et al.; the paper clips at 3e-4 / 4e-4)
     clip_lower: float = 0.2  # dapo, gspo: ratio (gspo: the sequence ratio) clipped below at 1 - clip_lower
     clip_higher: float = 0.28  # dapo, gspo: ratio clipped above at 1 + clip_higher; cispo: weight capped at 1 + clip_higher
     beta: float = 0.0  # KL coefficient toward the reference; 0 = no KL term
@@ -208,8 +215,8 @@ class Config:
         if self.async_steps and self.single_gpu_mode:
             return ("async_steps > 0 generates while the trainer trains; single_gpu_mode=True puts the server to "
                     "sleep while training: set one of them off")
-        if self.async_steps and self.loss_fn == "ess" and not self.use_vllm_logprobs:
-            return ("loss_fn='ess' with async_steps > 0 needs use_vllm_logprobs=True: the ESS must measure the "
+        if self.async_steps and self.objective and self.objective.ess and not self.use_vllm_logprobs:
+            return (f"loss_fn={self.loss_fn!r} with async_steps > 0 needs use_vllm_logprobs=True: the ESS must measure the "
                     "ratios against the weights that sampled the batch")
         if bad := [u for u in self.vllm_server_urls if not u.startswith(("http://", "https://"))]:
             return f"vllm_server_urls: {bad[0]!r} is not a URL; write it as http://host:port"
@@ -233,6 +240,8 @@ class Config:
                     f"num_mini_batches={self.num_mini_batches} (each mini-batch takes whole groups)")
 
     def _check_objective(self):
+        if self.objective is None:
+            return f"loss_fn={self.loss_fn!r} is not one of {', '.join(objectives())} (loss.OBJECTIVES)"
         try:
             ok = self.loss_denominator == "token" or 0 < float(self.loss_denominator) < math.inf
         except ValueError:
@@ -242,13 +251,13 @@ class Config:
                     "such as 1024")
         if not 0 <= self.clip_lower < 1 or self.clip_higher < 0:
             return f"clip_lower={self.clip_lower} must be in [0, 1) and clip_higher={self.clip_higher} >= 0"
-        if self.loss_fn == "ess" and (self.clip_lower, self.clip_higher) != (Config.clip_lower, Config.clip_higher):
-            return ("loss_fn='ess' has no clip constants (the batch's ESS sets the cap); leave clip_lower and "
-                    "clip_higher at their defaults or pick loss_fn='dapo'")
-        if self.loss_fn == "cispo" and self.clip_lower != Config.clip_lower:
-            return "loss_fn='cispo' caps the weight above only (clip_higher); clip_lower has no effect, leave it"
-        if self.loss_fn != "ess" and self.ess_scope != Config.ess_scope:
-            return f"ess_scope={self.ess_scope!r} only applies to loss_fn='ess'"
+        if (idle := [f for f in ("clip_lower", "clip_higher") if f not in self.objective.clip
+                     and getattr(self, f) != default(f)]):
+            return (f"loss_fn={self.loss_fn!r} does not read {' or '.join(idle)} (loss.OBJECTIVES lists the clip "
+                    f"fields each objective reads: {', '.join(self.objective.clip) or 'none'}); leave it at its default")
+        if not self.objective.ess and self.ess_scope != default("ess_scope"):
+            return (f"ess_scope={self.ess_scope!r} only applies to an objective that reads the batch's ESS "
+                    f"(loss_fn={', '.join(repr(n) for n, o in objectives().items() if o.ess)})")
         if self.kl_topk != 0 and self.kl_estimator != "topk":
             return f"kl_topk={self.kl_topk} only applies to kl_estimator='topk' (got {self.kl_estimator!r})"
         if self.kl_topk > 0 and self.beta == 0:
@@ -341,8 +350,8 @@ class Config:
         if sp > 1 and self.attn_implementation != "packed_sdpa":
             return (f"sequence_parallel_size={sp} runs packed_sdpa on whole rows between its all-to-alls; "
                     f"attn_implementation={self.attn_implementation!r} is not supported with it: set packed_sdpa")
-        if sp > 1 and self.loss_fn == "gspo":
-            return (f"loss_fn='gspo' with sequence_parallel_size={sp}: the sequence ratio needs all of a sequence's "
+        if sp > 1 and self.objective and self.objective.sequences:
+            return (f"loss_fn={self.loss_fn!r} with sequence_parallel_size={sp}: the sequence ratio needs all of a sequence's "
                     "tokens, which may sit on two ranks; pick another loss_fn or sequence_parallel_size=1")
         if sp > 1 and self.vllm_importance_sampling_mask == "sequence":
             return (f"vllm_importance_sampling_mask='sequence' with sequence_parallel_size={sp}: a sequence's tokens "
@@ -372,6 +381,11 @@ class Config:
         if self.kl_topk > model_config.vocab_size:
             raise ValueError(f"kl_topk={self.kl_topk} exceeds the model's vocabulary of {model_config.vocab_size} "
                              f"tokens; use at most {model_config.vocab_size}")
+
+    @property
+    def objective(self):
+        """loss.OBJECTIVES' row of loss_fn (its function and what it needs), or None for an unknown name."""
+        return objectives().get(self.loss_fn)
 
     @property
     def episode_turns(self) -> int:

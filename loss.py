@@ -1,4 +1,4 @@
-"""Pure functions: per-token logprobs, advantages, the GRPO objectives and KL estimators.
+"""Pure functions, tensors in and tensors out: advantages, the GRPO objectives and KL estimators.
 
 Tokens are handled flat: every function takes the N valid (completion) tokens of a
 micro-batch as 1-D tensors, so padding never enters a sum. Each loss returns the *sum*
@@ -8,112 +8,10 @@ equal the gradient of one loss over the whole step.
 """
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
-
-
-# --- logprobs
-
-
-def _chunk_logits(hidden, weight, temperature):
-    # (n, V) logits in float32 at least (weight arrives upcast), for this chunk only: the product
-    # itself, not just its result, since bf16 logits are already rounded (mean |logp error| ~1e-2
-    # at Qwen2.5-0.5B's shape). 1/T scales the (n, H) input rather than the (n, V) product.
-    return (hidden.to(weight.dtype) / temperature) @ weight.t()
-
-
-@torch.no_grad()
-def _chunk_logprobs(hidden, weight, targets, temperature, head_ids, head_size):
-    """One chunk, without gradient, in one (n, V) buffer: log Z = max z + log sum exp(z - max z),
-    then p = softmax(z) in place and entropy = sum -p log p (torch.special.entr, in place too)."""
-    logits = _chunk_logits(hidden, weight, temperature)  # (n, V)
-    if head_ids is None:  # the top-k set is a choice, not a function
-        head_ids = logits.topk(head_size, -1).indices  # (n, k)
-    target_logits, head_logits = logits.gather(-1, targets[:, None])[:, 0], logits.gather(-1, head_ids)
-    top = logits.amax(-1)
-    p = logits.sub_(top[:, None]).exp_()  # the logits are not needed any more
-    sum_exp = p.sum(-1)
-    logz = top + sum_exp.log()  # (n,)
-    entropy = torch.special.entr(p.div_(sum_exp[:, None]), out=p).sum(-1)
-    return target_logits - logz, entropy, head_logits - logz[:, None], head_ids, logz
-
-
-def _all_chunks(hidden, weight, targets, temperature, head_ids, head_size, chunk_size):
-    outs = []
-    for i in range(0, max(hidden.shape[0], 1), chunk_size):  # an empty selection still gives (0, k) head ids
-        ids = None if head_ids is None else head_ids[i:i + chunk_size]
-        outs.append(_chunk_logprobs(hidden[i:i + chunk_size], weight, targets[i:i + chunk_size], temperature,
-                                    ids, head_size))
-    return tuple(torch.cat(parts) for parts in zip(*outs))
-
-
-def _float32_at_least(weight):
-    return weight.to(torch.promote_types(weight.dtype, torch.float32))
-
-
-class _ChunkedLogprobs(torch.autograd.Function):
-    """token_logprobs with gradients. z = hidden @ weight.T / T, p = softmax(z); for logp = z_t - log Z,
-    d logp / dz = onehot(t) - p, and likewise for each head column, so with upstream gradients g (N,)
-    and G (N, k):  dL/dz = onehot(t) g + sum_k onehot(head_k) G_k - p (g + sum_k G_k).
-    Backward recomputes z chunk by chunk from the saved log Z, turns it into dL/dz in place, and
-    accumulates the weight gradient dL/dz.T @ hidden / T into one (V, H) buffer (addmm_)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, head_ids, head_size, chunk_size):
-        logp, entropy, head_logp, head_ids, logz = _all_chunks(hidden, _float32_at_least(weight), targets,
-                                                               temperature, head_ids, head_size, chunk_size)
-        ctx.save_for_backward(hidden, weight, targets, head_ids, logz)  # weight as given: upcast again in backward
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        ctx.mark_non_differentiable(entropy, head_ids)  # entropy is logged, never differentiated
-        return logp, entropy, head_logp, head_ids
-
-    @staticmethod
-    def backward(ctx, grad_logp, _grad_entropy, grad_head, _grad_ids):
-        hidden, weight, targets, head_ids, logz = ctx.saved_tensors
-        need_hidden, need_weight = ctx.needs_input_grad[:2]
-        temperature, c = ctx.temperature, ctx.chunk_size
-        weight32 = _float32_at_least(weight)
-        grad_hidden = hidden.new_empty(hidden.shape, dtype=weight32.dtype) if need_hidden else None
-        grad_weight = torch.zeros_like(weight32) if need_weight else None  # the one (V, H) buffer
-        g, heads_g = grad_logp.to(weight32.dtype), grad_head.to(weight32.dtype)  # (N,), (N, k)
-        for i in range(0, hidden.shape[0], c):
-            h = hidden[i:i + c].to(weight32.dtype)
-            grad_z = _chunk_logits(h, weight32, temperature).sub_(logz[i:i + c, None]).exp_()  # p, in place
-            grad_z.mul_(-(g[i:i + c] + heads_g[i:i + c].sum(-1))[:, None])
-            grad_z.scatter_add_(1, targets[i:i + c, None], g[i:i + c, None])
-            grad_z.scatter_add_(1, head_ids[i:i + c], heads_g[i:i + c])
-            grad_z.div_(temperature)  # now dL/d(hidden @ weight.T)
-            if need_hidden:
-                torch.mm(grad_z, weight32, out=grad_hidden[i:i + c])
-            if need_weight:
-                grad_weight.addmm_(grad_z.t(), h)
-            del grad_z  # else it lives on while the next chunk's logits are built: two (n, V) buffers
-        return (grad_hidden.to(hidden.dtype) if need_hidden else None,
-                grad_weight.to(weight.dtype) if need_weight else None, None, None, None, None, None)
-
-
-def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=256, head_ids=None, head_size=0,
-                   logit_scale=1.0):
-    """log pi(target) and the entropy of pi at each of N positions, and log pi at k more
-    tokens per position: the given head_ids (N, k), or else this policy's head_size most likely.
-
-    hidden (N, H) final hidden states, weight (V, H) the LM head, targets (N,); the logits are
-    logit_scale * hidden @ weight.T / temperature (logit_scale: a multiplier on the head's
-    logits, Cohere's logit_scale or 1 / Granite's logits_scaling, as vLLM applies it).
-    Logits are built chunk by chunk and rebuilt in backward, where the gradient of each
-    chunk's logits is formed analytically and the LM head's gradient accumulates in place
-    (_ChunkedLogprobs): one (chunk_size, V) float32 buffer and one (V, H) gradient exist at
-    once instead of (N, V) logits. At vocabulary 151,936, hidden 896 and 2,048 tokens, forward
-    + backward peaked at 0.15 of the naive path on the CPU with chunks of 256 (0.25 with 1,024,
-    0.13 with 128; the (V, H) gradient is the floor), in about 1.2x its time (BENCHMARKS.md).
-    Under bf16 mixed precision (GPU) hidden and weight arrive in bf16; the logits are
-    computed in float32 from upcast copies and the gradients returned in bf16.
-    Returns logp (N,), entropy (N,), head_logp (N, k), head_ids (N, k).
-    """
-    temperature = temperature / logit_scale  # the same logits: the kernel divides hidden by it, forward and backward
-    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _ChunkedLogprobs.apply(hidden, weight, targets, temperature, head_ids, head_size, chunk_size)
-    return _all_chunks(hidden, _float32_at_least(weight), targets, temperature, head_ids, head_size, chunk_size)[:4]
 
 
 # --- advantages
@@ -204,15 +102,16 @@ def kl_topk(logp, ref_logp, old_logp, head_logp, ref_head_logp, in_head, correct
     return head + torch.where(in_head, torch.zeros_like(tail), tail)
 
 
-def ess(rho, group=None):
-    """Normalised effective sample size of the ratios, (sum rho)^2 / (n sum rho^2) in [1/n, 1],
-    with the three sums in float64 and, when a process group is given, over all its ranks."""
-    import torch.distributed as dist
+def ess_sums(rho):
+    """The three sums the normalised effective sample size of the ratios rho (N,) needs, in float64:
+    (sum rho, sum rho^2, n). Sums of several micro-batches or ranks add up (update.ess reduces them)."""
+    rho = rho.detach().double()
+    return torch.stack([rho.sum(), (rho ** 2).sum(), torch.tensor(float(rho.numel()), dtype=torch.float64,
+                                                                     device=rho.device)])
 
-    sums = torch.stack([rho.double().sum(), (rho.double() ** 2).sum(),
-                        torch.tensor(float(rho.numel()), dtype=torch.float64, device=rho.device)])
-    if group is not None or (dist.is_available() and dist.is_initialized()):
-        dist.all_reduce(sums, group=group)
+
+def ess_from_sums(sums):
+    """(sum rho)^2 / (n sum rho^2), in [1/n, 1]: 1 for equal ratios, 1/n when one ratio holds all the weight."""
     return (sums[0] ** 2 / (sums[2] * sums[1]).clamp(min=1e-300)).item()
 
 
@@ -225,7 +124,7 @@ def sequence_mean(x, seq_ids):
     return (total / count.clamp(min=1))[seq_ids]
 
 
-def mismatch_keep(old_logp, vllm_logp, seq_ids, level, cap):
+def mismatch_mask(old_logp, vllm_logp, seq_ids, level, cap):
     """Which tokens the trainer/vLLM mismatch leaves in the policy term (1.0 kept, 0.0 masked),
     for ratios pi_old/pi_vllm: level "token" keeps tokens whose ratio lies in [1/cap, cap]
     (IcePop's token mask); "sequence" keeps whole sequences whose geometric-mean ratio
@@ -236,14 +135,16 @@ def mismatch_keep(old_logp, vllm_logp, seq_ids, level, cap):
     return (log_ratio.abs() <= math.log(cap)).to(log_ratio.dtype)
 
 
-# --- objectives: one signature, one table
+# --- objectives: one function and one table row each
 #
-# objective(logp, old_logp, adv, seq_ids, cfg, ess_value) -> (policy term, trust term, clipped flag)
-# logp (with gradient), old_logp, adv and seq_ids (the sequence of each token) are the
-# micro-batch's (N,) tokens; cfg is the run's Config (or any object with the fields the
-# objective reads), so an objective's hyper-parameter is a Config field; ess_value is
-# sg(ESS), read by "ess" only. All three results are (N,). grpo_loss multiplies the policy
-# term by the importance corrections (TIS, masks), never the trust term (a KL to pi_old).
+# objective(logp, old_logp, adv, cfg, **needs) -> (policy term, trust term, clipped flag)
+# logp (with gradient), old_logp and adv are the micro-batch's (N,) tokens; cfg is the run's
+# Config (or any object with the fields the objective reads), so an objective's
+# hyper-parameter is a Config field. What else it needs, its row in OBJECTIVES says, and
+# grpo_loss passes only that: seq_ids (N,), the sequence of each token, for an objective over
+# whole sequences; ess_value, sg(ESS) of the ratios, for one that reads the batch's ESS. All
+# three results are (N,). grpo_loss multiplies the policy term by the importance corrections
+# (TIS, masks), never the trust term (a KL to pi_old).
 
 
 def clipped_surrogate(ratio, adv, cfg):
@@ -253,14 +154,14 @@ def clipped_surrogate(ratio, adv, cfg):
     return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
 
 
-def dapo_loss(logp, old_logp, adv, seq_ids, cfg, ess_value):
+def dapo_loss(logp, old_logp, adv, cfg):
     """PPO's clipped surrogate on the token ratio rho = pi/pi_old with DAPO's asymmetric range
     [1 - clip_lower, 1 + clip_higher]: max(-A rho, -A clip(rho))."""
     pg, clipped = clipped_surrogate(torch.exp(logp - old_logp), adv, cfg)
     return pg, torch.zeros_like(pg), clipped
 
 
-def cispo_loss(logp, old_logp, adv, seq_ids, cfg, ess_value):
+def cispo_loss(logp, old_logp, adv, cfg):
     """CISPO (MiniMax-M1): -sg(min(rho, 1 + clip_higher)) A logp. Every token keeps a
     gradient; only the weight is capped (flagged)."""
     rho = torch.exp(logp - old_logp).detach()
@@ -268,7 +169,7 @@ def cispo_loss(logp, old_logp, adv, seq_ids, cfg, ess_value):
     return pg, torch.zeros_like(pg), (rho > 1 + cfg.clip_higher).float()
 
 
-def ess_loss(logp, old_logp, adv, seq_ids, cfg, ess_value):
+def ess_loss(logp, old_logp, adv, cfg, ess_value):
     """The batch-adaptive objective ("Trust the Batch", Fakoor et al., after P3O): with e = sg(ESS),
     -sg(min(rho, e)) A logp + (1 - e) k3(pi || pi_old). Nearly uniform ratios (e ~ 1) give the
     plain on-policy score-function update; concentrated ratios (stale or mismatched data)
@@ -280,7 +181,7 @@ def ess_loss(logp, old_logp, adv, seq_ids, cfg, ess_value):
     return -rho.detach().clamp(max=e) * adv * logp, (1 - e) * kl_k3(logp, old_logp), capped
 
 
-def gspo_loss(logp, old_logp, adv, seq_ids, cfg, ess_value):
+def gspo_loss(logp, old_logp, adv, cfg, seq_ids):
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", Qwen), in its GSPO-token
     form: the clipped surrogate on the sequence ratio s_i = exp(mean over the tokens of sequence
     i of (logp - old_logp)), carried per token as s_it = sg(s_i) pi(y_t) / sg(pi(y_t)) (value s_i,
@@ -298,10 +199,24 @@ def gspo_loss(logp, old_logp, adv, seq_ids, cfg, ess_value):
     return pg, torch.zeros_like(pg), clipped
 
 
-OBJECTIVES = {"dapo": dapo_loss, "cispo": cispo_loss, "ess": ess_loss, "gspo": gspo_loss}
+@dataclass(frozen=True)
+class Objective:
+    """An objective and what it needs; update.py and config.py read these, never the name."""
+    fn: Callable
+    clip: tuple = ()  # the clip fields it reads (Config refuses a change to one it does not)
+    sequences: bool = False  # reads whole sequences (seq_ids): a sequence split over ranks by sequence parallelism is refused
+    ess: bool = False  # reads sg(ESS) of the ratios (ess_value; ess_scope: the optimizer step's, one extra forward, or the micro-batch's)
 
 
-def grpo_loss(logp, old_logp, adv, seq_ids, denominator, cfg, *, ref_logp=None, tis_weight=None, keep=None,
+OBJECTIVES = {  # loss_fn
+    "dapo": Objective(dapo_loss, clip=("clip_lower", "clip_higher")),
+    "cispo": Objective(cispo_loss, clip=("clip_higher",)),
+    "ess": Objective(ess_loss, ess=True),
+    "gspo": Objective(gspo_loss, clip=("clip_lower", "clip_higher"), sequences=True),
+}
+
+
+def grpo_loss(logp, old_logp, adv, seq_ids, denominator, cfg, *, ref_logp=None, tis_weight=None, mismatch_mask=None,
               ess_value=1.0, kl_heads=None):
     """The loss of one micro-batch: (sum over its tokens of policy term + trust term + beta * KL)
     / denominator, with the objective OBJECTIVES[cfg.loss_fn] and, when ref_logp is given, the
@@ -310,18 +225,22 @@ def grpo_loss(logp, old_logp, adv, seq_ids, denominator, cfg, *, ref_logp=None, 
     tis_weight (N,), truncated importance sampling min(pi_old/pi_vllm, cap), multiplies the
     policy term; it also corrects every KL estimator (k1-k3 by sg(rho), k4 and the top-k tail
     by rho), whose weight must be pi/mu with mu the policy that sampled: pi/pi_old x pi_old/pi_vllm.
-    keep (N,) masks tokens out of the policy term (mismatch_keep). ess_value is sg(ESS) for
+    mismatch_mask (N,) masks tokens out of the policy term (1.0 kept, 0.0 out: mismatch_mask). ess_value is sg(ESS) for
     loss_fn="ess"; kl_heads is the tuple (head_logp, ref_head_logp, in_head) for
     kl_estimator="topk". Returns (loss, sums) where sums holds per-micro-batch totals for
     logging (they are summed over micro-batches and ranks, then divided by the tokens).
     """
     if cfg.loss_fn not in OBJECTIVES:
         raise ValueError(f"loss_fn={cfg.loss_fn!r} is not implemented: add it to loss.OBJECTIVES")
-    pg, trust, clipped = OBJECTIVES[cfg.loss_fn](logp, old_logp, adv, seq_ids, cfg, ess_value)
+    objective = OBJECTIVES[cfg.loss_fn]
+    needs = dict(seq_ids=seq_ids) if objective.sequences else {}
+    if objective.ess:
+        needs["ess_value"] = ess_value
+    pg, trust, clipped = objective.fn(logp, old_logp, adv, cfg, **needs)
     if tis_weight is not None:
         pg = pg * tis_weight
-    if keep is not None:
-        pg = pg * keep
+    if mismatch_mask is not None:
+        pg = pg * mismatch_mask
     kl = torch.zeros_like(logp)
     if ref_logp is not None:
         if cfg.kl_estimator == "topk":  # needs the top-k heads, not just the sampled token

@@ -44,7 +44,7 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, Offl
 import lora
 import packing  # noqa: F401 - registers attn_implementation="packed_sdpa" with transformers
 import sequence_parallel  # registers attn_implementation="ulysses"
-from loss import token_logprobs
+from policy import check_architecture, sequence_logprobs
 
 
 def setup_distributed(cfg):
@@ -96,73 +96,6 @@ def close_distributed():
         if isinstance(obj, DeviceMesh) and hasattr(obj, "_pg_registry"):  # older torch keeps no groups on the mesh
             obj._pg_registry.clear()
     gc.collect()  # FSDP2 modules sit in reference cycles: free them, and the group with them
-
-
-def sequence_logprobs(self, input_ids, mask, temperature, position_ids=None, attention_mask=None, head_ids=None,
-                      head_size=0, targets=None, row_position_ids=None):
-    """logp and entropy (N,) of the completion tokens selected by mask (B, T-1), and logp at
-    head_ids (or this policy's top-k) (N, k). Packed rows (packing.py) pass position_ids that
-    restart at 0 per sequence and no attention_mask; padded rows pass attention_mask. A piece of
-    a row under sequence parallelism (sequence_parallel.piece) passes its targets (B, T), the
-    mask (B, T) over them and the whole row's position ids. A forward method of the model, so
-    FSDP2 gathers the LM head for it as for forward()."""
-    if position_ids is not None and attention_mask is not None:
-        raise ValueError("pass position_ids (packed rows) or attention_mask (padded rows), not both: transformers "
-                         "skips the per-sequence mask of packed position_ids when a 2-D attention mask is given")
-    # use_cache=False: no KV cache is reused here, and a checkpointed layer would append
-    # to it a second time when it recomputes in backward (a cache would also turn packing off).
-    row = {} if row_position_ids is None else dict(row_position_ids=row_position_ids)  # to ulysses_attention
-    hidden = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                        use_cache=False, **row)
-    hidden = hidden.last_hidden_state  # (B, T, H)
-    if targets is None:  # position j predicts token j+1
-        hidden, targets = hidden[:, :-1], input_ids[:, 1:]
-    return token_logprobs(hidden[mask], self.lm_head.weight, targets[mask], temperature,
-                          head_ids=head_ids, head_size=head_size, logit_scale=logit_scale(self.config))
-
-
-def logit_scale(model_config):
-    """The multiplier on the LM head's logits: Cohere's logit_scale, 1 / Granite's logits_scaling
-    (vLLM's LogitsProcessor scale for each); 1 for the others."""
-    scale = getattr(model_config, "logit_scale", None)
-    scaling = getattr(model_config, "logits_scaling", None)
-    return (1.0 if scale is None else scale) / (1.0 if scaling is None else scaling)
-
-
-def check_architecture(model):
-    """A one-line refusal of a model whose LM head or layout sequence_logprobs does not implement
-    (vLLM does, so trainer and server would disagree on every logprob). `model` may live on the
-    meta device (check_model_config)."""
-    config = model.config
-    if getattr(config, "final_logit_softcapping", None) is not None:
-        raise ValueError(f"final_logit_softcapping={config.final_logit_softcapping} in {config.model_type}'s config "
-                         "is unsupported (the logprobs would ignore it); pick a model without logit soft-capping")
-    if getattr(config, "lm_head_multiplier", None) not in (None, 1, 1.0):
-        raise ValueError(f"lm_head_multiplier={config.lm_head_multiplier} in {config.model_type}'s config is "
-                         "unsupported (the logprobs would ignore it); pick another model")
-    head = getattr(model, "lm_head", None)
-    if not isinstance(head, torch.nn.Linear):
-        raise ValueError(f"{type(model).__name__} has no lm_head Linear layer; only decoder-only models with "
-                         "model.lm_head are supported")
-    if head.bias is not None:
-        raise ValueError(f"{type(model).__name__}'s lm_head has a bias, which is unsupported (the logprobs "
-                         "would ignore it); pick a model whose LM head has none")
-    if not isinstance(getattr(getattr(model, "model", None), "layers", None), torch.nn.ModuleList):
-        raise ValueError(f"{type(model).__name__} has no model.model.layers (the decoder layers FSDP shards one "
-                         "by one); only models laid out as Llama, Qwen2 and Mistral are supported")
-
-
-def check_model_config(model_config, cfg=None):
-    """check_architecture on the model's config alone, built on the meta device (no weights
-    read, no memory), and with cfg.lora_rank the adapters' target modules: the refusal comes
-    before any process group or server starts."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
-        check_architecture(model)
-        if cfg is not None and cfg.lora_rank:
-            lora.add_adapters(model, cfg)
 
 
 def load_model(cfg, device, mesh, reference=False):

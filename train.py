@@ -30,6 +30,7 @@ Where this differs from the papers:
   weights (and checkpoint).
 """
 
+import contextlib
 import json
 import os
 import resource
@@ -53,10 +54,11 @@ from config import Config
 from data import PromptSampler, load_model_config, load_prompts, load_tokenizer
 from environments import Environment
 from generator import Generator
-from parallel import check_model_config, close_distributed, load_model, setup_distributed
+from parallel import close_distributed, load_model, setup_distributed
+from policy import check_model_config
 from reference import EMAReference
 from reward_pool import RewardPool
-from update import make_optimizer, train_on_batch
+from update import TrainState, make_optimizer, train_on_batch
 from weight_sync import full_state_dict
 
 
@@ -137,7 +139,15 @@ class Sigterm:
         return bool(flag.item())
 
 
-def resume(cfg, rank, policy, ref, optimizer, scheduler, sampler):
+def build_state(cfg, device, mesh, plan):
+    """The TrainState train.py starts from: the sharded policy, its reference, AdamW and the schedule."""
+    policy = load_model(cfg, device, mesh)
+    ref = make_reference(cfg, policy, device, mesh)
+    optimizer, scheduler = make_optimizer(cfg, policy, cfg.num_training_steps * plan["optimizer_steps"], device)
+    return TrainState(policy, ref, optimizer, scheduler)
+
+
+def resume(cfg, rank, state, sampler):
     """Load the newest complete checkpoint, if there is one. Returns (its path or None, its step)."""
     path = [None]
     if rank == 0 and cfg.checkpoint_state_dir:
@@ -147,11 +157,11 @@ def resume(cfg, rank, policy, ref, optimizer, scheduler, sampler):
     if not path[0]:
         return None, 0
     try:
-        state = checkpoint.load(path[0], policy, ref, optimizer, scheduler, cfg)
+        saved = checkpoint.load(path[0], state, cfg)
     except ValueError as e:  # nothing is started or overwritten yet
         raise SystemExit(f"error: {e}") from None
-    sampler.position = state["sampler_position"]
-    return path[0], state["step"]
+    sampler.position = saved["sampler_position"]
+    return path[0], saved["step"]
 
 
 def announce(cfg, plan, world_size, device, data, resumed_from, start, policy):
@@ -178,18 +188,17 @@ def announce(cfg, plan, world_size, device, data, resumed_from, start, policy):
         print(f"resumed from {resumed_from} (step {start})")
 
 
-def train_step(cfg, policy, ref, optimizer, scheduler, samples, plan, gen, world_size, device):
+def train_step(cfg, state, samples, plan, gen, world_size, device):
     """The update on this step's batch (update.py); its metrics. In single_gpu_mode the server
     sleeps meanwhile (its weights go to CPU memory) and is woken before the weight sync."""
     if cfg.single_gpu_mode:
         gen.sleep()
     m = {}
     if samples:
-        m = train_on_batch(cfg, policy, ref.model if ref else None, optimizer, scheduler, samples,
-                           dist.get_rank(), world_size, device)
+        m = train_on_batch(cfg, state, samples, dist.get_rank(), world_size, device)
     else:  # every group was filtered out: no update, the schedule still moves
         for _ in range(plan["optimizer_steps"]):
-            scheduler.step()
+            state.scheduler.step()
     if cfg.single_gpu_mode:
         gen.wake_up()
     return m
@@ -216,11 +225,21 @@ def export(cfg, policy, tokenizer, rank, name):
         checkpoint.export(full, policy.config, tokenizer, os.path.join(cfg.output_dir, name))
 
 
-def finish_log(cfg, log, m, gen, eval_rows, last, t0, device):
+@contextlib.contextmanager
+def timed(m, key):
+    """m[key] = the seconds the block took."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        m[key] = time.perf_counter() - start
+
+
+def finish_log(cfg, log, m, gen, eval_rows, last, started, device):
     """Rank 0: evaluation when due, the step's time, throughput and peak memory, then one log line."""
     if cfg.eval_freq > 0 and (m["step"] % cfg.eval_freq == 0 or last):
         m.update(gen.evaluate(eval_rows))
-    m["time_step"] = time.perf_counter() - t0
+    m["time_step"] = time.perf_counter() - started
     m["tokens_per_s"] = m.pop("response_tokens") / m["time_step"]
     m["peak_memory_gb"] = (torch.cuda.max_memory_allocated() if device.type == "cuda" else
                            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30
@@ -234,69 +253,68 @@ def main(cfg: Config):
     sigterm = Sigterm()
     rank, world_size, device, mesh = setup_distributed(cfg)
     plan = cfg.batch_plan(world_size)
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # before the models: LoRA's lora_A is drawn, the same on every rank
     os.makedirs(cfg.output_dir, exist_ok=True)
-    policy = load_model(cfg, device, mesh)
-    ref = make_reference(cfg, policy, device, mesh)
-    optimizer, scheduler = make_optimizer(cfg, policy, cfg.num_training_steps * plan["optimizer_steps"], device)
+    state = build_state(cfg, device, mesh, plan)
     sampler = PromptSampler(train_rows, cfg.seed)
-    resumed_from, start = resume(cfg, rank, policy, ref, optimizer, scheduler, sampler)
+    resumed_from, start = resume(cfg, rank, state, sampler)
     # rewards scored in worker processes with a per-sample timeout; daemons: they end with this process
     pool = RewardPool(cfg.reward_fn or reward_fn, cfg.reward_workers, cfg.reward_timeout) if rank == 0 else None
     log = tracking.MetricsLog(cfg.output_dir, start, tracker) if rank == 0 else None
     if rank == 0:
         announce(cfg, plan, world_size, device, (train_rows, eval_rows, skipped, reward_fn), resumed_from, start,
-                 policy)
+                 state.policy)
     gen, saved, trained, skipped_in_a_row = None, start, start, 0
     try:
-        gen = Generator(cfg, policy, tokenizer, sampler, pool, rank, device, env)  # our vLLM server, or the user's
+        gen = Generator(cfg, state.policy, tokenizer, sampler, pool, rank, device, env)  # our vLLM server, or yours
         if rank == 0 and cfg.eval_freq > 0 and eval_rows and not start:
             log.write({"step": 0, **gen.evaluate(eval_rows), "skipped_rows": skipped})
         sigterm.in_loop = True
         for step in tqdm(range(start + 1, cfg.num_training_steps + 1), disable=rank != 0, desc="grpo",
                          initial=start, total=cfg.num_training_steps):
-            t0, position = time.perf_counter(), gen.position  # the sampler after the last trained step
+            started, position = time.perf_counter(), gen.position  # the sampler after the last trained step
             try:
                 # --- batch: rank 0 generates and scores (or takes what was generated ahead); every rank gets it
-                samples, rollout_metrics = gen.batch(step, policy)
-                m = dict(step=step, **rollout_metrics, time_wait=time.perf_counter() - t0)
+                samples, rollout_metrics = gen.batch(step, state.policy)
+                m = dict(step=step, **rollout_metrics, time_wait=time.perf_counter() - started)
                 if rank == 0:
                     log.write_samples(m.pop("samples", None))
-                # --- train: old/ref logprobs, mini-batches x epochs, optimizer steps
-                t1 = time.perf_counter()
-                m.update(train_step(cfg, policy, ref, optimizer, scheduler, samples, plan, gen, world_size, device))
-                if samples:
-                    skipped_in_a_row = skipped_in_a_row + 1 if m["skipped_steps"] else 0
-                    check_health(cfg, m, step, skipped_in_a_row)
-                trained = step
-                m.update(time_train=time.perf_counter() - t1, lr=scheduler.get_last_lr()[0])
-                # --- EMA reference
-                if ref is not None and cfg.ref_policy_update_freq and step % cfg.ref_policy_update_freq == 0:
-                    ref.update()
+                # --- train: old/ref logprobs, mini-batches x epochs, updates (the sync check comes first)
+                with timed(m, "time_train"):
+                    m.update(train_step(cfg, state, samples, plan, gen, world_size, device))
+                    if samples:
+                        skipped_in_a_row = skipped_in_a_row + 1 if m["skipped_updates"] else 0
+                        check_health(cfg, m, step, skipped_in_a_row)
+                trained, m["lr"] = step, state.scheduler.get_last_lr()[0]
+                # --- EMA reference. Part of the step, so before the sync: a failed sync checkpoints this
+                # step (trained == step), and a run resumed from there must find the reference moved
+                if state.ref is not None and cfg.ref_policy_update_freq and step % cfg.ref_policy_update_freq == 0:
+                    state.ref.update()
                 # --- weight sync into vLLM
-                t3 = time.perf_counter()
-                if samples:
-                    gen.sync(policy)
-                m["time_sync"] = time.perf_counter() - t3
+                with timed(m, "time_sync"):
+                    if samples:
+                        gen.sync(state.policy)
             except vllm_client.VLLMError:  # a server we cannot repair, or a sync that did not take (found before
-                # the step's update): log and checkpoint what was trained, then stop
+                # the step's update: vLLM would go on sampling from other weights than these, and training on
+                # its samples would be off-policy unseen): log and checkpoint what was trained, then stop
                 if rank == 0 and trained == step:
                     log.write(m)
                 if cfg.checkpoint_state_dir and saved < trained:
-                    checkpoint.save(cfg.checkpoint_state_dir, trained, policy, ref, optimizer, scheduler,
+                    checkpoint.save(cfg.checkpoint_state_dir, trained, state,
                                     gen.position if trained == step else position, cfg, cfg.keep_last_n_checkpoints)
                 raise
-            # --- checkpoint and export (a SIGTERM on any rank stops every rank after this step's checkpoint)
+            # --- checkpoint and export. A SIGTERM reaches the ranks at different moments; asking them all
+            # (a collective) stops every rank after the same step, where one rank alone would leave the
+            # others waiting in the next step's collectives
             stopping, last = sigterm.on_any_rank(device), step == cfg.num_training_steps
             if cfg.checkpoint_state_dir and (step % cfg.checkpoint_state_freq == 0 or last or stopping):
-                checkpoint.save(cfg.checkpoint_state_dir, step, policy, ref, optimizer, scheduler, gen.position, cfg,
-                                cfg.keep_last_n_checkpoints)
+                checkpoint.save(cfg.checkpoint_state_dir, step, state, gen.position, cfg, cfg.keep_last_n_checkpoints)
                 saved = step
             if last or (cfg.save_freq > 0 and step % cfg.save_freq == 0):
-                export(cfg, policy, tokenizer, rank, "final" if last else f"step_{step}")
+                export(cfg, state.policy, tokenizer, rank, "final" if last else f"step_{step}")
             # --- evaluation and log
             if rank == 0:
-                finish_log(cfg, log, m, gen, eval_rows, last, t0, device)
+                finish_log(cfg, log, m, gen, eval_rows, last, started, device)
             if stopping:
                 if rank == 0:
                     print(f"SIGTERM: stopped after step {step}" + (f", checkpoint in {cfg.checkpoint_state_dir}"

@@ -1,12 +1,17 @@
 """The policy update of one step: GRPO on one rollout batch, every rank on its share.
 
-    train_on_batch
-      logprobs_before_update   old_logp, ref_logp and the top-k KL's heads, under no_grad
+    train_on_batch(cfg, state, samples, ...)
+      frozen_logprobs          old_logp, ref_logp and the top-k KL's heads, under no_grad, before any update
       for epoch, mini-batch:
-        micro_batch_loss       the objective (loss.py) with the trainer/vLLM corrections; backward
+        mini_batch_backward    each micro-batch: micro_batch_loss (the objective, loss.py, with the
+                               trainer/vLLM corrections), then backward
         check_sync             first mini-batch: trainer vs vLLM logprobs, before any update (VLLMError)
       optimizer_step           clip, then step unless the loss or gradient is non-finite somewhere
     StepMetrics                per-token sums of this rank, reduced over ranks once (the sync check apart)
+
+A step is one rollout batch (train.py's loop); an update is one optimizer step (num_mini_batches x
+num_epochs of them per step). TrainState is what training changes: the policy, its reference,
+AdamW and the learning-rate schedule.
 
 The loss of each micro-batch is already divided by the whole optimizer step's denominator
 (loss.step_denominator), so gradients accumulated over micro-batches and summed over ranks
@@ -20,10 +25,20 @@ import torch
 import torch.distributed as dist
 
 import lora
-from loss import ess, grpo_loss, mismatch_keep, step_denominator
+from loss import OBJECTIVES, ess_from_sums, ess_sums, grpo_loss, mismatch_mask, step_denominator
 from packing import micro_batches
-from vllm_client import VLLMError
+from reference import EMAReference
 from sequence_parallel import piece
+from vllm_client import VLLMError
+
+
+@dataclass
+class TrainState:
+    """What training changes, and a checkpoint holds (with the step and the prompt sampler's position)."""
+    policy: torch.nn.Module  # FSDP2-sharded; with LoRA, the base frozen and the adapters in it
+    ref: Optional[EMAReference]  # None without a KL term (beta = 0)
+    optimizer: torch.optim.Optimizer  # AdamW over the trained parameters
+    scheduler: torch.optim.lr_scheduler.LRScheduler  # warm-up and decay, stepped once per update
 
 
 def make_optimizer(cfg, policy, total_updates, device):
@@ -39,8 +54,9 @@ def make_optimizer(cfg, policy, total_updates, device):
 
 
 @dataclass
-class Before:
-    """What one micro-batch needs from before any update; (N,) over its completion tokens."""
+class FrozenLogprobs:
+    """What one micro-batch needs from before any update, fixed through the step's updates; (N,)
+    over its completion tokens."""
     old_logp: Optional[torch.Tensor] = None  # None: the detached new logp (one mini-batch, one epoch: ratio 1)
     ref_logp: Optional[torch.Tensor] = None  # None: no KL term
     head_ids: Optional[torch.Tensor] = None  # (N, k) top-k KL: the sampling policy's k most likely tokens
@@ -48,15 +64,15 @@ class Before:
     in_head: Optional[torch.Tensor] = None  # (N,) bool: the sampled token is one of head_ids
 
 
-def logprobs_before_update(cfg, policy, ref_model, micro, forward, reuse_old, device):
-    """One Before per micro-batch: old_logp (recomputed, or vLLM's with use_vllm_logprobs), the
+def frozen_logprobs(cfg, policy, ref_model, micro, forward, reuse_old, device):
+    """One FrozenLogprobs per micro-batch: old_logp (recomputed, or vLLM's with use_vllm_logprobs), the
     reference's logp and, for the top-k KL, the sampling policy's top-k ids with the reference's
     logp there (O(k) per token)."""
     kl_heads = cfg.kl_estimator == "topk" and cfg.beta > 0
     out = []
     with torch.no_grad():
         for b in micro:
-            before = Before()
+            before = FrozenLogprobs()
             if (not reuse_old and not cfg.use_vllm_logprobs) or kl_heads:
                 before.old_logp, _, _, before.head_ids = forward(policy, b, head_size=cfg.kl_topk if kl_heads else 0)
             if cfg.use_vllm_logprobs:
@@ -76,29 +92,36 @@ def micro_batch_loss(cfg, logp, head_logp, b, before, denom, ess_value):
     """grpo_loss of one micro-batch with the trainer/vLLM corrections the config asks for:
     truncated importance sampling and the token or sequence mask. Returns (loss, sums, masked)."""
     old_logp = logp.detach() if before.old_logp is None else before.old_logp
-    tis = keep = None
+    tis = mask = None
     if cfg.truncated_importance_sampling_ratio_cap > 0:
         tis = torch.exp(old_logp - b["vllm_logp"]).clamp(max=cfg.truncated_importance_sampling_ratio_cap)
     if cfg.vllm_importance_sampling_mask != "none":
-        keep = mismatch_keep(old_logp, b["vllm_logp"], b["seq_ids"], cfg.vllm_importance_sampling_mask,
+        mask = mismatch_mask(old_logp, b["vllm_logp"], b["seq_ids"], cfg.vllm_importance_sampling_mask,
                              cfg.vllm_importance_sampling_mask_cap)
     kl_heads = (head_logp, before.ref_head_logp, before.in_head) if before.in_head is not None else None
     loss, sums = grpo_loss(logp, old_logp, b["adv"], b["seq_ids"], denom, cfg, ref_logp=before.ref_logp,
-                           tis_weight=tis, keep=keep, ess_value=ess_value, kl_heads=kl_heads)
-    return loss, sums, (keep == 0).sum() if keep is not None else torch.zeros((), device=logp.device)
+                           tis_weight=tis, mismatch_mask=mask, ess_value=ess_value, kl_heads=kl_heads)
+    return loss, sums, (mask == 0).sum() if mask is not None else torch.zeros((), device=logp.device)
 
 
-def optimizer_step(cfg, policy, optimizer, scheduler, step_loss):
+def ess(rho):
+    """ESS of the ratios rho over every rank's tokens (loss.ess_sums, reduced here)."""
+    sums = ess_sums(rho)
+    dist.all_reduce(sums)
+    return ess_from_sums(sums)
+
+
+def optimizer_step(cfg, state, step_loss):
     """Clip, then step unless the loss or the gradient norm is non-finite on some rank (every
     rank takes the same decision). Returns (gradient norm, whether the update was skipped)."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm or float("inf"))
+    grad_norm = torch.nn.utils.clip_grad_norm_(state.policy.parameters(), cfg.max_grad_norm or float("inf"))
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     finite = (torch.isfinite(grad_norm) & torch.isfinite(step_loss)).float()
     dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     if finite.item():
-        optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+        state.optimizer.step()
+    state.scheduler.step()
+    state.optimizer.zero_grad(set_to_none=True)
     return grad_norm.item(), not finite.item()
 
 
@@ -148,17 +171,19 @@ class StepMetrics:
                  entropy=s["entropy"] / n, grad_norm=sum(self.grad_norms) / max(len(self.grad_norms), 1),
                  grad_norm_max=max(self.grad_norms, default=0.0),
                  vllm_logp_diff_mean=self.vllm_logp_diff_mean,
-                 vllm_logp_diff_max=self.vllm_logp_diff_max.item(), skipped_steps=self.skipped,
+                 vllm_logp_diff_max=self.vllm_logp_diff_max.item(), skipped_updates=self.skipped,
                  trained_tokens=int(s["tokens"]))
-        if cfg.loss_fn == "ess":
+        if OBJECTIVES[cfg.loss_fn].ess:
             m.update(ess=sum(self.ess) / len(self.ess), ess_trust=s["ess_trust"] / n)
         if cfg.vllm_importance_sampling_mask != "none":
             m["vllm_importance_sampling_masked_frac"] = s["masked"] / n
         return m
 
 
-def train_on_batch(cfg, policy, ref_model, optimizer, scheduler, samples, rank, world_size, device):
-    """Mini-batches x epochs of GRPO updates on one rollout batch; the step's metrics."""
+def train_on_batch(cfg, state, samples, rank, world_size, device):
+    """Mini-batches x epochs of GRPO updates of `state` (a TrainState) on one rollout batch; the step's metrics."""
+    policy, scheduler = state.policy, state.scheduler
+    ref_model = state.ref.model if state.ref is not None else None
     # Each mini-batch's sequences, tokens balanced over ranks and packed into micro-batches of at most
     # max_tokens_per_micro_batch tokens; every rank runs as many as the others (packing.py). Under
     # sequence parallelism the S ranks of a group share their rows, each keeping a piece of every row.
@@ -180,7 +205,7 @@ def train_on_batch(cfg, policy, ref_model, optimizer, scheduler, samples, rank, 
     # lora_dropout: the ratio compares the dropout forward with the dropout-free one that sampled
     reuse_old = (cfg.num_mini_batches == 1 and cfg.num_epochs == 1 and not cfg.use_vllm_logprobs and not kl_heads
                  and not cfg.lora_dropout)
-    before = [logprobs_before_update(cfg, policy, ref_model, mbs, forward, reuse_old, device) for mbs in micro]
+    before = [frozen_logprobs(cfg, policy, ref_model, mbs, forward, reuse_old, device) for mbs in micro]
     # Dr GRPO's constant denominator counts the configured sequences of a mini-batch, not those
     # left after filtering: a token weighs the same at every step
     configured = cfg.num_unique_prompts_rollout * cfg.num_samples_per_prompt_rollout // cfg.num_mini_batches
@@ -199,7 +224,7 @@ def train_on_batch(cfg, policy, ref_model, optimizer, scheduler, samples, rank, 
                 metrics.check_sync(cfg)
                 for _ in range(check):
                     scheduler.step()
-            grad_norm, skipped = optimizer_step(cfg, policy, optimizer, scheduler, step_loss)
+            grad_norm, skipped = optimizer_step(cfg, state, step_loss)
             metrics.grad_norms.append(grad_norm)
             metrics.skipped += skipped  # a non-finite loss or gradient norm on some rank: the weights are kept
     return metrics.reduce(cfg)
@@ -208,12 +233,12 @@ def train_on_batch(cfg, policy, ref_model, optimizer, scheduler, samples, rank, 
 def mini_batch_backward(cfg, policy, mbs, befores, forward, denom, world_size, metrics, sync_check):
     """Forward and backward of one mini-batch's micro-batches on this rank (gradients accumulate
     until the last one reduce-scatters them); their summed loss."""
-    ess_value = 1.0
-    if cfg.loss_fn == "ess" and cfg.ess_scope == "step" and befores[0].old_logp is not None:
+    ess_value, reads_ess = 1.0, OBJECTIVES[cfg.loss_fn].ess
+    if reads_ess and cfg.ess_scope == "step" and befores[0].old_logp is not None:
         with torch.no_grad():  # ESS of the whole optimizer step's ratios: one extra forward
             ess_value = ess(torch.cat([torch.exp(forward(policy, b, head_ids=bf.head_ids)[0] - bf.old_logp)
                                        for b, bf in zip(mbs, befores)]))
-    if cfg.ess_scope == "step":
+    if reads_ess and cfg.ess_scope == "step":
         metrics.ess.append(ess_value)  # once per optimizer step, however many micro-batches it packs
     losses = []
     with lora.dropout(policy, cfg.lora_dropout > 0):  # on through backward: a checkpointed layer recomputes it
@@ -227,7 +252,7 @@ def micro_batch_backward(cfg, policy, b, before, forward, denom, world_size, met
     """Forward and backward of one micro-batch; its loss."""
     policy.set_requires_gradient_sync(last)  # reduce-scatter once per step
     logp, entropy, head_logp, _ = forward(policy, b, head_ids=before.head_ids)
-    if cfg.loss_fn == "ess" and cfg.ess_scope == "micro_batch":  # over this micro-batch on every rank
+    if OBJECTIVES[cfg.loss_fn].ess and cfg.ess_scope == "micro_batch":  # over this micro-batch on every rank
         old_logp = logp.detach() if before.old_logp is None else before.old_logp
         ess_value = ess(torch.exp(logp.detach() - old_logp))
         metrics.ess.append(ess_value)

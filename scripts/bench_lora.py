@@ -106,9 +106,13 @@ def memory_and_sync(repeats, port):
     for name in ("full", "lora adapter"):
         torch.manual_seed(1)
         rows[name], policies[name] = memory(cfgs[name], device, mesh)
-    rows["lora merged"], policies["lora merged"] = rows["lora adapter"], policies["lora adapter"]
+    rows["lora merged"], policies["lora merged"] = dict(rows["lora adapter"]), policies["lora adapter"]
     with tempfile.TemporaryDirectory(prefix="bench_lora_") as workdir:
-        base = weight_sync.serving_state_dict(policies["full"])
+        # both servers start from the model's own weights: the LoRA policy's frozen base (the full
+        # policy took an AdamW step above; its syncs replace every weight anyway)
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).state_dict()
         config = policies["full"].config
         plain = serve(cfgs["full"], workdir, port, base, config)
         with_lora = serve(cfgs["lora adapter"], workdir, port + 1, base, config)

@@ -42,15 +42,17 @@ def rollouts(step):
 
 
 def fresh():
-    """Policy, a bf16 reference (so the EMA keeps an fp32 master), optimizer, scheduler, sampler."""
+    """The training state (policy, a bf16 reference so that the EMA keeps an fp32 master, optimizer,
+    scheduler) and a sampler."""
     policy = train.load_model(cfg, device, mesh)
     ref = EMAReference(train.load_model(cfg, device, mesh).to(torch.bfloat16), policy, cfg.alpha)
     optimizer, scheduler = train.make_optimizer(cfg, policy, 20, device)
-    return policy, ref, optimizer, scheduler, PromptSampler(list(range(10)), cfg.seed)
+    return update.TrainState(policy, ref, optimizer, scheduler), PromptSampler(list(range(10)), cfg.seed)
 
 
-def snapshot(policy, ref, optimizer, scheduler, sampler):
-    masters = checkpoint.sharded_state(policy, ref, optimizer)["ref_master"]
+def snapshot(state, sampler):
+    policy, ref, optimizer, scheduler = state.policy, state.ref, state.optimizer, state.scheduler
+    masters = checkpoint.sharded_state(state)["ref_master"]
     opt = get_optimizer_state_dict(policy, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return dict(policy=full_state_dict(policy), ref=full_state_dict(ref.model),
                 master={k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in masters.items()},
@@ -59,27 +61,26 @@ def snapshot(policy, ref, optimizer, scheduler, sampler):
 
 
 if mode == "save":
-    policy, ref, optimizer, scheduler, sampler = fresh()
+    state, sampler = fresh()
     for step in (1, 2, 3):
-        update.train_on_batch(cfg, policy, ref.model, optimizer, scheduler, rollouts(step), rank, world_size,
-                                device)
-        ref.update()
+        update.train_on_batch(cfg, state, rollouts(step), rank, world_size, device)
+        state.ref.update()
         sampler.next_batch(3)
-        checkpoint.save(root, step, policy, ref, optimizer, scheduler, sampler.position, cfg, keep=2)
-    saved = snapshot(policy, ref, optimizer, scheduler, sampler)  # its rng draw is the first after the save
+        checkpoint.save(root, step, state, sampler.position, cfg, keep_last=2)
+    saved = snapshot(state, sampler)  # its rng draw is the first after the save
     if rank == 0:
         torch.save(saved, os.path.join(out, "saved.pt"))
         os.makedirs(os.path.join(root, "step_00000009.partial"))  # a run killed while writing
         os.makedirs(os.path.join(root, "step_00000010"))  # not a checkpoint: no .metadata
     dist.barrier()
-policy, ref, optimizer, scheduler, sampler = fresh()
+state, sampler = fresh()
 torch.manual_seed(1234)  # whatever the RNG was, loading restores it
 found = checkpoint.latest(root)
-state = checkpoint.load(found, policy, ref, optimizer, scheduler)
-sampler.position = state["sampler_position"]
-loaded = dict(snapshot(policy, ref, optimizer, scheduler, sampler), found=os.path.basename(found), step=state["step"],
+trainer = checkpoint.load(found, state)
+sampler.position = trainer["sampler_position"]
+loaded = dict(snapshot(state, sampler), found=os.path.basename(found), step=trainer["step"],
               listing=sorted(os.listdir(root)))
 if rank == 0:
     torch.save(loaded, os.path.join(out, f"loaded_{world_size}.pt"))
-del policy, ref, optimizer, scheduler
+del state
 train.close_distributed()

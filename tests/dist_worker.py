@@ -81,11 +81,10 @@ def tool_turn(c):
 
 
 if mode == "train":
-    optimizer, scheduler = train.make_optimizer(cfg, policy, 10, device)
+    state = update.TrainState(policy, ref, *train.make_optimizer(cfg, policy, 10, device))
     losses = []
     for step in range(3):
-        m = update.train_on_batch(cfg, policy, ref.model, optimizer, scheduler, fixed_rollouts(step), rank,
-                                    world_size, device)
+        m = update.train_on_batch(cfg, state, fixed_rollouts(step), rank, world_size, device)
         ref.update()
         losses.append([m["loss"], m["kl"], m["clip_frac"], m["grad_norm"], m.get("ess", 1.0), m["grad_norm_max"],
                        m["trained_tokens"]])
@@ -93,14 +92,14 @@ if mode == "train":
     if rank == 0:
         torch.save(dict(losses=losses, policy=policy_sd, ref=ref_sd, mesh=mesh_info), out)
 elif mode == "filtered":
-    optimizer, scheduler = train.make_optimizer(cfg, policy, 10, device)
+    state = update.TrainState(policy, ref, *train.make_optimizer(cfg, policy, 10, device))
     n = cfg.num_samples_per_prompt_rollout
     batch = fixed_rollouts(0)
     kept = [s for g in kept_groups for s in batch[g * n:(g + 1) * n]]
-    m = update.train_on_batch(cfg, policy, ref.model, optimizer, scheduler, kept, rank, world_size, device)
+    m = update.train_on_batch(cfg, state, kept, rank, world_size, device)
     policy_sd = full_state_dict(policy)
     if rank == 0:
-        torch.save(dict(m=m, policy=policy_sd, scheduler_steps=scheduler.last_epoch), out)
+        torch.save(dict(m=m, policy=policy_sd, scheduler_steps=state.scheduler.last_epoch), out)
 elif mode == "ema":
     # clone: in a world of one the "gathered" tensors may be the live parameters themselves
     _, pol0, ref0 = [{k: v.clone() for k, v in sd.items()} for sd in states()]
@@ -170,12 +169,12 @@ elif mode == "attention":
     if rank == 0:
         torch.save(results, out)
 elif mode == "ess":
-    from loss import ess
+    from update import ess
 
     rho = torch.exp(torch.randn(1001, generator=torch.Generator().manual_seed(0)))  # odd: the ranks hold unequal parts
     if rank == 0:
         torch.save(dict(ess=ess(rho[rank::world_size])), out)
     else:
         ess(rho[rank::world_size])
-del policy, ref  # the process group goes with the last FSDP module
+state = policy = ref = None  # the process group goes with the last FSDP module
 train.close_distributed()

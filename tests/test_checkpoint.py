@@ -52,7 +52,7 @@ def saved_on_two_ranks(tiny_model_dir, tmp_path_factory):
 def test_two_rank_checkpoint_restores_everything_bit_for_bit(saved_on_two_ranks):
     saved, loaded = (torch.load(saved_on_two_ranks / f, weights_only=False) for f in ("saved.pt", "loaded_2.pt"))
     assert loaded["found"] == "step_00000003" and loaded["step"] == 3
-    # keep=2 pruned step 1 only after step 3 was complete; the partial and the incomplete dirs were never chosen
+    # keep_last=2 pruned step 1 only after step 3 was complete; the partial and the incomplete dirs were never chosen
     assert loaded["listing"] == ["step_00000002", "step_00000003", "step_00000009.partial", "step_00000010"]
     for k in STATE + ("rng",):
         same(saved[k], loaded[k], k)

@@ -13,7 +13,7 @@ import torch
 import lora
 import vllm_server
 from config import Config
-from parallel import sequence_logprobs
+from policy import sequence_logprobs
 from update import make_optimizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -130,7 +130,7 @@ def test_config_refuses_what_does_not_make_sense_with_lora(overrides, fragment):
 def test_a_target_module_the_model_lacks_is_refused_before_anything_starts(tiny_model_dir):
     from transformers import AutoConfig
 
-    from parallel import check_model_config
+    from policy import check_model_config
 
     cfg = Config(model_name_or_path=tiny_model_dir, lora_rank=4, lora_target_modules=["q_proj", "qkv_proj"])
     with pytest.raises(ValueError, match="has no module named qkv_proj") as e:

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from config import Config
-from loss import (cispo_loss, dapo_loss, group_advantages, grpo_loss, kl_k1, kl_k2, kl_k3, kl_k4, mismatch_keep,
-                  step_denominator, token_logprobs)
+from loss import (cispo_loss, dapo_loss, group_advantages, grpo_loss, kl_k1, kl_k2, kl_k3, kl_k4, mismatch_mask,
+                  step_denominator)
+from policy import token_logprobs
 
 
 def naive_logprobs(hidden, weight, targets, temperature, head_ids):
@@ -147,7 +148,7 @@ def test_dapo_by_hand():
     old = torch.zeros(6, dtype=torch.float64)
     logp = torch.log(RHO).requires_grad_()
     cfg = Config(clip_lower=0.2, clip_higher=0.28)
-    per_token, trust, clipped = dapo_loss(logp, old, ADV, torch.arange(6), cfg, 1.0)
+    per_token, trust, clipped = dapo_loss(logp, old, ADV, cfg)
     assert not trust.any()
     assert torch.allclose(per_token, torch.tensor([-0.5, 0.9, -1.0, 1.5, -1.28, 0.8], dtype=torch.float64))
     assert clipped.tolist() == [0, 0, 0, 0, 1, 1]
@@ -158,7 +159,7 @@ def test_dapo_by_hand():
 def test_cispo_by_hand():
     old = torch.zeros(6, dtype=torch.float64)
     logp = torch.log(RHO).requires_grad_()
-    per_token, trust, capped = cispo_loss(logp, old, ADV, torch.arange(6), Config(clip_higher=0.28), 1.0)
+    per_token, trust, capped = cispo_loss(logp, old, ADV, Config(clip_higher=0.28))
     assert not trust.any()
     w = torch.tensor([0.5, 0.9, 1.0, 1.28, 1.28, 0.5], dtype=torch.float64)
     assert torch.allclose(per_token, -w * ADV * torch.log(RHO)) and capped.tolist() == [0, 0, 0, 1, 1, 0]
@@ -230,13 +231,13 @@ def test_mismatch_masks_by_hand():
     vllm = torch.zeros(5, dtype=torch.float64)
     old = torch.log(torch.tensor([1.0, 2.5, 1.1, 0.6, 0.45], dtype=torch.float64))
     seq = torch.tensor([0, 0, 0, 1, 1])
-    assert mismatch_keep(old, vllm, seq, "token", 2.0).tolist() == [1, 0, 1, 1, 0]
+    assert mismatch_mask(old, vllm, seq, "token", 2.0).tolist() == [1, 0, 1, 1, 0]
     # geometric means: (1 * 2.5 * 1.1)^(1/3) = 1.40 (kept), (0.6 * 0.45)^(1/2) = 0.52 (kept)
-    assert mismatch_keep(old, vllm, seq, "sequence", 2.0).tolist() == [1, 1, 1, 1, 1]
+    assert mismatch_mask(old, vllm, seq, "sequence", 2.0).tolist() == [1, 1, 1, 1, 1]
     # with a tighter band [1/1.3, 1.3] the first sequence leaves, the second too (0.52 < 0.77)
-    assert mismatch_keep(old, vllm, seq, "sequence", 1.3).tolist() == [0, 0, 0, 0, 0]
-    assert mismatch_keep(old, vllm, seq, "sequence", 1.45).tolist() == [1, 1, 1, 0, 0]
-    assert mismatch_keep(old[:0], vllm[:0], seq[:0], "sequence", 2.0).numel() == 0
+    assert mismatch_mask(old, vllm, seq, "sequence", 1.3).tolist() == [0, 0, 0, 0, 0]
+    assert mismatch_mask(old, vllm, seq, "sequence", 1.45).tolist() == [1, 1, 1, 0, 0]
+    assert mismatch_mask(old[:0], vllm[:0], seq[:0], "sequence", 2.0).numel() == 0
 
 
 def test_mask_drops_the_policy_term_only():
@@ -244,7 +245,7 @@ def test_mask_drops_the_policy_term_only():
     ref = torch.tensor([-1.5, -1.0], dtype=torch.float64)
     adv = torch.tensor([1.0, 1.0], dtype=torch.float64)
     keep = torch.tensor([0.0, 1.0], dtype=torch.float64)
-    loss, sums = grpo_loss(logp, logp.detach(), adv, torch.arange(2), 1.0, Config(beta=0.1), ref_logp=ref, keep=keep)
+    loss, sums = grpo_loss(logp, logp.detach(), adv, torch.arange(2), 1.0, Config(beta=0.1), ref_logp=ref, mismatch_mask=keep)
     k3 = torch.exp(-(logp - ref)) - 1 + (logp - ref)
     assert torch.isclose(loss, -adv[1] + 0.1 * k3.sum()) and torch.isclose(sums["pg_loss"], -adv[1])
     (grad,) = torch.autograd.grad(loss, logp)

@@ -15,7 +15,7 @@ from config import Config
 from environments import ChatTokens, Environment
 from episodes import Sample, play
 from loss import grpo_loss
-from parallel import sequence_logprobs
+from policy import sequence_logprobs
 
 IM_END = 4  # the tiny tokenizer's <|im_end|>, a stop id of the model like SmolLM2's (llama_like_dir)
 

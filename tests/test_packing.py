@@ -11,7 +11,7 @@ import torch
 import packing
 from config import Config, flash_attention_available
 from loss import grpo_loss
-from parallel import sequence_logprobs
+from policy import sequence_logprobs
 from episodes import Sample
 
 

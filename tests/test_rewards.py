@@ -117,7 +117,7 @@ def test_math_task_through_the_config(tiny_model_dir):
             Config(dataset="math", **bad)
 
 
-def test_a_gsm8k_file_trains_with_the_math_reward(tiny_model_dir):
+def test_a_gsm8k_file_loads_and_scores_with_the_math_reward(tiny_model_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
