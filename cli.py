@@ -2,7 +2,7 @@
 the names are Config's fields.
 
     python train.py --config run.toml --learning_rate 3e-4 --beta=0.0 --vllm_server_urls a,b
-    python train.py --help    # every field, its default and its comment in config.py
+    python train.py --help    # every field, its default and its help (config.py)
 
 A TOML file holds the same keys; flags win over it wherever they stand on the line.
 Unknown keys and values of the wrong type exit with status 2 and one line on stderr (the
@@ -13,18 +13,11 @@ import dataclasses
 import difflib
 import re
 import sys
+import textwrap
 import tomllib
 import typing
 
-import config
 from config import Config
-
-
-def field_comments() -> dict:
-    """The one-line comment of each field, read from config.py's source."""
-    with open(config.__file__) as f:
-        src = f.read()
-    return dict(re.findall(r"^    (\w+): [^\n]*?  # ([^\n]*)$", src, flags=re.M))
 
 
 def field_types() -> dict:
@@ -68,12 +61,12 @@ def convert(name: str, text, tp):
 
 
 def help_text() -> str:
-    comments = field_comments()
     lines = ["usage: train.py [--config FILE.toml] [--key value | --key=value ...]", "",
              "Every field of Config (also valid as a key in the TOML file; flags override it):"]
     for f in dataclasses.fields(Config):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        lines.append(f"  --{f.name} (default {default!r})\n      {comments.get(f.name, '')}")
+        lines.append(f"  --{f.name} (default {default!r})")
+        lines += textwrap.wrap(f.metadata["help"], 100, initial_indent=" " * 6, subsequent_indent=" " * 6)
     return "\n".join(lines)
 
 

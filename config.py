@@ -1,5 +1,6 @@
-"""One flat config for the whole trainer: every field has a default and a one-line comment, which
-`python train.py --help` prints (cli.py reads the command line and TOML file). The field name, the
+"""One flat config for the whole trainer: every field has a default and a line of help (its
+metadata, which `python train.py --help` prints; cli.py reads the command line and TOML file).
+A step is one rollout batch; an update is one optimizer step (num_mini_batches x num_epochs a step). The field name, the
 flag and the metric key are the same string; names follow open-instruct's grpo_fast where it has
 one. `Config.__post_init__` refuses every contradiction before any process group, model or server starts.
 """
@@ -14,6 +15,13 @@ def flash_attention_available() -> bool:
 
     import torch
     return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+def option(default, help):
+    """A Config field: its default and the line `train.py --help` prints for it (field metadata)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
 
 
 def objectives():
@@ -32,111 +40,172 @@ def default(name):
 @dataclass
 class Config:
     # --- model and data
-    model_name_or_path: str = "models/tiny"  # HF hub name or local dir (build a tiny one: python scripts/make_tiny_model.py --out models/tiny)
-    attn_implementation: Literal["packed_sdpa", "sdpa", "eager", "flex_attention", "flash_attention_2"] = "packed_sdpa"  # packed_sdpa (sdpa on each sequence of a packed row), transformers' sdpa / eager (one mask over the whole row), flex_attention (a block mask), flash_attention_2 (variable-length kernels; needs a GPU and flash-attn, untested here)
-    dataset: str = "copy"  # a built-in task (copy, add, math, calc), a hub dataset name, or a local .jsonl/.json/.parquet/.csv file
-    math_digits: int = 1  # math and calc tasks: numbers of up to (calc: exactly) this many digits
-    math_operations: str = "+-"  # math and calc tasks: operations a problem draws from, any of + - *
-    math_steps: int = 1  # math and calc tasks: operations per problem after the first number
-    dataset_split: str = "train"  # split to read from a hub dataset
-    dataset_prompt_column: str = "prompt"  # column holding the prompt: a string, or a list of {role, content} chat messages
-    dataset_answer_column: str = "answer"  # column the reward function reads as example["answer"] (may be absent if the reward needs none)
-    reward_fn: Optional[str] = None  # "module:function" or "path/to/file.py:function"; None = the built-in task's reward, else exact_match
-    reward_workers: int = 2  # processes that score rewards (reward_pool.py); 0 = in the trainer, no timeout (breakpoint() works)
-    reward_timeout: float = 10.0  # seconds one sample's reward may take in a worker; past it the sample scores 0
-    environment: Optional[str] = None  # multi-turn episodes: "module:name" or "file.py:name" (environments.py; built-in: environments:calculator); None = one completion per prompt
-    max_turns: int = 4  # with an environment: assistant turns per episode at most
-    tool_workers: int = 2  # with an environment: processes that run its step (tool calls)
-    tool_timeout: float = 10.0  # seconds one step (tool call) may take; past it the policy is told so
-    tool_output_max_tokens: int = 256  # an environment message longer than this is cut
-    format_reward: float = 0.0  # added to the training reward (not to evaluation) of a completion that marks an answer with \boxed{} or ####
-    apply_chat_template: bool = False  # wrap string prompts as one user message and apply the tokenizer's chat template
-    max_prompt_length: int = 64  # prompt tokens; longer prompts are skipped and counted, or refused (see skip_long_prompts)
-    skip_long_prompts: bool = True  # True: skip and count prompts over max_prompt_length; False: stop with an error
-    num_eval_prompts: int = 64  # held-out prompts for greedy evaluation (never trained on)
-    eval_freq: int = 10  # evaluate every this many steps; 0 disables
+    model_name_or_path: str = option("models/tiny", "HF hub name or local dir (build a tiny one: python "
+                                                    "scripts/make_tiny_model.py --out models/tiny)")
+    attn_implementation: Literal["packed_sdpa", "sdpa", "eager", "flex_attention", "flash_attention_2"] = option(
+        "packed_sdpa", "packed_sdpa (sdpa on each sequence of a packed row), transformers' sdpa / eager (one mask over the whole "
+        "row), flex_attention (a block mask), flash_attention_2 (variable-length kernels; needs a GPU and "
+        "flash-attn, untested here)")
+    dataset: str = option("copy", "a built-in task (copy, add, math, calc), a hub dataset name, or a local "
+                                  ".jsonl/.json/.parquet/.csv file")
+    math_digits: int = option(1, "math and calc tasks: numbers of up to (calc: exactly) this many digits")
+    math_operations: str = option("+-", "math and calc tasks: operations a problem draws from, any of + - *")
+    math_steps: int = option(1, "math and calc tasks: operations per problem after the first number")
+    dataset_split: str = option("train", "split to read from a hub dataset")
+    dataset_prompt_column: str = option("prompt", "column holding the prompt: a string, or a list of {role, content} "
+                                                  "chat messages")
+    dataset_answer_column: str = option("answer", "column the reward function reads as example[\"answer\"] (may be "
+                                                  "absent if the reward needs none)")
+    reward_fn: Optional[str] = option(None, "\"module:function\" or \"path/to/file.py:function\"; None = the "
+                                            "built-in task's reward, else exact_match")
+    reward_workers: int = option(2, "processes that score rewards (reward_pool.py); 0 = in the trainer, no timeout "
+                                    "(breakpoint() works)")
+    reward_timeout: float = option(10.0, "seconds one sample's reward may take in a worker; past it the sample "
+                                         "scores 0")
+    environment: Optional[str] = option(None, "multi-turn episodes: \"module:name\" or \"file.py:name\" "
+                                              "(environments.py; built-in: environments:calculator); None = one "
+                                              "completion per prompt")
+    max_turns: int = option(4, "with an environment: assistant turns per episode at most")
+    tool_workers: int = option(2, "with an environment: processes that run its step (tool calls)")
+    tool_timeout: float = option(10.0, "seconds one step (tool call) may take; past it the policy is told so")
+    tool_output_max_tokens: int = option(256, "an environment message longer than this is cut")
+    format_reward: float = option(0.0, "added to the training reward (not to evaluation) of a completion that marks "
+                                       "an answer with \\boxed{} or ####")
+    apply_chat_template: bool = option(False, "wrap string prompts as one user message and apply the tokenizer's "
+                                              "chat template")
+    max_prompt_length: int = option(64, "prompt tokens; longer prompts are skipped and counted, or refused (see "
+                                        "skip_long_prompts)")
+    skip_long_prompts: bool = option(True, "True: skip and count prompts over max_prompt_length; False: stop with an "
+                                           "error")
+    num_eval_prompts: int = option(64, "held-out prompts for greedy evaluation (never trained on)")
+    eval_freq: int = option(10, "evaluate every this many steps; 0 disables")
     # --- rollouts (vLLM)
-    response_length: int = 8  # max new tokens per completion
-    temperature: float = 1.0  # sampling temperature for training rollouts
-    top_p: float = 1.0  # must stay 1: vLLM renormalises its logprobs over the nucleus, the trainer's ratios cannot follow
-    vllm_server_urls: list[str] = field(default_factory=list)  # servers you run yourself (comma separated); empty = launch one
-    vllm_port: int = 8011  # port of the server we launch
-    vllm_dtype: str = "auto"  # dtype of the server we launch; auto = the trainer's (float32 on CPU, bfloat16 on GPU)
-    vllm_max_model_len: Optional[int] = None  # context of the server we launch; None = max_prompt_length + response_length
-    vllm_kv_cache_space_gb: int = 1  # KV cache size of a CPU server we launch (VLLM_CPU_KVCACHE_SPACE)
-    vllm_cpu_threads: Optional[int] = None  # cores a CPU server we launch computes on; None = all with async_steps=0, half otherwise
-    vllm_gpu_memory_utilization: float = 0.9  # memory fraction of a GPU server we launch
-    vllm_startup_timeout: float = 600.0  # seconds to wait for a launched server's /health
-    vllm_request_timeout: float = 120.0  # seconds for one HTTP request to a server
-    vllm_max_retries: int = 3  # retries (with backoff) of a failed request before the run stops
-    async_steps: int = 0  # generate the batches of the next N steps while training on this one; 0 = synchronous (exact)
-    max_sample_staleness: Optional[int] = None  # drop samples whose weights are more than this many updates old; None = async_steps
-    vllm_max_restarts: int = 3  # times a server we launched is restarted after it dies; a server you run is never restarted
-    weight_sync_transport: Literal["filesystem", "nccl"] = "filesystem"  # filesystem (safetensors + reload_weights, CPU and GPU) or nccl (GPU servers)
-    weight_sync_master_address: str = "127.0.0.1"  # nccl: address of trainer rank 0 as the vLLM server sees it
-    weight_sync_master_port: int = 29555  # nccl: port of the weight-transfer rendezvous on trainer rank 0
-    weight_sync_dir: Optional[str] = None  # filesystem: where rank 0 writes weights for every server to read; None = /dev/shm (servers on its node)
-    vllm_logp_tolerance: float = 1e-2  # max |trainer - vLLM| logprob after a sync before it counts as failed
+    response_length: int = option(8, "max new tokens per completion")
+    temperature: float = option(1.0, "sampling temperature for training rollouts")
+    top_p: float = option(1.0, "must stay 1: vLLM renormalises its logprobs over the nucleus, the trainer's ratios "
+                               "cannot follow")
+    vllm_server_urls: list[str] = option([], "servers you run yourself (comma separated); empty = launch one")
+    vllm_port: int = option(8011, "port of the server we launch")
+    vllm_dtype: str = option("auto", "dtype of the server we launch; auto = the trainer's (float32 on CPU, bfloat16 "
+                                     "on GPU)")
+    vllm_max_model_len: Optional[int] = option(None, "context of the server we launch; None = max_prompt_length + "
+                                                     "response_length")
+    vllm_kv_cache_space_gb: int = option(1, "KV cache size of a CPU server we launch (VLLM_CPU_KVCACHE_SPACE)")
+    vllm_cpu_threads: Optional[int] = option(None, "cores a CPU server we launch computes on; None = all with "
+                                                   "async_steps=0, half otherwise")
+    vllm_gpu_memory_utilization: float = option(0.9, "memory fraction of a GPU server we launch")
+    vllm_startup_timeout: float = option(600.0, "seconds to wait for a launched server's /health")
+    vllm_request_timeout: float = option(120.0, "seconds for one HTTP request to a server")
+    vllm_max_retries: int = option(3, "retries (with backoff) of a failed request before the run stops")
+    async_steps: int = option(0, "generate the batches of the next N steps while training on this one; 0 = "
+                                 "synchronous (exact)")
+    max_sample_staleness: Optional[int] = option(None, "drop samples whose weights are more than this many updates "
+                                                       "old; None = async_steps")
+    vllm_max_restarts: int = option(3, "times a server we launched is restarted after it dies; a server you run is "
+                                       "never restarted")
+    weight_sync_transport: Literal["filesystem", "nccl"] = option("filesystem",
+        "filesystem (safetensors + reload_weights, CPU and GPU) or nccl (GPU servers)")
+    weight_sync_master_address: str = option("127.0.0.1", "nccl: address of trainer rank 0 as the vLLM server sees it")
+    weight_sync_master_port: int = option(29555, "nccl: port of the weight-transfer rendezvous on trainer rank 0")
+    weight_sync_dir: Optional[str] = option(None, "filesystem: where rank 0 writes weights for every server to read; "
+                                                  "None = /dev/shm (servers on its node)")
+    vllm_logp_tolerance: float = option(1e-2, "max |trainer - vLLM| logprob after a sync before it counts as failed")
     # --- batch
-    num_unique_prompts_rollout: int = 16  # prompts per step
-    num_samples_per_prompt_rollout: int = 8  # completions per prompt (the GRPO group)
-    max_tokens_per_micro_batch: int = 4096  # tokens (prompt + completion) packed into one forward/backward on one rank; at least max_prompt_length + response_length
-    num_mini_batches: int = 1  # optimizer steps per rollout batch (per epoch)
-    num_epochs: int = 1  # passes over each rollout batch
-    num_training_steps: int = 100  # rollout batches to train on
+    num_unique_prompts_rollout: int = option(16, "prompts per step")
+    num_samples_per_prompt_rollout: int = option(8, "completions per prompt (the GRPO group)")
+    max_tokens_per_micro_batch: int = option(4096, "tokens (prompt + completion) packed into one forward/backward on "
+                                                   "one rank; at least max_prompt_length + response_length")
+    num_mini_batches: int = option(1, "optimizer steps per rollout batch (per epoch)")
+    num_epochs: int = option(1, "passes over each rollout batch")
+    num_training_steps: int = option(100, "rollout batches to train on")
     # --- optimizer
-    learning_rate: float = 1e-3  # peak learning rate of AdamW
-    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"  # constant, linear or cosine (after warm-up)
-    warm_up_steps: int = 0  # linear warm-up, in optimizer steps
-    weight_decay: float = 0.0  # AdamW weight decay
-    max_grad_norm: float = 1.0  # gradient clipping; 0 disables
+    learning_rate: float = option(1e-3, "peak learning rate of AdamW")
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = option("constant",
+        "constant, linear or cosine (after warm-up)")
+    warm_up_steps: int = option(0, "linear warm-up, in optimizer steps")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    max_grad_norm: float = option(1.0, "gradient clipping; 0 disables")
     # --- objective
-    loss_fn: str = "dapo"  # an objective of loss.OBJECTIVES: dapo (asymmetric clip), cispo (capped weight x logp), ess (batch-adaptive, "Trust the Batch" by Fakoor et al.; no clip constants) or gspo (clipped sequence ratio, GSPO by Zheng et al.; the paper clips at 3e-4 / 4e-4)
-    clip_lower: float = 0.2  # dapo, gspo: ratio (gspo: the sequence ratio) clipped below at 1 - clip_lower
-    clip_higher: float = 0.28  # dapo, gspo: ratio clipped above at 1 + clip_higher; cispo: weight capped at 1 + clip_higher
-    beta: float = 0.0  # KL coefficient toward the reference; 0 = no KL term
-    kl_estimator: Literal["k1", "k2", "k3", "k4", "topk"] = "k3"  # k1, k2, k3, k4 or topk
-    kl_topk: int = 0  # topk: tokens of the sampling policy summed exactly per position (0 = sampled k4)
-    ess_scope: Literal["step", "micro_batch"] = "step"  # ess: ESS over the optimizer step's tokens (one extra forward) or per micro_batch
-    loss_denominator: str = "token"  # "token" (valid tokens of the whole optimizer step) or a positive number (Dr GRPO)
-    advantage_normalization_type: Literal["standard", "centered"] = "standard"  # standard (r - mean)/(std + eps) or centered (r - mean)
-    filter_zero_std_samples: bool = True  # drop groups whose rewards all agree (no learning signal)
-    active_sampling: bool = False  # DAPO's dynamic sampling: refill filtered groups with new prompts until the batch is full
-    active_sampling_max_rounds: int = 4  # active_sampling: extra generation rounds per step at most; then train on what is kept
-    use_vllm_logprobs: bool = False  # take vLLM's sampling logprobs as old_logp instead of recomputing them
-    truncated_importance_sampling_ratio_cap: float = 0.0  # cap of exp(old_logp - vllm_logp) on the policy term; 0 disables
-    vllm_importance_sampling_mask: Literal["none", "token", "sequence"] = "none"  # none, token (IcePop: drop tokens whose ratio pi_old/pi_vllm leaves the band) or sequence (drop sequences by geometric-mean ratio)
-    vllm_importance_sampling_mask_cap: float = 2.0  # the mask's band is [1/cap, cap]; the sequence mask wants a tighter one (1.1 say)
+    loss_fn: str = option("dapo", "an objective of loss.OBJECTIVES: dapo (asymmetric clip), cispo (capped weight x "
+                                  "logp), ess (batch-adaptive, \"Trust the Batch\" by Fakoor et al.; no clip "
+                                  "constants) or gspo (clipped sequence ratio, GSPO by Zheng et al.; the paper clips "
+                                  "at 3e-4 / 4e-4)")
+    clip_lower: float = option(0.2, "dapo, gspo: ratio (gspo: the sequence ratio) clipped below at 1 - clip_lower")
+    clip_higher: float = option(0.28, "dapo, gspo: ratio clipped above at 1 + clip_higher; cispo: weight capped at 1 "
+                                      "+ clip_higher")
+    beta: float = option(0.0, "KL coefficient toward the reference; 0 = no KL term")
+    kl_estimator: Literal["k1", "k2", "k3", "k4", "topk"] = option("k3", "k1, k2, k3, k4 or topk")
+    kl_topk: int = option(0, "topk: tokens of the sampling policy summed exactly per position (0 = sampled k4)")
+    ess_scope: Literal["step", "micro_batch"] = option("step",
+        "ess: ESS over the optimizer step's tokens (one extra forward) or per micro_batch")
+    loss_denominator: str = option("token", "\"token\" (valid tokens of the whole optimizer step) or a positive "
+                                            "number (Dr GRPO)")
+    advantage_normalization_type: Literal["standard", "centered"] = option("standard",
+        "standard (r - mean)/(std + eps) or centered (r - mean)")
+    filter_zero_std_samples: bool = option(True, "drop groups whose rewards all agree (no learning signal)")
+    active_sampling: bool = option(False, "DAPO's dynamic sampling: refill filtered groups with new prompts until "
+                                          "the batch is full")
+    active_sampling_max_rounds: int = option(4, "active_sampling: extra generation rounds per step at most; then "
+                                                "train on what is kept")
+    use_vllm_logprobs: bool = option(False, "take vLLM's sampling logprobs as old_logp instead of recomputing them")
+    truncated_importance_sampling_ratio_cap: float = option(0.0,
+        "cap of exp(old_logp - vllm_logp) on the policy term; 0 disables")
+    vllm_importance_sampling_mask: Literal["none", "token", "sequence"] = option("none",
+        "none, token (IcePop: drop tokens whose ratio pi_old/pi_vllm leaves the band) or sequence (drop sequences by "
+        "geometric-mean ratio)")
+    vllm_importance_sampling_mask_cap: float = option(2.0,
+        "the mask's band is [1/cap, cap]; the sequence mask wants a tighter one (1.1 say)")
     # --- reference policy
-    load_ref_policy: bool = True  # allow a reference policy; it is built only when beta > 0 (its only use)
-    ref_policy_update_freq: Optional[int] = None  # Polyak-update the reference every N steps; None = fixed reference
-    alpha: float = 0.6  # Polyak weight: ref = alpha * policy + (1 - alpha) * ref
+    load_ref_policy: bool = option(True, "allow a reference policy; it is built only when beta > 0 (its only use)")
+    ref_policy_update_freq: Optional[int] = option(None,
+        "Polyak-update the reference every N steps; None = fixed reference")
+    alpha: float = option(0.6, "Polyak weight: ref = alpha * policy + (1 - alpha) * ref")
     # --- LoRA (lora.py: PEFT adapters on a frozen base; the reference is an adapter, not a model)
-    lora_rank: int = 0  # rank of the LoRA adapters trained instead of the model's weights; 0 = train every weight
-    lora_alpha: float = 32.0  # the adapters' scale is lora_alpha / lora_rank
-    lora_dropout: float = 0.0  # dropout on the adapters' input in the forward that takes a gradient (old logprobs then get a forward of their own)
-    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # PEFT's module names (q_proj,v_proj,...) or all-linear (every linear layer but the LM head)
-    lora_weight_sync: Literal["adapter", "merged"] = "adapter"  # adapter: the servers load each new adapter (vLLM --enable-lora); merged: full weights with the adapter folded in (servers without LoRA)
+    lora_rank: int = option(0, "rank of the LoRA adapters trained instead of the model's weights; 0 = train every "
+                               "weight")
+    lora_alpha: float = option(32.0, "the adapters' scale is lora_alpha / lora_rank")
+    lora_dropout: float = option(0.0, "dropout on the adapters' input in the forward that takes a gradient (old "
+                                      "logprobs then get a forward of their own)")
+    lora_target_modules: list[str] = option(["all-linear"],
+        "PEFT's module names (q_proj,v_proj,...) or all-linear (every linear layer but the LM head)")
+    lora_weight_sync: Literal["adapter", "merged"] = option("adapter",
+        "adapter: the servers load each new adapter (vLLM --enable-lora); merged: full weights with the adapter "
+        "folded in (servers without LoRA)")
     # --- distributed (parallel.py; the README maps open-instruct's DeepSpeed knobs to these)
-    fsdp_shard_size: int = 0  # ranks one weight copy is sharded over; 0 = all (FSDP), a divisor of the world = hybrid (HSDP)
-    reshard_after_forward: bool = True  # free a layer's gathered weights after forward (ZeRO-3); False keeps them until backward (fewer gathers)
-    activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward instead of storing them
-    offload_params: bool = False  # policy's parameter shards, gradients and AdamW state in CPU memory (FSDP2 CPUOffloadPolicy: all three)
-    offload_ref_policy: bool = False  # the reference's parameter shards in CPU memory (copied to the GPU layer by layer for its forward)
-    single_gpu_mode: bool = False  # trainer and our vLLM server share one GPU; the server sleeps while training (untested here)
-    sequence_parallel_size: int = 1  # ranks that split each packed row (DeepSpeed-Ulysses: all-to-all around attention, sequence_parallel.py); 1 = off
-    backend_timeout: int = 30  # minutes before a stuck collective fails the process group
-    weight_sync_timeout: float = 600.0  # seconds one weight sync into vLLM may take (the reload request, or the NCCL transfer)
+    fsdp_shard_size: int = option(0, "ranks one weight copy is sharded over; 0 = all (FSDP), a divisor of the world "
+                                     "= hybrid (HSDP)")
+    reshard_after_forward: bool = option(True, "free a layer's gathered weights after forward (ZeRO-3); False keeps "
+                                               "them until backward (fewer gathers)")
+    activation_checkpointing: bool = option(False, "recompute each decoder layer's activations in backward instead "
+                                                   "of storing them")
+    offload_params: bool = option(False, "policy's parameter shards, gradients and AdamW state in CPU memory (FSDP2 "
+                                         "CPUOffloadPolicy: all three)")
+    offload_ref_policy: bool = option(False, "the reference's parameter shards in CPU memory (copied to the GPU "
+                                             "layer by layer for its forward)")
+    single_gpu_mode: bool = option(False, "trainer and our vLLM server share one GPU; the server sleeps while "
+                                          "training (untested here)")
+    sequence_parallel_size: int = option(1, "ranks that split each packed row (DeepSpeed-Ulysses: all-to-all around "
+                                            "attention, sequence_parallel.py); 1 = off")
+    backend_timeout: int = option(30, "minutes before a stuck collective fails the process group")
+    weight_sync_timeout: float = option(600.0, "seconds one weight sync into vLLM may take (the reload request, or "
+                                               "the NCCL transfer)")
     # --- checkpoints, output, logging
-    output_dir: str = "output"  # metrics.jsonl, exported models and plots go here
-    checkpoint_state_dir: Optional[str] = None  # resumable sharded checkpoints (needs checkpoint_state_freq > 0)
-    checkpoint_state_freq: int = -1  # steps between resumable checkpoints; -1 = none (also written at the end and on SIGTERM)
-    keep_last_n_checkpoints: int = 3  # complete checkpoints kept; older ones are removed once a newer one is complete
-    save_freq: int = -1  # steps between Hugging Face model exports (output_dir/step_N); -1 = only the final one (output_dir/final)
-    max_consecutive_skipped_steps: int = 3  # stop when this many steps in a row skip an update for a non-finite loss or gradient norm
-    with_tracking: bool = False  # also log to Weights & Biases or TensorBoard (offline modes work)
-    log_samples_freq: int = 10  # every N steps print a few (prompt, completion, reward) and append them to output_dir/samples.jsonl; 0 = never
-    seed: int = 1  # seeds data order, sampling and initialisation; 0 to about 2**31 - 1 (max_seed: vLLM takes 64-bit seeds)
+    output_dir: str = option("output", "metrics.jsonl, exported models and plots go here")
+    checkpoint_state_dir: Optional[str] = option(None, "resumable sharded checkpoints (needs checkpoint_state_freq > "
+                                                       "0)")
+    checkpoint_state_freq: int = option(-1, "steps between resumable checkpoints; -1 = none (also written at the end "
+                                            "and on SIGTERM)")
+    keep_last_n_checkpoints: int = option(3, "complete checkpoints kept; older ones are removed once a newer one is "
+                                             "complete")
+    save_freq: int = option(-1, "steps between Hugging Face model exports (output_dir/step_N); -1 = only the final "
+                                "one (output_dir/final)")
+    max_consecutive_skipped_steps: int = option(3, "stop when this many steps in a row skip an update for a "
+                                                   "non-finite loss or gradient norm")
+    with_tracking: bool = option(False, "also log to Weights & Biases or TensorBoard (offline modes work)")
+    log_samples_freq: int = option(10, "every N steps print a few (prompt, completion, reward) and append them to "
+                                       "output_dir/samples.jsonl; 0 = never")
+    seed: int = option(1, "seeds data order, sampling and initialisation; 0 to about 2**31 - 1 (max_seed: vLLM takes "
+                          "64-bit seeds)")
 
     def __post_init__(self):
         """Refuse a contradiction before any process group, model or server starts: first each field alone (the

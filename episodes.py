@@ -169,17 +169,17 @@ def sample_groups(cfg, client, rows, seed, step, pool, tokenizer, env=None, show
     rewards = torch.tensor(rewards)
     adv, std = group_advantages(rewards, n, cfg.advantage_normalization_type)
     # std is exactly 0 for a group whose rewards are all equal (max == min), also at 2/3 or 0.1
-    keep = (std > 0) if cfg.filter_zero_std_samples else torch.ones_like(std, dtype=torch.bool)
+    kept = (std > 0) if cfg.filter_zero_std_samples else torch.ones_like(std, dtype=torch.bool)
     for e, a, r in zip(episodes, adv.tolist(), rewards.tolist()):
         e.sample.adv, e.sample.reward = a, r
     shown = range(0, len(episodes), max(1, len(episodes) // SAMPLES_SHOWN))[:SAMPLES_SHOWN] if show else []
     lost = stats.pop("tool_failures")
     tools = dict(tool_calls=sum(e.tool_calls for e in episodes), turns=sum(e.turns for e in episodes),
                  **{f"tool_{what}": lost.count(what) for what in ("errors", "timeouts", "crashes")})
-    return [e.sample for e, k in zip(episodes, keep.tolist()) if k], dict(
+    return [e.sample for e, k in zip(episodes, kept.tolist()) if k], dict(
         rewards=rewards, lengths=torch.tensor([len(e.sample.token_ids) for e in episodes], dtype=torch.float),
         **failures, **stats, **tools, time_score=time.perf_counter() - t, stops=sum(not e.cut for e in episodes),
-        filtered_groups=int((~keep).sum().item()) // n,
+        filtered_groups=int((~kept).sum().item()) // n,
         samples=[show_episode(step, episodes[i], tokenizer) for i in shown])
 
 

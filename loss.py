@@ -225,8 +225,8 @@ def grpo_loss(logp, old_logp, adv, seq_ids, denominator, cfg, *, ref_logp=None, 
     tis_weight (N,), truncated importance sampling min(pi_old/pi_vllm, cap), multiplies the
     policy term; it also corrects every KL estimator (k1-k3 by sg(rho), k4 and the top-k tail
     by rho), whose weight must be pi/mu with mu the policy that sampled: pi/pi_old x pi_old/pi_vllm.
-    mismatch_mask (N,) masks tokens out of the policy term (1.0 kept, 0.0 out: mismatch_mask). ess_value is sg(ESS) for
-    loss_fn="ess"; kl_heads is the tuple (head_logp, ref_head_logp, in_head) for
+    mismatch_mask (N,) masks tokens out of the policy term (1.0 kept, 0.0 out; mismatch_mask()).
+    ess_value is sg(ESS), passed to an objective whose row has ess=True; kl_heads is the tuple (head_logp, ref_head_logp, in_head) for
     kl_estimator="topk". Returns (loss, sums) where sums holds per-micro-batch totals for
     logging (they are summed over micro-batches and ranks, then divided by the tokens).
     """

@@ -103,7 +103,7 @@ def launch_server(model_dir, cfg, log_path, port=None, env=None, extra_args=()):
 
 def cpu_placement(cfg, environ):
     """OpenMP threads and core binding of a CPU server we launch (BENCHMARKS.md,
-    "Generation on the CPU": scripts/bench_generation.py measures each choice).
+    "Generation on the CPU": benchmarks/bench_generation.py measures each choice).
 
     vLLM's automatic binding keeps one core per worker free for its scheduler process, so on a
     2-core machine the model runs on one. In the synchronous loop the training ranks only wait

@@ -112,7 +112,7 @@ def test_fewer_groups_than_mini_batches_on_two_ranks(tiny_model_dir, tmp_path, n
     args = ("ess", "k3", "num_samples_per_prompt_rollout=2", "num_unique_prompts_rollout=8", "num_mini_batches=4",
             "groups=3")
     got = run("filtered", tiny_model_dir, tmp_path / f"{nproc}.pt", nproc, 29700 + nproc, *args)
-    assert got["scheduler_steps"] == 4 and got["m"]["skipped_steps"] == 0
+    assert got["scheduler_steps"] == 4 and got["m"]["skipped_updates"] == 0
     one = run("filtered", tiny_model_dir, tmp_path / "one.pt", 1, 0, *args) if nproc == 2 else got
     assert got["m"]["trained_tokens"] == one["m"]["trained_tokens"] > 0
     assert got["m"]["loss"] == pytest.approx(one["m"]["loss"], rel=1e-5, abs=1e-6)

@@ -159,7 +159,7 @@ def test_non_finite_loss_skips_the_step_then_stops_the_run(server, tiny_model_di
     assert out.returncode != 0
     assert "3 steps in a row had a non-finite loss or gradient norm" in out.stderr, out.stderr[-2000:]
     rows = {r["step"]: r for r in metrics(tmp_path)}
-    assert [rows[s]["skipped_steps"] for s in (1, 2, 3, 4, 5)] == [0, 1, 0, 1, 1]
+    assert [rows[s]["skipped_updates"] for s in (1, 2, 3, 4, 5)] == [0, 1, 0, 1, 1]
     assert 6 not in rows  # the run stopped at step 6 ...
     assert rows[3]["vllm_logp_diff_max"] < 1e-4  # ... and step 2's NaN never reached the weights
     assert not any(v != v for v in rows[3].values() if isinstance(v, float))

@@ -275,8 +275,8 @@ def test_only_policy_tokens_reach_the_loss_and_its_gradients(tiny_model_dir, los
     assert packed_loss(model, changed, cfg, ref).item() != loss.item()
 
 
-def test_readme_environment_runs(tiny_model_dir, tmp_path):
-    """The README's "Writing an environment", as written, in a file: three guesses, two hints,
+def test_the_documented_environment_runs(tiny_model_dir, tmp_path):
+    """docs/data.md's "Writing an environment", as written, in a file: three guesses, two hints,
     and its reward of the last guess over the turns taken."""
     import os
 
@@ -286,7 +286,7 @@ def test_readme_environment_runs(tiny_model_dir, tmp_path):
     from reward_pool import RewardPool
     from test_objectives import ROOT
 
-    text = open(os.path.join(ROOT, "README.md")).read().split("\n### Writing an environment\n", 1)[1]
+    text = open(os.path.join(ROOT, "docs", "data.md")).read().split("\n## Writing an environment\n", 1)[1]
     (code,) = re.findall(r"```python\n(.*?)```", text.split("\n## ", 1)[0], re.S)
     (tmp_path / "guess.py").write_text(code)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -43,7 +43,7 @@ def test_smollm2_trains_on_math_with_2_ranks_and_vllm_in_sync(smollm2, tmp_path)
         # 3.6e-5 to 7.5e-5, so the max gets headroom and the mean stays far below the 1e-4 bound.
         assert r["vllm_logp_diff_mean"] < 2e-5 and r["vllm_logp_diff_max"] < 2.5e-4, r
         assert r["reward_errors"] == r["reward_timeouts"] == r["reward_crashes"] == 0
-        assert r["trained_tokens"] > 0 and r["skipped_steps"] == 0
+        assert r["trained_tokens"] > 0 and r["skipped_updates"] == 0
     samples = [json.loads(line) for line in open(out_dir / "samples.jsonl")]
     assert [s["step"] for s in samples] == [1] * 4 + [2] * 4
     for s in samples:  # the logged reward is the math reward of the logged completion
@@ -70,7 +70,7 @@ def test_smollm2_calls_the_calculator_over_several_turns_with_vllm_in_sync(smoll
     for r in steps:  # the bounds of the single-turn test above
         assert r["vllm_logp_diff_mean"] < 2e-5 and r["vllm_logp_diff_max"] < 2.5e-4, r
         assert r["tool_errors"] == r["tool_timeouts"] == r["tool_crashes"] == 0
-        assert r["trained_tokens"] > 0 and r["skipped_steps"] == 0
+        assert r["trained_tokens"] > 0 and r["skipped_updates"] == 0
     assert sum(r["tool_calls"] for r in steps) > 0 and max(r["turns"] for r in steps) > 1
     samples = [json.loads(line) for line in open(out_dir / "samples.jsonl")]
     assert any("[env: " in s["completion"] for s in samples)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A separate virtual environment for TRL (.venv-trl, git-ignored), used only by
-# scripts/bench_trl.py to compare against TRL's GRPOTrainer. It is never a dependency of
+# benchmarks/bench_trl.py to compare against TRL's GRPOTrainer. It is never a dependency of
 # the trainer. No vLLM in it: on a CPU, TRL generates with transformers. Safe to re-run.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,7 +1,7 @@
 """Logprob error of bf16 LM-head inputs against float64, at Qwen2.5-0.5B's shape.
 
-    python scripts/check_bf16_logits.py                 # CPU
-    python scripts/check_bf16_logits.py --device cuda   # a GPU
+    python benchmarks/check_bf16_logits.py                 # CPU
+    python benchmarks/check_bf16_logits.py --device cuda   # a GPU
 
 Compares token_logprobs (float32 logits from upcast bf16 hidden states and head) with a
 bf16 product cast afterwards, both against float64 logprobs of the same bf16 values.
@@ -9,9 +9,13 @@ bf16 product cast afterwards, both against float64 logprobs of the same bf16 val
 
 import argparse
 
+import os
+import sys
+
 import torch
 
-from loss import token_logprobs
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # policy without PYTHONPATH
+from policy import token_logprobs  # noqa: E402
 
 
 def main():

@@ -3,8 +3,8 @@ this machine measured in the same invocation: the compute bound (2 x parameters 
 the fp32 matmul rate timed here) and the memory bound (every decode step reads the weights
 once, at the memory-copy rate timed here).
 
-    .venv/bin/python scripts/bench_generation.py                                # SmolLM2, every setting
-    .venv/bin/python scripts/bench_generation.py --settings one_core,all_cores --repeats 3
+    .venv/bin/python benchmarks/bench_generation.py                                # SmolLM2, every setting
+    .venv/bin/python benchmarks/bench_generation.py --settings one_core,all_cores --repeats 3
 
 The request is the demo's: 4 prompts x 8 samples, 64-token prompts, 128 new tokens with
 ignore_eos (so every run generates 4096 tokens), T 0.7, sent as the trainer sends it (one
@@ -25,9 +25,8 @@ import time
 
 import torch
 
-SCRIPTS = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(SCRIPTS)
-sys.path[:0] = [SCRIPTS, ROOT]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 import vllm_client  # noqa: E402
 import vllm_server  # noqa: E402
 import weight_sync  # noqa: E402

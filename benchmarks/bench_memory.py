@@ -1,7 +1,7 @@
 """Peak memory of one training micro-batch without and with activation checkpointing.
 
-    python scripts/bench_memory.py                          # the 24 M Qwen2 shape, 4 sequences of 256 tokens
-    python scripts/bench_memory.py --batch 8 --seq-len 1024
+    python benchmarks/bench_memory.py                          # the 24 M Qwen2 shape, 4 sequences of 256 tokens
+    python benchmarks/bench_memory.py --batch 8 --seq-len 1024
 
 Builds a random model in code (hidden 512, 8 layers, 8 heads, 2 KV heads, MLP 1536,
 vocabulary 64: 24.2 M parameters), shards it with parallel.load_model in a world of one

@@ -1,7 +1,7 @@
 """Padded against packed micro-batches: forward + backward of one mini-batch, one process.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_packing.py                  # 24m, 8 x 8 sequences
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_packing.py --max_tokens 2048 --reps 5
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_packing.py                  # 24m, 8 x 8 sequences
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_packing.py --max_tokens 2048 --reps 5
 
 The mini-batch is --prompts x --samples synthetic rollouts: a prompt of 8 to 11 tokens (like
 the copy task's) and completions of --min_new to --max_new tokens, uniformly spread (RL's
@@ -26,10 +26,10 @@ import os
 import statistics
 import sys
 import time
-from episodes import Sample
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+from episodes import Sample  # noqa: E402
 
 
 def rollouts(n_prompts, n_samples, min_new, max_new, seed=0):
@@ -50,7 +50,7 @@ def rollouts(n_prompts, n_samples, min_new, max_new, seed=0):
 def mini_batch(model, batches, key, attn, cfg, denom):
     """Forward, loss and backward of every micro-batch; key: position_ids or attention_mask."""
     from loss import grpo_loss
-    from parallel import sequence_logprobs
+    from policy import sequence_logprobs
 
     model.config._attn_implementation = attn
     for b in batches:

@@ -1,9 +1,9 @@
 """End to end against TRL's GRPOTrainer: the same models, task, batch and cores, one after the other.
 
-    bash scripts/install_trl.sh                          # once: TRL in its own .venv-trl
-    .venv/bin/python scripts/bench_trl.py                # tiny (0.3 M) and 24m, 20 steps each
-    .venv/bin/python scripts/bench_trl.py --models 24m --steps 10 --nproc 1
-    .venv/bin/python scripts/bench_trl.py -- --async_steps 1   # anything after -- goes to train.py
+    bash benchmarks/install_trl.sh                          # once: TRL in its own .venv-trl
+    .venv/bin/python benchmarks/bench_trl.py                # tiny (0.3 M) and 24m, 20 steps each
+    .venv/bin/python benchmarks/bench_trl.py --models 24m --steps 10 --nproc 1
+    .venv/bin/python benchmarks/bench_trl.py -- --async_steps 1   # anything after -- goes to train.py
 
 Both sides train the same random Qwen2-shaped model (make_tiny_model.SHAPES, one
 directory for both) on the built-in `copy` task: the same 4,096 training prompts
@@ -125,7 +125,7 @@ def run_ours(args, name, model_dir, out, extra):
 def run_trl(args, name, model_dir, out, prompts_file):
     py = os.path.join(ROOT, args.trl_venv, "bin", "python")
     if not os.path.exists(py):
-        print(f"[{name} TRL] no {py}: run bash scripts/install_trl.sh first", flush=True)
+        print(f"[{name} TRL] no {py}: run bash benchmarks/install_trl.sh first", flush=True)
         return None
     cmd = [py, os.path.abspath(__file__), "--_trl", "--_model_dir", model_dir, "--_prompts_file", prompts_file,
            "--_out", out]

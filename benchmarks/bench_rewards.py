@@ -1,7 +1,7 @@
 """Scoring throughput of the reward pool against scoring in the trainer's process.
 
-    .venv/bin/python scripts/bench_rewards.py                      # 400 math completions, serial vs 1 and 2 workers
-    .venv/bin/python scripts/bench_rewards.py --n 1000 --workers 0,2,4
+    .venv/bin/python benchmarks/bench_rewards.py                      # 400 math completions, serial vs 1 and 2 workers
+    .venv/bin/python benchmarks/bench_rewards.py --n 1000 --workers 0,2,4
 
 The completions are written the way SmolLM2 answers the built-in math task (a few lines
 of working, then a boxed answer, a plain last number, a fraction or nothing), a third of

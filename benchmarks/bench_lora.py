@@ -1,7 +1,7 @@
 """LoRA against full fine-tuning on SmolLM2-135M-Instruct, side by side in one invocation.
 
-    .venv/bin/python scripts/bench_lora.py              # memory and weight sync (a few minutes)
-    .venv/bin/python scripts/bench_lora.py --train 20   # and the demo's math task, 20 steps each way
+    .venv/bin/python benchmarks/bench_lora.py              # memory and weight sync (a few minutes)
+    .venv/bin/python benchmarks/bench_lora.py --train 20   # and the demo's math task, 20 steps each way
 
 1. Memory, in a world of one, the models built as train.py builds them with beta > 0 and the EMA
    reference: trainable parameters, their gradients and AdamW's state after one optimizer step,

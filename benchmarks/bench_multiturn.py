@@ -1,8 +1,8 @@
 """Generated tokens/s of multi-turn episodes against the single-turn path, side by side on one
 vLLM CPU server (what train.py launches) in one invocation.
 
-    .venv/bin/python scripts/bench_multiturn.py                   # SmolLM2, 2 repeats of each
-    .venv/bin/python scripts/bench_multiturn.py --repeats 3
+    .venv/bin/python benchmarks/bench_multiturn.py                   # SmolLM2, 2 repeats of each
+    .venv/bin/python benchmarks/bench_multiturn.py --repeats 3
 
 Both play the tools demo's batch through episodes.play: 4 prompts x 8 samples of the `calc`
 task (3 digits, + - *) with the calculator's first messages, at most 96 tokens after the

@@ -1,8 +1,8 @@
 """Benchmark the filesystem weight sync (weight_sync.write_weights + VLLMClient.reload_weights)
 against model size, next to a plain memory copy of the same bytes, on a real vLLM CPU server.
 
-    .venv/bin/python scripts/bench_sync.py                       # tiny (0.3 M) and Qwen2.5-0.5B shape
-    .venv/bin/python scripts/bench_sync.py --models tiny,24m --repeats 5
+    .venv/bin/python benchmarks/bench_sync.py                       # tiny (0.3 M) and Qwen2.5-0.5B shape
+    .venv/bin/python benchmarks/bench_sync.py --models tiny,24m --repeats 5
 
 Weights are random (make_tiny_model.SHAPES: tiny 0.3 M, 24m, 0.5b); the 0.5b model has Qwen2.5-0.5B's shape
 (hidden 896, 24 layers, 14/2 heads, intermediate 4864, vocab 151936, tied embeddings) but
@@ -28,8 +28,8 @@ import time
 
 import torch
 
-SCRIPTS = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [SCRIPTS, os.path.dirname(SCRIPTS)]  # make_tiny_model, and rollout / config without PYTHONPATH
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]  # make_tiny_model, and rollout / config without PYTHONPATH
 import make_tiny_model  # noqa: E402
 import vllm_client  # noqa: E402
 import vllm_server  # noqa: E402

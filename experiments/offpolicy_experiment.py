@@ -1,7 +1,7 @@
 """Stale data, measured: dapo vs cispo vs ess, and a fixed vs an EMA reference (the story of "Trust the Batch" by Fakoor et al.).
 
-    .venv/bin/python scripts/offpolicy_experiment.py                         # 3 seeds x 5 runs, ~40 min on 2 cores
-    .venv/bin/python scripts/offpolicy_experiment.py --seeds 1 --steps 10    # a quick look
+    .venv/bin/python experiments/offpolicy_experiment.py                         # 3 seeds x 5 runs, ~40 min on 2 cores
+    .venv/bin/python experiments/offpolicy_experiment.py --seeds 1 --steps 10    # a quick look
 
 Every run trains the random tiny model on the built-in copy task from the same start,
 with stale data: each rollout batch is cut into 4 mini-batches and seen for 2 epochs, so

@@ -2,7 +2,7 @@
 # Exit status of finished 2-rank runs under CPU load: a rank that finishes must exit 0
 # (the race at exit that parallel.close_distributed() closes). Counts the runs that did not.
 #
-#   bash scripts/soak_exit.sh [WORKER_RUNS=60] [TRAIN_RUNS=20] [BURNERS=2] [OUT=output/soak_exit]
+#   bash benchmarks/soak_exit.sh [WORKER_RUNS=60] [TRAIN_RUNS=20] [BURNERS=2] [OUT=output/soak_exit]
 #
 # WORKER_RUNS repeats of tests/dist_worker.py (3 GRPO steps on 2 gloo ranks, no server) and
 # TRAIN_RUNS of a short `torchrun --nproc_per_node 2 train.py` (our vLLM CPU server, 3 steps,

@@ -1,9 +1,9 @@
 """How the training step's cost grows with world size and model size. Generation is
 excluded: the step trains on fixed synthetic rollouts, no vLLM server is involved.
 
-    .venv/bin/python scripts/bench_scaling.py                                   # tiny, 24m, 0.5b x 1, 2 ranks
-    .venv/bin/python scripts/bench_scaling.py --models tiny,24m --steps 5
-    python scripts/bench_scaling.py --models 0.5b,1.5b --worlds 1 --max_tokens 16384   # one GPU: adds MFU
+    .venv/bin/python benchmarks/bench_scaling.py                                   # tiny, 24m, 0.5b x 1, 2 ranks
+    .venv/bin/python benchmarks/bench_scaling.py --models tiny,24m --steps 5
+    python benchmarks/bench_scaling.py --models 0.5b,1.5b --worlds 1 --max_tokens 16384   # one GPU: adds MFU
 
 The step is update.train_on_batch followed by EMAReference.update(), exactly as
 train.py runs them: old logprobs (one no-grad forward, needed since the batch is cut
@@ -41,10 +41,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from episodes import Sample
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+from episodes import Sample  # noqa: E402
 
 
 def synthetic_rollouts(n_prompts, n_samples, new_tokens, vocab, seed=0):
@@ -83,7 +83,7 @@ def worker(args):
     torch.manual_seed(0)
     policy = train.load_model(cfg, device, mesh)
     ref = EMAReference(train.load_model(cfg, device, mesh), policy, cfg.alpha)
-    optimizer, scheduler = train.make_optimizer(cfg, policy, 10 ** 6, device)
+    state = update.TrainState(policy, ref, *train.make_optimizer(cfg, policy, 10 ** 6, device))
     samples = synthetic_rollouts(args.prompts, args.samples, args.new_tokens, policy.config.vocab_size)
 
     def sync():
@@ -104,7 +104,7 @@ def worker(args):
         return t.tolist()
 
     def step():
-        update.train_on_batch(cfg, policy, ref.model, optimizer, scheduler, samples, rank, world, device)
+        update.train_on_batch(cfg, state, samples, rank, world, device)
         ref.update()
 
     from dataclasses import replace

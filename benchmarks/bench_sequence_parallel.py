@@ -1,7 +1,7 @@
 """Peak activation memory per rank of one long sequence's forward + backward under sequence parallelism.
 
-    python scripts/bench_sequence_parallel.py                        # 8,192 tokens, S = 1, 2 and 4 (4 CPU ranks)
-    python scripts/bench_sequence_parallel.py --tokens 4096 --sizes 1,2
+    python benchmarks/bench_sequence_parallel.py                        # 8,192 tokens, S = 1, 2 and 4 (4 CPU ranks)
+    python benchmarks/bench_sequence_parallel.py --tokens 4096 --sizes 1,2
 
 Builds the 24 M Qwen2 shape (make_tiny_model.SHAPES["24m"]: hidden 512, 8 layers, 8 heads,
 2 KV heads, vocabulary 64) in code and, for each S, runs one torchrun job of S ranks with
@@ -26,10 +26,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from episodes import Sample
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+from episodes import Sample  # noqa: E402
 PROMPT = 256
 
 

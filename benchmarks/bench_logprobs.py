@@ -1,9 +1,9 @@
-"""Benchmark per-token logprobs + entropy: loss.token_logprobs (chunked, recomputed in
+"""Benchmark per-token logprobs + entropy: policy.token_logprobs (chunked, recomputed in
 backward) against the naive float32 full-vocabulary path, forward + backward.
 
-    .venv/bin/python scripts/bench_logprobs.py                        # vocab 151,936, 2,048 tokens, hidden 896
-    .venv/bin/python scripts/bench_logprobs.py --chunk_sizes 1024,256 --repeats 3
-    python scripts/bench_logprobs.py                                  # on a CUDA machine: the same on the GPU
+    .venv/bin/python benchmarks/bench_logprobs.py                        # vocab 151,936, 2,048 tokens, hidden 896
+    .venv/bin/python benchmarks/bench_logprobs.py --chunk_sizes 1024,256 --repeats 3
+    python benchmarks/bench_logprobs.py                                  # on a CUDA machine: the same on the GPU
 
 Both variants take the same inputs: hidden states (N, H) and an LM head (V, H), float32,
 both requiring gradients (Qwen2.5-0.5B's hidden size and vocabulary), and N target ids.
@@ -42,8 +42,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # loss without PYTHONPATH
-from loss import token_logprobs  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # policy without PYTHONPATH
+from policy import token_logprobs  # noqa: E402
 
 TARGET = 0.25  # the chunked peak should be at most this fraction of the naive one
 

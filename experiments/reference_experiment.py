@@ -1,9 +1,9 @@
 """Which reference should the KL term pull toward? SmolLM2-135M-Instruct on the math task.
 
-    .venv/bin/python scripts/reference_experiment.py                    # 4 runs x 3 seeds, ~4.5 h on 2 CPU cores
-    .venv/bin/python scripts/reference_experiment.py --max_new_runs 2   # two more runs, then the report so far
-    .venv/bin/python scripts/reference_experiment.py --seeds 1 --steps 10          # a quick look
-    .venv/bin/python scripts/reference_experiment.py --tiny --seeds 1 --steps 2    # checks the script (random model)
+    .venv/bin/python experiments/reference_experiment.py                    # 4 runs x 3 seeds, ~4.5 h on 2 CPU cores
+    .venv/bin/python experiments/reference_experiment.py --max_new_runs 2   # two more runs, then the report so far
+    .venv/bin/python experiments/reference_experiment.py --seeds 1 --steps 10          # a quick look
+    .venv/bin/python experiments/reference_experiment.py --tiny --seeds 1 --steps 2    # checks the script (random model)
 
 Runs (the same start, data and budget; k3 KL with beta BETA where there is a KL term):
   no KL             beta 0, no reference

@@ -1,10 +1,10 @@
 """Benchmark the EMA reference update ref <- lerp(ref, policy, alpha) against the per-parameter
 loop other trainers use and against plain memory-bound kernels over the same bytes.
 
-    .venv/bin/python scripts/bench_ema.py                               # one process (a world of one)
-    .venv/bin/torchrun --nproc_per_node 2 scripts/bench_ema.py          # 2 CPU ranks, half the shards each
-    .venv/bin/python scripts/bench_ema.py --repeats 5 --warmup 1        # quicker
-    python scripts/bench_ema.py                                         # on a CUDA machine: the GPU's shards
+    .venv/bin/python benchmarks/bench_ema.py                               # one process (a world of one)
+    .venv/bin/torchrun --nproc_per_node 2 benchmarks/bench_ema.py          # 2 CPU ranks, half the shards each
+    .venv/bin/python benchmarks/bench_ema.py --repeats 5 --warmup 1        # quicker
+    python benchmarks/bench_ema.py                                         # on a CUDA machine: the GPU's shards
 
 The model has Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14/2 heads, intermediate 4864,
 vocab 151936, tied embeddings) with random weights: 494 M fp32 parameters, ~2 GB a copy.
@@ -44,8 +44,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
-SCRIPTS = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [SCRIPTS, os.path.dirname(SCRIPTS)]  # make_tiny_model, and train / config without PYTHONPATH
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]  # make_tiny_model, and train / config without PYTHONPATH
 import make_tiny_model  # noqa: E402
 import train  # noqa: E402
 from config import Config  # noqa: E402
