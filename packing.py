@@ -80,11 +80,20 @@ def pack_ranks(mini, world_size, budget):
                      "raise it to at least max_prompt_length + response_length")
 
 
+# What a micro-batch carries per loss token (N,), in the mask's order, and its dtype. A new
+# per-token field is a row here and a line in loss_tokens; collate, the sequence-parallel
+# pieces and update.py then carry it as b[name].
+PER_TOKEN = {"vllm_logp": torch.float32,  # the sampler's logprob
+             "adv": torch.float32,  # the sample's advantage
+             "fresh": torch.bool,  # sampled by the weights the trainer holds (the sync check reads these)
+             "seq_ids": torch.long}  # the sample's number within the micro-batch
+
+
 def loss_tokens(s, i):
-    """The per-token lists of sample s (number i in its micro-batch) over its policy tokens: the
-    sampler's logprobs, the advantage, whether the weights the trainer holds sampled it, i."""
+    """The PER_TOKEN lists of sample s (number i in its micro-batch) over its policy tokens."""
     logp = [lp for lp, m in zip(s.logprobs, s.mask) if m]
-    return logp, [s.adv] * len(logp), [s.staleness == 0] * len(logp), [i] * len(logp)
+    return dict(vllm_logp=logp, adv=[s.adv] * len(logp), fresh=[s.staleness == 0] * len(logp),
+                seq_ids=[i] * len(logp))
 
 
 def collate(samples):
@@ -92,7 +101,7 @@ def collate(samples):
     (1, L-1): the policy's tokens, not the prompt's or an environment's; and per-token vllm_logp,
     adv, fresh and seq_ids (the sample of each token within this micro-batch) (N,) in the mask's
     order. The last token of a sequence predicts nothing: the token after it begins the next one."""
-    ids, positions, mask, per = [], [], [], [[], [], [], []]
+    ids, positions, mask, per = [], [], [], {k: [] for k in PER_TOKEN}
     for i, s in enumerate(samples):
         p, c = len(s.prompt_ids), len(s.token_ids)
         ids += s.prompt_ids + s.token_ids
@@ -100,10 +109,10 @@ def collate(samples):
         # position j predicts token j+1: the prompt's last token predicts the first token after it
         mask += [False] * (p - 1) + [s.valid and bool(m) for m in s.mask] + [False]
         if s.valid:
-            for acc, values in zip(per, loss_tokens(s, i)):
-                acc += values
+            for k, values in loss_tokens(s, i).items():
+                per[k] += values
     return dict(input_ids=torch.tensor([ids]), position_ids=torch.tensor([positions]),
-                mask=torch.tensor([mask[:-1]], dtype=torch.bool), **per_token(*per))
+                mask=torch.tensor([mask[:-1]], dtype=torch.bool), **per_token(per))
 
 
 def packed_sdpa(module, query, key, value, attention_mask, position_ids=None, sliding_window=None, **kwargs):
@@ -137,9 +146,8 @@ AttentionInterface.register("packed_sdpa", packed_sdpa)
 AttentionMaskInterface.register("packed_sdpa", sdpa_mask)  # padded rows keep their mask
 
 
-def per_token(vllm_logp, adv, fresh, seq_ids):
-    return dict(vllm_logp=torch.tensor(vllm_logp, dtype=torch.float32), adv=torch.tensor(adv, dtype=torch.float32),
-                fresh=torch.tensor(fresh, dtype=torch.bool), seq_ids=torch.tensor(seq_ids, dtype=torch.long))
+def per_token(lists):
+    return {k: torch.tensor(lists[k], dtype=dtype) for k, dtype in PER_TOKEN.items()}
 
 
 def micro_batches(samples, cfg, world_size, rank):
@@ -160,13 +168,13 @@ def collate_padded(samples, pad_id):
     input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(samples), width), dtype=torch.long)
     mask = torch.zeros((len(samples), width - 1), dtype=torch.bool)
-    per = [[], [], [], []]
+    per = {k: [] for k in PER_TOKEN}
     for i, s in enumerate(samples):
         p, c = len(s.prompt_ids), len(s.token_ids)
         input_ids[i, :p + c] = torch.tensor(s.prompt_ids + s.token_ids)
         attention_mask[i, :p + c] = 1
         if s.valid:
             mask[i, p - 1:p + c - 1] = torch.tensor(s.mask, dtype=torch.bool)
-            for acc, values in zip(per, loss_tokens(s, i)):
-                acc += values
-    return dict(input_ids=input_ids, attention_mask=attention_mask, mask=mask, **per_token(*per))
+            for k, values in loss_tokens(s, i).items():
+                per[k] += values
+    return dict(input_ids=input_ids, attention_mask=attention_mask, mask=mask, **per_token(per))

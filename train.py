@@ -266,8 +266,9 @@ def main(cfg: Config):
                  state.policy)
     gen, saved, trained, skipped_in_a_row = None, start, start, 0
     try:
+        # inside the try: a server we launched is stopped (finally) however the run ends, its start included
         gen = Generator(cfg, state.policy, tokenizer, sampler, pool, rank, device, env)  # our vLLM server, or yours
-        if rank == 0 and cfg.eval_freq > 0 and eval_rows and not start:
+        if rank == 0 and cfg.eval_freq > 0 and eval_rows and not start:  # a resumed run has its step 0 logged
             log.write({"step": 0, **gen.evaluate(eval_rows), "skipped_rows": skipped})
         sigterm.in_loop = True
         for step in tqdm(range(start + 1, cfg.num_training_steps + 1), disable=rank != 0, desc="grpo",
@@ -282,7 +283,7 @@ def main(cfg: Config):
                 # --- train: old/ref logprobs, mini-batches x epochs, updates (the sync check comes first)
                 with timed(m, "time_train"):
                     m.update(train_step(cfg, state, samples, plan, gen, world_size, device))
-                    if samples:
+                    if samples:  # a step whose groups were all filtered out takes no update to judge
                         skipped_in_a_row = skipped_in_a_row + 1 if m["skipped_updates"] else 0
                         check_health(cfg, m, step, skipped_in_a_row)
                 trained, m["lr"] = step, state.scheduler.get_last_lr()[0]
@@ -299,7 +300,7 @@ def main(cfg: Config):
                 # its samples would be off-policy unseen): log and checkpoint what was trained, then stop
                 if rank == 0 and trained == step:
                     log.write(m)
-                if cfg.checkpoint_state_dir and saved < trained:
+                if cfg.checkpoint_state_dir and saved < trained:  # not twice: the last one may be this step's
                     checkpoint.save(cfg.checkpoint_state_dir, trained, state,
                                     gen.position if trained == step else position, cfg, cfg.keep_last_n_checkpoints)
                 raise

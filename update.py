@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import lora
 from loss import OBJECTIVES, ess_from_sums, ess_sums, grpo_loss, mismatch_mask, step_denominator
-from packing import micro_batches
+from packing import PER_TOKEN, micro_batches
 from reference import EMAReference
 from sequence_parallel import piece
 from vllm_client import VLLMError
@@ -72,34 +72,34 @@ def frozen_logprobs(cfg, policy, ref_model, micro, forward, reuse_old, device):
     out = []
     with torch.no_grad():
         for b in micro:
-            before = FrozenLogprobs()
+            frozen = FrozenLogprobs()
             if (not reuse_old and not cfg.use_vllm_logprobs) or kl_heads:
-                before.old_logp, _, _, before.head_ids = forward(policy, b, head_size=cfg.kl_topk if kl_heads else 0)
+                frozen.old_logp, _, _, frozen.head_ids = forward(policy, b, head_size=cfg.kl_topk if kl_heads else 0)
             if cfg.use_vllm_logprobs:
-                before.old_logp = b["vllm_logp"]
+                frozen.old_logp = b["vllm_logp"]
             if not kl_heads:
-                before.head_ids = None
+                frozen.head_ids = None
             if cfg.beta > 0:
-                before.ref_logp, _, before.ref_head_logp, _ = forward(ref_model, b, head_ids=before.head_ids)
+                frozen.ref_logp, _, frozen.ref_head_logp, _ = forward(ref_model, b, head_ids=frozen.head_ids)
             if kl_heads:
                 targets = (b["targets"] if "targets" in b else b["input_ids"][:, 1:])[b["mask"]].to(device)
-                before.in_head = (before.head_ids == targets[:, None]).any(-1)
-            out.append(before)
+                frozen.in_head = (frozen.head_ids == targets[:, None]).any(-1)
+            out.append(frozen)
     return out
 
 
-def micro_batch_loss(cfg, logp, head_logp, b, before, denom, ess_value):
+def micro_batch_loss(cfg, logp, head_logp, b, frozen, denom, ess_value):
     """grpo_loss of one micro-batch with the trainer/vLLM corrections the config asks for:
     truncated importance sampling and the token or sequence mask. Returns (loss, sums, masked)."""
-    old_logp = logp.detach() if before.old_logp is None else before.old_logp
+    old_logp = logp.detach() if frozen.old_logp is None else frozen.old_logp
     tis = mask = None
     if cfg.truncated_importance_sampling_ratio_cap > 0:
         tis = torch.exp(old_logp - b["vllm_logp"]).clamp(max=cfg.truncated_importance_sampling_ratio_cap)
     if cfg.vllm_importance_sampling_mask != "none":
         mask = mismatch_mask(old_logp, b["vllm_logp"], b["seq_ids"], cfg.vllm_importance_sampling_mask,
                              cfg.vllm_importance_sampling_mask_cap)
-    kl_heads = (head_logp, before.ref_head_logp, before.in_head) if before.in_head is not None else None
-    loss, sums = grpo_loss(logp, old_logp, b["adv"], b["seq_ids"], denom, cfg, ref_logp=before.ref_logp,
+    kl_heads = (head_logp, frozen.ref_head_logp, frozen.in_head) if frozen.in_head is not None else None
+    loss, sums = grpo_loss(logp, old_logp, b["adv"], b["seq_ids"], denom, cfg, ref_logp=frozen.ref_logp,
                            tis_weight=tis, mismatch_mask=mask, ess_value=ess_value, kl_heads=kl_heads)
     return loss, sums, (mask == 0).sum() if mask is not None else torch.zeros((), device=logp.device)
 
@@ -193,7 +193,7 @@ def train_on_batch(cfg, state, samples, rank, world_size, device):
         minis = [([piece(b, rank % size, size) for b in mbs], n_tokens, n_seqs) for mbs, n_tokens, n_seqs in minis]
     micro = [mbs for mbs, _, _ in minis]
     for b in (b for mbs in micro for b in mbs):
-        for key in ("vllm_logp", "adv", "seq_ids"):
+        for key in PER_TOKEN:
             b[key] = b[key].to(device)
 
     def forward(model, b, **kw):  # logp, entropy, head_logp, head_ids of b's completion tokens
@@ -205,20 +205,20 @@ def train_on_batch(cfg, state, samples, rank, world_size, device):
     # lora_dropout: the ratio compares the dropout forward with the dropout-free one that sampled
     reuse_old = (cfg.num_mini_batches == 1 and cfg.num_epochs == 1 and not cfg.use_vllm_logprobs and not kl_heads
                  and not cfg.lora_dropout)
-    before = [frozen_logprobs(cfg, policy, ref_model, mbs, forward, reuse_old, device) for mbs in micro]
+    frozen_per_mini = [frozen_logprobs(cfg, policy, ref_model, mbs, forward, reuse_old, device) for mbs in micro]
     # Dr GRPO's constant denominator counts the configured sequences of a mini-batch, not those
     # left after filtering: a token weighs the same at every step
     configured = cfg.num_unique_prompts_rollout * cfg.num_samples_per_prompt_rollout // cfg.num_mini_batches
     check = next(j for j, (_, _, n_seqs) in enumerate(minis) if n_seqs)  # the sync check's mini-batch
     metrics = StepMetrics(device)
     for epoch in range(cfg.num_epochs):
-        for j, ((_, n_tokens, n_seqs), mbs, befores) in enumerate(zip(minis, micro, before)):
+        for j, ((_, n_tokens, n_seqs), mbs, frozens) in enumerate(zip(minis, micro, frozen_per_mini)):
             if not n_seqs:  # every group of this mini-batch was filtered out (alike on every rank): no update
                 if epoch or j > check:  # those before the sync check step the schedule once it has passed
                     scheduler.step()
                 continue
             denom = step_denominator(cfg.loss_denominator, n_tokens, configured)
-            step_loss = mini_batch_backward(cfg, policy, mbs, befores, forward, denom, world_size, metrics,
+            step_loss = mini_batch_backward(cfg, policy, mbs, frozens, forward, denom, world_size, metrics,
                                             sync_check=epoch == 0 and j == check)
             if epoch == 0 and j == check:  # before any update: a sync that did not take stops the run here
                 metrics.check_sync(cfg)
@@ -230,33 +230,33 @@ def train_on_batch(cfg, state, samples, rank, world_size, device):
     return metrics.reduce(cfg)
 
 
-def mini_batch_backward(cfg, policy, mbs, befores, forward, denom, world_size, metrics, sync_check):
+def mini_batch_backward(cfg, policy, mbs, frozens, forward, denom, world_size, metrics, sync_check):
     """Forward and backward of one mini-batch's micro-batches on this rank (gradients accumulate
     until the last one reduce-scatters them); their summed loss."""
     ess_value, reads_ess = 1.0, OBJECTIVES[cfg.loss_fn].ess
-    if reads_ess and cfg.ess_scope == "step" and befores[0].old_logp is not None:
+    if reads_ess and cfg.ess_scope == "step" and frozens[0].old_logp is not None:
         with torch.no_grad():  # ESS of the whole optimizer step's ratios: one extra forward
-            ess_value = ess(torch.cat([torch.exp(forward(policy, b, head_ids=bf.head_ids)[0] - bf.old_logp)
-                                       for b, bf in zip(mbs, befores)]))
+            ess_value = ess(torch.cat([torch.exp(forward(policy, b, head_ids=fz.head_ids)[0] - fz.old_logp)
+                                       for b, fz in zip(mbs, frozens)]))
     if reads_ess and cfg.ess_scope == "step":
         metrics.ess.append(ess_value)  # once per optimizer step, however many micro-batches it packs
     losses = []
     with lora.dropout(policy, cfg.lora_dropout > 0):  # on through backward: a checkpointed layer recomputes it
-        for i, (b, before) in enumerate(zip(mbs, befores)):
-            losses.append(micro_batch_backward(cfg, policy, b, before, forward, denom, world_size, metrics,
+        for i, (b, frozen) in enumerate(zip(mbs, frozens)):
+            losses.append(micro_batch_backward(cfg, policy, b, frozen, forward, denom, world_size, metrics,
                                                ess_value, i == len(mbs) - 1, sync_check))
     return torch.stack(losses).sum()
 
 
-def micro_batch_backward(cfg, policy, b, before, forward, denom, world_size, metrics, ess_value, last, sync_check):
+def micro_batch_backward(cfg, policy, b, frozen, forward, denom, world_size, metrics, ess_value, last, sync_check):
     """Forward and backward of one micro-batch; its loss."""
     policy.set_requires_gradient_sync(last)  # reduce-scatter once per step
-    logp, entropy, head_logp, _ = forward(policy, b, head_ids=before.head_ids)
+    logp, entropy, head_logp, _ = forward(policy, b, head_ids=frozen.head_ids)
     if OBJECTIVES[cfg.loss_fn].ess and cfg.ess_scope == "micro_batch":  # over this micro-batch on every rank
-        old_logp = logp.detach() if before.old_logp is None else before.old_logp
+        old_logp = logp.detach() if frozen.old_logp is None else frozen.old_logp
         ess_value = ess(torch.exp(logp.detach() - old_logp))
         metrics.ess.append(ess_value)
-    loss, s, masked = micro_batch_loss(cfg, logp, head_logp, b, before, denom, ess_value)
+    loss, s, masked = micro_batch_loss(cfg, logp, head_logp, b, frozen, denom, ess_value)
     # The loss is already divided by the step's global count; FSDP averages gradients over
     # ranks, so scale by the world size to get their sum (gloo has no premul-sum).
     (loss * world_size).backward()
@@ -264,6 +264,6 @@ def micro_batch_backward(cfg, policy, b, before, forward, denom, world_size, met
                 entropy=entropy.sum(), ess_trust=s["ess_trust"], masked=masked, tokens=logp.numel())
     if sync_check:  # trainer vs vLLM on the tokens the current weights sampled, before any update
         # (with lora_dropout, the dropout-free old logprobs: the same weights, the forward vLLM runs)
-        trainer = before.old_logp if cfg.lora_dropout else logp.detach()
+        trainer = frozen.old_logp if cfg.lora_dropout else logp.detach()
         metrics.add_vllm_diff((trainer - b["vllm_logp"]).abs()[b["fresh"].to(logp.device)])
     return loss.detach()

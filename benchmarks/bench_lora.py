@@ -136,10 +136,11 @@ def memory_and_sync(repeats, port):
 def demo(steps, out, extra):
     """One `bash scripts/demo.sh` run; its per-step metrics."""
     cmd = ["bash", os.path.join(ROOT, "scripts", "demo.sh"), "--num_training_steps", str(steps),
-           "--eval_freq", str(steps), "--output_dir", out, *extra]
-    print("$", " ".join(cmd), flush=True)
+           "--eval_freq", str(steps), *extra]
+    print(f"$ OUT={out}", " ".join(cmd), flush=True)
     t = time.perf_counter()
-    subprocess.run(cmd, cwd=ROOT, check=True, env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"})
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # demo.sh sets the ranks' own
+    subprocess.run(cmd, cwd=ROOT, check=True, env=dict(env, OUT=out))
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     return rows, time.perf_counter() - t
 

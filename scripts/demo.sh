@@ -8,6 +8,7 @@
 #   bash scripts/demo.sh --num_training_steps 10  # extra arguments go to train.py
 #   bash scripts/demo.sh --tiny                   # smoke run: the random 0.3 M model, 5 steps (learns nothing)
 #   bash scripts/demo.sh --tools                  # SmolLM2 learns to use a calculator over several turns
+#   OUT=output/run2 bash scripts/demo.sh          # another output directory (default output/demo)
 #
 # The reward is rewards:math_reward_last_number (a \boxed{} answer, else the last number):
 # untrained, the model boxes about one answer in five and is right about one time in five.
@@ -15,11 +16,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-out=output/demo
+out=${OUT:-output/demo}
 task=(--dataset math --reward_fn rewards:math_reward_last_number)
 if [ "${1:-}" = "--tools" ]; then
     shift
-    out=output/demo-tools
+    out=${OUT:-output/demo-tools}
     .venv/bin/python scripts/prepare_smollm2.py
     # "What is 214 + 659?" with 3-digit numbers, + - and * (a 2-digit factor): the calculator
     # environment describes <calc>...</calc> in a system message with one worked example; an
@@ -33,7 +34,7 @@ if [ "${1:-}" = "--tools" ]; then
           --beta 0 --load_ref_policy false)
 elif [ "${1:-}" = "--tiny" ]; then
     shift
-    out=output/demo-tiny
+    out=${OUT:-output/demo-tiny}
     [ -f models/tiny/config.json ] || .venv/bin/python scripts/make_tiny_model.py --out models/tiny
     args=(--model_name_or_path models/tiny --max_prompt_length 256 --response_length 16 --num_training_steps 5
           --eval_freq 5 --num_eval_prompts 16 --num_unique_prompts_rollout 2 --num_samples_per_prompt_rollout 4)
