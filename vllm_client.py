@@ -162,7 +162,10 @@ class VLLMClient:
 
     def score(self, sequences):
         """The server's logprob of every token of each sequence after the first
-        (prompt_logprobs): one list of len(seq) - 1 floats per sequence."""
+        (prompt_logprobs): one list of len(seq) - 1 floats per sequence. On a server with LoRA
+        enabled, vLLM 0.32 fails prompt_logprobs when two requests share an engine step ("einsum():
+        subscript b has size 2 ..."; vllm#29955): score one sequence a call there. Training never
+        calls this (the sync check reads the sampling logprobs)."""
         payloads = [dict(model=self.model, prompt=seq, max_tokens=1, temperature=1.0, top_p=1.0, **NEUTRAL_SAMPLING,
                          prompt_logprobs=0)
                     for seq in sequences]

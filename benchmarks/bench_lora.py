@@ -18,6 +18,7 @@
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -81,7 +82,10 @@ def time_syncs(name, sync, policy, client, repeats):
         sent = sync.sync(policy)
         times.append(time.perf_counter() - t)
         print(f"[{name}] sync {i}: {times[-1]:.3f}s, {sent / 1e6:.1f} MB", flush=True)
-    diff = weight_sync.logprob_diff(weight_sync.trainer_logprobs(policy, seqs), client.score(seqs))[1]
+    # one sequence a request: vLLM 0.32's LoRA path fails prompt_logprobs for two requests in one engine
+    # step (punica_cpu's add_lora_logits indexes by request, not by prompt token; vllm#29955, #17766)
+    served = [client.score([seq])[0] for seq in seqs]
+    diff = weight_sync.logprob_diff(weight_sync.trainer_logprobs(policy, seqs), served)[1]
     return dict(seconds=statistics.median(times[1:]), bytes=sent, diff=diff)
 
 
@@ -96,7 +100,7 @@ def serve(cfg, workdir, port, full, hf_config):
     return vllm_client.VLLMClient([url], serving, timeout=600, max_retries=0, proc=proc, log_path=log)
 
 
-def memory_and_sync(repeats, port):
+def memory_and_sync(repeats, port, logs):
     common = dict(model_name_or_path=MODEL, beta=0.01, ref_policy_update_freq=1, max_prompt_length=64,
                   response_length=64, seed=1)
     cfgs = {"full": Config(**common), "lora merged": Config(**common, **LORA, lora_weight_sync="merged"),
@@ -124,6 +128,8 @@ def memory_and_sync(repeats, port):
         finally:
             vllm_server.stop_server(plain.proc)
             vllm_server.stop_server(with_lora.proc)
+            for client in (plain, with_lora):
+                shutil.copy(client.log_path, os.path.join(logs, os.path.basename(client.log_path)))
     print("\n| run | trainable params | their gradients | AdamW state | reference | sync s | bytes per sync "
           "| max logprob diff after sync |")
     print("|---|---|---|---|---|---|---|---|")
@@ -167,12 +173,14 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=3, help="timed syncs of each kind, after one warm-up")
     p.add_argument("--port", type=int, default=8071, help="the plain server's port; the LoRA server's is port + 1")
+    p.add_argument("--logs", default=os.path.join(ROOT, "output", "bench_lora"), help="where the servers' logs go")
     p.add_argument("--train", type=int, default=0, help="also run the demo for this many steps, full and LoRA")
     p.add_argument("--lora_learning_rate", default="5e-5", help="LoRA's learning rate in --train (the demo's is 5e-6)")
     args = p.parse_args()
     if not os.path.isdir(MODEL):
         p.error(f"{MODEL} is missing: run .venv/bin/python scripts/prepare_smollm2.py first")
-    memory_and_sync(args.repeats, args.port)
+    os.makedirs(args.logs, exist_ok=True)
+    memory_and_sync(args.repeats, args.port, args.logs)
     train.close_distributed()  # the models are gone: the demo's ranks get the memory
     if args.train:
         training(args.train, args.lora_learning_rate)
