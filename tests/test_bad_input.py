@@ -92,6 +92,7 @@ def test_model_without_config_json_refused_in_one_line(capsys, monkeypatch, tmp_
     assert "model_name_or_path" in one_error_line(capsys, lambda: train.load_inputs(cfg))
 
 
+@pytest.mark.subprocess
 def test_train_py_names_a_server_that_is_not_there(tmp_path, tiny_model_dir):
     """The whole entry point: no traceback, one line, status 2."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}

@@ -49,6 +49,7 @@ def saved_on_two_ranks(tiny_model_dir, tmp_path_factory):
     return out
 
 
+@pytest.mark.subprocess
 def test_two_rank_checkpoint_restores_everything_bit_for_bit(saved_on_two_ranks):
     saved, loaded = (torch.load(saved_on_two_ranks / f, weights_only=False) for f in ("saved.pt", "loaded_2.pt"))
     assert loaded["found"] == "step_00000003" and loaded["step"] == 3
@@ -62,6 +63,7 @@ def test_two_rank_checkpoint_restores_everything_bit_for_bit(saved_on_two_ranks)
     assert saved["optimizer"]["state"], "AdamW moments were saved"
 
 
+@pytest.mark.subprocess
 def test_a_two_rank_checkpoint_loads_into_one_process(saved_on_two_ranks, tiny_model_dir):
     worker("load", tiny_model_dir, saved_on_two_ranks, 1)
     saved, loaded = (torch.load(saved_on_two_ranks / f, weights_only=False) for f in ("saved.pt", "loaded_1.pt"))
@@ -90,6 +92,7 @@ def test_export_loads_in_transformers_unchanged(tied, tiny_model_dir, tied_model
     assert not os.path.exists(tmp_path / "m.partial")
 
 
+@pytest.mark.subprocess
 def test_a_checkpoint_of_another_model_is_refused_in_one_line(saved_on_two_ranks, tmp_path):
     import make_tiny_model
 

@@ -155,6 +155,7 @@ def test_mesh_shape():
     assert Config(single_gpu_mode=True, vllm_gpu_memory_utilization=0.3).mesh_shape(1) == (1, 1)
 
 
+@pytest.mark.subprocess
 def test_train_py_refuses_a_mesh_before_starting_anything(tmp_path):
     env = dict(os.environ, WORLD_SIZE="4", RANK="0")
     out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--fsdp_shard_size", "3",
@@ -221,12 +222,14 @@ def test_help_lists_every_field_with_default_and_help():
         assert help_line and help_line in " ".join(f.metadata["help"].split()), f.name
 
 
+@pytest.mark.subprocess
 def test_train_py_help():
     out = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0
     assert "--ref_policy_update_freq (default None)" in out.stdout and "--alpha (default 0.6)" in out.stdout
 
 
+@pytest.mark.subprocess
 def test_train_py_bad_value_is_one_line():
     out = subprocess.run([sys.executable, "train.py", "--loss_fn", "ppo"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "loss_fn='ppo'" in out.stderr

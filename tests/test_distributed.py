@@ -8,6 +8,8 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.subprocess  # every test here starts processes (ranks, workers)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "dist_worker.py")
 

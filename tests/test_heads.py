@@ -84,6 +84,7 @@ def test_the_refusal_reads_only_the_config(tmp_path):
     check_model_config(AutoConfig.from_pretrained(tmp_path))
 
 
+@pytest.mark.subprocess
 def test_train_refuses_a_soft_capped_model_in_one_line(tiny_model_dir, tmp_path):
     """train.py on a Gemma-2 config (the tiny tokenizer beside it): one `error:` line naming the
     field, exit 2, before any process group, model or server."""

@@ -152,6 +152,7 @@ def test_budgets_cut_episodes_with_ids_mask_and_logprobs_aligned(tiny_model_dir)
     assert all(e.messages[3]["content"] == "555555 [cut]" for e in episodes)  # cut to 6 tokens
 
 
+@pytest.mark.subprocess
 def test_tools_that_hang_crash_or_raise_become_error_messages(tiny_model_dir):
     """In worker processes: each misbehaving tool is told to the policy as an error, counted, and
     the episode goes on to its next turn."""
@@ -275,6 +276,7 @@ def test_only_policy_tokens_reach_the_loss_and_its_gradients(tiny_model_dir, los
     assert packed_loss(model, changed, cfg, ref).item() != loss.item()
 
 
+@pytest.mark.subprocess
 def test_the_documented_environment_runs(tiny_model_dir, tmp_path):
     """docs/data.md's "Writing an environment", as written, in a file: three guesses, two hints,
     and its reward of the last guess over the turns taken."""

@@ -22,6 +22,8 @@ import vllm_server
 import weight_sync
 from config import Config
 
+pytestmark = pytest.mark.subprocess  # every test here starts processes (ranks, workers)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

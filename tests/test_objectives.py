@@ -67,6 +67,7 @@ def test_gspo_of_one_token_sequences_is_dapo():
     assert torch.allclose(*grads, atol=1e-12)
 
 
+@pytest.mark.subprocess
 def test_gspo_trains_in_one_process(tiny_model_dir, tmp_path):
     """loss_fn=gspo through the trainer's step (3 rollout batches, 2 mini-batches each, so the
     second is off-policy) with the paper's clip range: finite, the sequence clip acts, the

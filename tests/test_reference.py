@@ -7,7 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
+
+pytestmark = pytest.mark.subprocess  # every test here starts processes (ranks, workers)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALPHA, K, DELTA = 0.01, 200, 1e-3  # EMA weight, updates, policy - reference offset

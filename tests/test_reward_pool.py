@@ -10,6 +10,8 @@ import pytest
 import rewards
 from reward_pool import RewardPool
 
+pytestmark = pytest.mark.subprocess  # every test here starts processes (ranks, workers)
+
 
 def misbehaving(prompt, completion, example):
     """The completion as a number, except for completions that hang, die or raise."""

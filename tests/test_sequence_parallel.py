@@ -47,6 +47,7 @@ def test_pieces_cover_the_row_once(size):
         assert all(len(p[k]) == int(p["mask"].sum()) for p in pieces)
 
 
+@pytest.mark.subprocess
 def test_attention_on_two_ranks_matches_sdpa_on_the_whole_row(tiny_model_dir, tmp_path):
     """ulysses_attention on 2 ranks, each with half of a row of 3 packed sequences (one straddles
     the halves), against packed_sdpa on the whole row in one process: the output and the
@@ -80,6 +81,7 @@ TWINS = [  # (ranks, loss and KL, Config overrides besides sequence_parallel_siz
 ]
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("nproc,loss,extra", TWINS, ids=["sp-2", "dp-2-x-sp-2", "hybrid-2x2-sp-2",
                                                          "sp-2-ess-topk4-ac"])
 def test_matches_one_process_after_three_steps(one_process, tiny_model_dir, tmp_path, nproc, loss, extra):

@@ -25,6 +25,7 @@ def train(args, nproc=1, timeout=120):
     (["--environment", "no_such_env.py:env"], "environment file 'no_such_env.py' does not exist", 1),
     (["--fsdp_shard_size", "3"], "does not divide the world of 2 ranks", 2),
 ])
+@pytest.mark.subprocess
 def test_bad_input_is_one_line_before_anything_starts(args, fragment, nproc, tiny_model_dir, tmp_path):
     base = ["--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path / "out")]
     out = train(base + args, nproc=nproc)
