@@ -93,7 +93,6 @@ def test_lora_on_two_ranks_matches_one_process_and_leaves_the_base_bit_identical
             assert torch.equal(run_["policy"][k], base[k.replace(".base_layer", "")]), k
     b = "model.layers.0.mlp.up_proj.lora_B.default.weight"
     assert one["policy"][b].abs().max() > 1e-3  # lora_B starts at 0: the adapter trained
-    assert all(row[1] > 0 for row in one["losses"][1:])  # the KL reads the reference adapter, not the trained one
     assert 0 < one["ref"][b].abs().max() < one["policy"][b].abs().max()  # the EMA adapter lags behind it
 
 

@@ -79,6 +79,32 @@ def test_the_fixed_reference_is_the_base_model_bit_for_bit(tiny_model_dir):
     assert (ema - adapted).abs().max() > 1e-3  # the reference adapter is another adapter
 
 
+def test_train_builds_the_reference_from_the_adapters(tiny_model_dir):
+    """train.make_reference with LoRA: the EMA reference's forward is the reference adapter's, its
+    update moves that adapter alpha of the way to the trained one (and nothing else), and the
+    fixed reference is the base."""
+    import train
+
+    cfg, model = lora_model(tiny_model_dir)  # lora_B of the trained adapter away from 0, the reference's at 0
+    ref = train.make_reference(cfg, model, None, None)
+    with torch.no_grad():
+        with lora.active(model, lora.REFERENCE):
+            want = logprobs(model, IDS)
+        got, trained = logprobs(ref.model, IDS), logprobs(model, IDS)
+        assert torch.equal(got, want) and (got - trained).abs().max() > 1e-3
+        before = {n: p.clone() for n, p in lora.adapter_parameters(model, lora.REFERENCE)}
+        pol = {n: p.clone() for n, p in lora.adapter_parameters(model, lora.ADAPTER)}
+        ref.update()
+        for name, p in lora.adapter_parameters(model, lora.REFERENCE):
+            target = pol[name.replace(f".{lora.REFERENCE}.", f".{lora.ADAPTER}.")]
+            assert torch.allclose(p, before[name] + cfg.alpha * (target - before[name]), atol=1e-7), name
+        assert all(torch.equal(p, pol[n]) for n, p in lora.adapter_parameters(model, lora.ADAPTER))
+        fixed = train.make_reference(dataclasses.replace(cfg, ref_policy_update_freq=None), model, None, None)
+        with lora.active(model, None):
+            base = logprobs(model, IDS)
+        assert torch.equal(logprobs(fixed.model, IDS), base)
+
+
 def test_merge_and_the_adapter_directory_give_the_adapters_forward(tiny_model_dir, tmp_path):
     """The merged state dict in a plain model, and PEFT loading the adapter directory we write onto the
     base, compute what the adapted module computes."""
