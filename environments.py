@@ -29,11 +29,12 @@ conversation as an extension of its earlier turns, which start-up checks.
 """
 
 import ast
+import itertools
 import operator
 import re
 
 from reward_pool import CallPool
-from rewards import load_object
+from rewards import load_object, to_float
 
 
 def check_messages(value):
@@ -52,7 +53,7 @@ class ChatTokens:
 
     Rendered against a fixed conversation (system, user, assistant A): the assistant turn's
     closing text (ChatML: "<|im_end|>\\n"), then the new messages up to the next generation prompt.
-    A turn that ended on an end-of-sequence token already holds the start of the closing."""
+    Start-up refuses a template whose renderings do not grow by appending, naming where they differ."""
 
     BASE = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
 
@@ -66,84 +67,218 @@ class ChatTokens:
         try:
             opened, self.done = self.render(self.BASE, True), self.render(first)
             again, last = self.render(second[:-1], True), self.render(second)
-        except Exception as e:  # noqa: BLE001 - a Jinja template may raise anything
-            opened, self.done, again, last = "", "", "", f"{type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - a Jinja template may raise anything (Gemma's: on a system role)
+            raise ValueError(f"the chat template of {tokenizer.name_or_path!r} raises on a conversation of system, "
+                             f"user, assistant and tool messages ({type(e).__name__}: {e}); an environment needs a "
+                             "model whose template renders them") from None
         self.close = self.done[len(opened + "A1"):]  # what the template puts after an assistant turn
-        if not (self.done.startswith(opened + "A1") and again.startswith(self.done) and last == again + "A2" + self.close):
-            raise ValueError(f"the chat template of {tokenizer.name_or_path!r} does not render a conversation with "
-                             "tool messages as its earlier turns followed by the new ones, so an episode's tokens "
-                             "cannot be appended turn by turn; use a model whose template does (ChatML's does)")
+        # the closing's first token (ChatML's <|im_end|>, Llama-3's <|eot_id|>), which a sampled end-of-sequence
+        # token may stand for (ids)
+        self.closing_token = tokenizer.decode(tokenizer(self.close, add_special_tokens=False)["input_ids"][:1])
+        if problem := self.drift(opened, again, last):
+            raise ValueError(f"the chat template of {tokenizer.name_or_path!r} {problem}, so an episode's tokens "
+                             "cannot be appended turn by turn; use a model whose template does (ChatML's does), or "
+                             "write one into the model directory's chat_template.jinja")
+
+    def drift(self, opened, again, last):
+        """Where the template's renderings of a growing conversation stop being one growing text,
+        in words; None when they do not. Qwen3's template, for one, adds an empty <think> block to
+        the last assistant turn and drops it once a later turn follows."""
+        def differ(a, b):  # the two texts from where they part
+            i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            return f"{a[i:i + 40]!r} becomes {b[i:i + 40]!r}"
+        if not self.done.startswith(opened + "A1"):
+            return ("does not render an assistant turn as its generation prompt followed by the sampled text "
+                    f"(after the prompt, {differ(opened + 'A1', self.done)}: it writes a turn by its place in "
+                    "the conversation)")
+        if not again.startswith(self.done):
+            return ("does not render a conversation with tool messages as its earlier turns followed by the new "
+                    f"ones (once a tool message follows, {differ(self.done, again)})")
+        if last != again + "A2" + self.close:
+            return f"closes an assistant turn after a tool message differently ({differ(again + 'A2' + self.close, last)})"
+        return None
 
     def render(self, messages, generation_prompt=False):
         return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
                                                   add_generation_prompt=generation_prompt)
 
     def ids(self, messages, eos_id=None):
-        """Token ids of the environment's messages after an assistant turn (that ended on eos_id, or
-        on a stop string or the token budget when None), through the next generation prompt."""
+        """Token ids of the environment's messages after an assistant turn, through the next
+        generation prompt. The turn ended on eos_id, an end-of-sequence token it keeps (sampled,
+        mask 1), or on a stop string or the token budget (None): the template's closing follows.
+        An eos_id the template writes itself is a closing: the template's own (ChatML's
+        <|im_end|>: its "\\n" follows), or one it writes in another mode (Llama-3.1's <|eom_id|>
+        ends a tool call where <|eot_id|> ends a turn; nothing of <|eot_id|> follows it). An
+        eos_id the template never writes (Qwen2.5's <|endoftext|>, Llama-3.1's <|end_of_text|>)
+        is text of the turn, and the whole closing follows it, as the template renders a turn
+        that ends with that text."""
         close = self.close
         ended = self.tokenizer.decode([eos_id]) if eos_id is not None else ""
         if ended and close.startswith(ended):
             close = close[len(ended):]
+        elif ended and ended in str(self.tokenizer.chat_template) and close.startswith(self.closing_token):
+            close = close[len(self.closing_token):]  # the token that ended the turn in place of the closing's
         text = close + self.render([*self.BASE, {"role": "assistant", "content": "A1"}, *messages], True)[len(self.done):]
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+class ToolError(Exception):
+    """Raised by an environment for the policy's mistake (a call that does not parse, names no
+    tool, or has bad arguments): its text is told to the policy as a tool message and counted as
+    tool_bad_calls. Any other exception is the environment's own failure (tool_errors)."""
+
+
+INSTANCES = {}  # this process's per-episode environments: episode key -> instance
+
+
+def per_episode(obj):
+    """True for a class or a zero-argument factory (one instance per episode), False for an
+    instance with a step method (one object for every episode)."""
+    return isinstance(obj, type) or (callable(obj) and not callable(getattr(obj, "step", None)))
+
+
+def default_reset(row):
+    prompt = row["prompt"]
+    return prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+
+
+class Calls:
+    """The calls of one --environment in this process (a tool worker, or the trainer with
+    tool_workers=0). It reaches a worker pickled as its spec and loads the environment there as
+    it is unpickled, at the worker's start (under the pool's start-up timeout, not a call's).
+
+    A per-episode environment's instance is made, and reset(row), by the episode's first call, in
+    the worker pinned to the episode, and kept there until "finish". what="step" returns (messages,
+    kind): kind None, "bad_calls" (the policy's mistake, a ToolError) or "lost" (the instance died
+    with an earlier worker: the episode ends). what="finish" returns the episode's reward (None
+    without a reward method) and closes the instance."""
+
+    def __init__(self, spec):
+        self.spec, self.obj = spec, load_object(spec, "environment", "environment")
+
+    def __getstate__(self):
+        return self.spec
+
+    def __setstate__(self, spec):
+        self.__init__(spec)
+
+    def __call__(self, key, first, what, row, messages):
+        env = self.obj
+        if per_episode(env):
+            if first:
+                INSTANCES[key] = self.obj()
+                if callable(getattr(INSTANCES[key], "reset", None)):
+                    INSTANCES[key].reset(row)  # its state starts here; the prompt was rendered at load time
+            env = INSTANCES.get(key)
+            if env is None and what == "step":
+                return [], "lost"
+            if env is None:
+                raise LookupError("the episode's environment was lost with its worker")
+        if what == "step":
+            try:
+                return check_messages(env.step(row, messages)), None
+            except ToolError as e:
+                return [{"role": "tool", "content": f"error: {e}"}], "bad_calls"
+        try:
+            return to_float(env.reward(row, messages)) if callable(getattr(env, "reward", None)) else None
+        finally:
+            if INSTANCES.pop(key, None) is not None and callable(getattr(env, "close", None)):
+                env.close()
+
+
 class Environment:
     """An --environment on the trainer's side: its first messages, stop strings and tools, its
-    step in worker processes, and the tokens of its answers."""
+    calls in worker processes (each episode's in one worker), and the tokens of its answers."""
 
     def __init__(self, spec, tokenizer, cfg):
         obj = load_object(spec, "environment", "environment")
-        if isinstance(obj, type):
-            raise ValueError(f"environment={spec!r} names a class; name an instance of it "
-                             f"(a module-level `{obj.__name__.lower()} = {obj.__name__}()`)")
-        if not callable(getattr(obj, "step", None)):
+        self.factory = per_episode(obj)
+        try:
+            probe = obj() if self.factory else obj  # stop, tools and the reset of the prompts are read from it
+        except Exception as e:  # noqa: BLE001 - user code may raise anything
+            raise ValueError(f"environment={spec!r}: {getattr(obj, '__name__', obj)}() raised {type(e).__name__}: {e}; "
+                             "a class or factory must build an environment with no arguments") from None
+        if not callable(getattr(probe, "step", None)):
             raise ValueError(f"environment={spec!r} has no step(row, messages) method; see environments.py")
-        self.obj, self.stop, self.tools = obj, list(getattr(obj, "stop", ())), getattr(obj, "tools", None)
+        self.probe, self.stop, self.tools = probe, list(getattr(probe, "stop", ())), getattr(probe, "tools", None)
+        self.scores = callable(getattr(probe, "reward", None))  # the environment scores its episodes
         self.chat = ChatTokens(tokenizer, self.tools)
         self.spec, self.cfg, self.tokenizer, self.pool = spec, cfg, tokenizer, None
+        self.keys = itertools.count()
+        # no token spans more characters than the vocabulary's longest string: a reply is cut to
+        # that many characters per token it may keep before it is tokenized (bounded work per reply)
+        self.max_chars = cfg.tool_output_max_tokens * max(map(len, tokenizer.get_vocab()))
 
     def start(self):
         """Start the worker processes (rank 0, which plays the episodes)."""
-        self.pool = CallPool((self.spec, "step"), self.cfg.tool_workers, self.cfg.tool_timeout, kind="tool",
-                             check=check_messages, fallback=None)
+        self.pool = CallPool(Calls(self.spec), self.cfg.tool_workers, self.cfg.tool_timeout, kind="tool",
+                             check=None, fallback=None)
 
     def reset(self, row):
-        if callable(getattr(self.obj, "reset", None)):
-            return check_messages(self.obj.reset(row))
-        prompt = row["prompt"]
-        return prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        """The first messages of the row's episodes (rendered into its prompt once, at load time)."""
+        if callable(getattr(self.probe, "reset", None)):
+            return check_messages(self.probe.reset(row))
+        return default_reset(row)
+
+    def begin(self, episode):
+        episode.key, episode.started = next(self.keys), False
+
+    def call(self, episodes, what):
+        """Calls(what) for each episode, each in its own worker; returns the values and the
+        failures as (index, kind, why)."""
+        tasks = [(e.key, not e.started, what, e.row, e.messages) for e in episodes]
+        values, failures = self.pool.map(tasks, pin=[e.key for e in episodes] if self.factory else None)
+        for e in episodes:
+            e.started = True
+        return values, failures
 
     def truncate(self, message):
-        ids = self.tokenizer(message["content"], add_special_tokens=False)["input_ids"]
+        ids = self.tokenizer(message["content"][:self.max_chars], add_special_tokens=False)["input_ids"]
         if len(ids) <= self.cfg.tool_output_max_tokens:
             return message
         return dict(message, content=self.tokenizer.decode(ids[:self.cfg.tool_output_max_tokens]) + " [cut]")
 
     def answer(self, episodes):
         """The environment's answer to each episode's last turn, appended with mask 0. Returns the
-        episodes still going and the kinds of the calls that failed."""
-        for e in episodes:
-            e.messages.append({"role": "assistant", "content": e.answer})
-        replies, failures = self.pool.map([(e.row, e.messages) for e in episodes])
-        for i, _, why in failures:
-            replies[i] = [{"role": "tool", "content": f"error: {why}"}]
+        episodes still going and the calls that failed, as (kind, why).
+
+        An exception of step, a timeout or a crash is told to the policy as an "error: ..." tool
+        message (its input may have caused it, as a tool's error is in TRL), except that with a
+        per-episode environment a timeout or a crash took the episode's instance with its worker,
+        and the episode ends there. A reply that leaves no room for another turn ends the episode
+        before it (the conversation, and the sample, end with the policy's turn)."""
+        replies, failures = self.call(episodes, "step")
+        failed = [(what, f"episode {episodes[i].k}: {why}") for i, what, why in failures]
+        for i, what, why in failures:
+            lost = self.factory and what != "errors"  # the episode's instance went with its worker
+            replies[i] = ([], "lost") if lost else ([{"role": "tool", "content": f"error: {why}"}], None)
         going = []
-        for e, reply in zip(episodes, replies):
+        for e, (reply, kind) in zip(episodes, replies):
+            if kind == "bad_calls":
+                failed.append((kind, f"episode {e.k}: the policy's call was answered {reply[0]['content']!r}"))
+            if kind == "lost" and not any(e is episodes[i] for i, _, _ in failures):
+                failed.append((kind, f"episode {e.k}: its environment was lost with its worker; the episode ends"))
             if not reply:
                 e.done = True
                 continue
             reply = [self.truncate(m) for m in reply]
+            ids = self.chat.ids(reply, e.sample.token_ids[-1] if e.eos else None)
+            if len(ids) >= e.budget:  # no room left for another turn: the episode ends on the policy's turn
+                e.done, e.cut = True, True
+                continue
             e.messages += reply
             e.tool_calls += 1
-            ids = self.chat.ids(reply, e.sample.token_ids[-1] if e.eos else None)
-            if len(ids) >= e.budget:  # no room left for another turn: cut at the token budget
-                ids, e.done, e.cut = ids[:e.budget], True, True
             e.add(ids, None, sampled=False)
-            if not e.done:
-                going.append(e)
-        return going, [what for _, what, _ in failures]
+            going.append(e)
+        return going, failed
+
+    def finish(self, episodes):
+        """At the episodes' end: each one's reward from the environment (None when it has no reward
+        method) and its instance closed. Returns the rewards and the failures as (index, kind, why)."""
+        if not (self.factory or self.scores):
+            return [None] * len(episodes), []
+        rewards, failures = self.call(episodes, "finish")
+        return rewards, failures if self.scores else []  # without a reward, finish only cleans up
 
     def close(self):
         if self.pool:
@@ -198,8 +333,8 @@ class Calculator:
             return []
         try:
             value = arithmetic(ast.parse(call.group(1).strip().replace("x", "*").replace("×", "*"), mode="eval"))
-        except (SyntaxError, ValueError, TypeError) as e:
-            return [{"role": "tool", "content": f"error: {e.msg if isinstance(e, SyntaxError) else e}"}]
+        except (SyntaxError, ValueError, TypeError) as e:  # the policy's expression: told, counted (tool_bad_calls)
+            raise ToolError(e.msg if isinstance(e, SyntaxError) else e) from None
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         return [{"role": "tool", "content": f"{value:.10g}" if isinstance(value, float) else str(value)}]

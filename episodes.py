@@ -27,6 +27,10 @@ from loss import group_advantages
 from rewards import has_answer_format
 
 SAMPLES_SHOWN = 4  # episodes a step logs every log_samples_freq steps
+FAILURES = ("errors", "timeouts", "crashes")  # how a call in a worker fails (reward_pool.CallPool)
+# an environment's calls: its own failures, the policy's bad calls (environments.ToolError), and
+# episodes whose per-episode environment was lost with its worker
+TOOL_FAILURES = (*FAILURES, "bad_calls", "lost")
 
 
 @dataclasses.dataclass
@@ -81,8 +85,9 @@ class Episode:
     def __init__(self, k, row, budget):
         self.k, self.row, self.budget, self.done, self.cut, self.eos = k, row, budget, False, False, False
         self.sample = Sample(list(row["prompt_ids"]), [], [], [], versions=())
-        self.messages = list(row.get("messages", ()))  # the conversation so far (an environment's rows)
+        self.messages = []  # with an environment, the conversation so far (play)
         self.answer, self.turns, self.tool_calls = "", 0, 0
+        self.key, self.started, self.env_reward = None, False, None  # the environment's (Environment.begin)
 
     def add(self, ids, logprobs, sampled, version=None):
         if sampled and len(logprobs) != len(ids):
@@ -105,6 +110,9 @@ def play(cfg, client, rows, n, seed, tokenizer, env=None, temperature=None):
     is seeded seed + t * len(rows) * n + k. Returns the episodes and the time spent generating
     and in the environment."""
     episodes = [Episode(k, row, cfg.response_length) for k, row in enumerate(r for r in rows for _ in range(n))]
+    for e in episodes if env else ():
+        e.messages = list(e.row["messages"])  # the environment's first messages (data.tokenize_rows)
+        env.begin(e)
     temperature = cfg.temperature if temperature is None else temperature
     stop = env.stop if env else ()
     timing, failures, live = dict(time_generate=0.0, time_tools=0.0), [], episodes
@@ -126,6 +134,8 @@ def play(cfg, client, rows, n, seed, tokenizer, env=None, temperature=None):
             e.add(out["token_ids"], out["logprobs"], True, out["version"])
             e.answer, e.eos, e.turns = completion_text(tokenizer, out), out.get("eos", False), e.turns + 1
             e.done = e.cut = out["finish_reason"] == "length" or e.budget <= 0  # cut by the token budget
+            if env:  # the conversation ends with the policy's turn, however the episode ends
+                e.messages.append({"role": "assistant", "content": e.answer})
         live = [e for e in live if not e.done]
         if not live or turn == turns - 1:
             break
@@ -133,7 +143,14 @@ def play(cfg, client, rows, n, seed, tokenizer, env=None, temperature=None):
         live, lost = env.answer(live)
         failures += lost
         timing["time_tools"] += time.perf_counter() - t
-    return episodes, dict(timing, tool_failures=failures)
+    if env:  # the environment's reward of each episode, on its instance, which is then closed
+        t = time.perf_counter()
+        rewards, lost = env.finish(episodes)
+        for e, r in zip(episodes, rewards):
+            e.env_reward = r
+        timing["time_tools"] += time.perf_counter() - t
+        return episodes, dict(timing, tool_failures=failures, env_reward_failures=lost)
+    return episodes, dict(timing, tool_failures=failures, env_reward_failures=[])
 
 
 def evaluate(cfg, client, eval_rows, pool, tokenizer, env=None):
@@ -141,16 +158,31 @@ def evaluate(cfg, client, eval_rows, pool, tokenizer, env=None):
     and, with an environment, the fraction of episodes that called a tool."""
     if not eval_rows:
         return None, None
-    episodes, _ = play(cfg, client, eval_rows, 1, None, tokenizer, env, temperature=0.0)
-    rewards, _, _ = score(pool, episodes)
+    episodes, stats = play(cfg, client, eval_rows, 1, None, tokenizer, env, temperature=0.0)
+    rewards, _, _ = score(pool, episodes, env, stats["env_reward_failures"])
     return sum(rewards) / len(rewards), (sum(e.tool_calls > 0 for e in episodes) / len(episodes) if env else None)
 
 
-def score(pool, episodes):
-    """Rewards of the episodes' final answers; the row (with the whole conversation as
-    "messages" when there is one) is the example."""
-    examples = [dict(e.row, messages=e.messages) if e.messages else e.row for e in episodes]
-    return pool.score([e.row["prompt_text"] for e in episodes], [e.answer for e in episodes], examples)
+def score(pool, episodes, env=None, env_failures=()):
+    """Rewards of the episodes' final answers (the policy's last turn), the row as the example,
+    with an environment's whole conversation as example["messages"]. An environment with a
+    reward method scores its own episodes (Environment.finish, on the episode's instance);
+    --reward_fn, when set, is added to it. Returns the rewards, the counts of reward_errors,
+    reward_timeouts and reward_crashes, and the first failure's description (None: none)."""
+    examples = [dict(e.row, messages=e.messages) if env else e.row for e in episodes]
+    own = env is not None and env.scores
+    if own and not env.cfg.reward_fn:
+        values, counts, first = [0.0] * len(episodes), {f"reward_{w}": 0 for w in FAILURES}, None
+    else:
+        values, counts, first = pool.score([e.row["prompt_text"] for e in episodes], [e.answer for e in episodes],
+                                           examples)
+    if own:
+        values = [v + (e.env_reward or 0.0) for v, e in zip(values, episodes)]
+        for _, what, _ in env_failures:
+            counts[f"reward_{what}"] += 1
+        if env_failures and not first:
+            first = f"sample {env_failures[0][0]}: the environment's reward: {env_failures[0][2]}"
+    return values, counts, first
 
 
 def sample_groups(cfg, client, rows, seed, step, pool, tokenizer, env=None, show=False):
@@ -160,10 +192,14 @@ def sample_groups(cfg, client, rows, seed, step, pool, tokenizer, env=None, show
     n = cfg.num_samples_per_prompt_rollout
     episodes, stats = play(cfg, client, rows, n, seed, tokenizer, env)
     t = time.perf_counter()
-    rewards, failures, first_failure = score(pool, episodes)
+    rewards, failures, first_failure = score(pool, episodes, env, stats.pop("env_reward_failures"))
     if first_failure:
         counts = ", ".join(f"{k}={v}" for k, v in failures.items() if v)
         tqdm.write(f"step {step}: {sum(failures.values())} reward(s) scored 0 ({counts}); first: {first_failure}")
+    lost = stats.pop("tool_failures")
+    env_side = [why for what, why in lost if what != "bad_calls"]  # the policy's bad calls are its to learn
+    if env_side:
+        tqdm.write(f"step {step}: {len(env_side)} environment call(s) failed; first: {env_side[0]}")
     if cfg.format_reward:
         rewards = [r + cfg.format_reward * has_answer_format(e.answer) for r, e in zip(rewards, episodes)]
     rewards = torch.tensor(rewards)
@@ -173,9 +209,8 @@ def sample_groups(cfg, client, rows, seed, step, pool, tokenizer, env=None, show
     for e, a, r in zip(episodes, adv.tolist(), rewards.tolist()):
         e.sample.adv, e.sample.reward = a, r
     shown = range(0, len(episodes), max(1, len(episodes) // SAMPLES_SHOWN))[:SAMPLES_SHOWN] if show else []
-    lost = stats.pop("tool_failures")
     tools = dict(tool_calls=sum(e.tool_calls for e in episodes), turns=sum(e.turns for e in episodes),
-                 **{f"tool_{what}": lost.count(what) for what in ("errors", "timeouts", "crashes")})
+                 **{f"tool_{kind}": sum(what == kind for what, _ in lost) for kind in TOOL_FAILURES})
     return [e.sample for e, k in zip(episodes, kept.tolist()) if k], dict(
         rewards=rewards, lengths=torch.tensor([len(e.sample.token_ids) for e in episodes], dtype=torch.float),
         **failures, **stats, **tools, time_score=time.perf_counter() - t, stops=sum(not e.cut for e in episodes),
@@ -228,8 +263,7 @@ def rollout_batch(cfg, client, sampler, step, pool, tokenizer, env=None):
         m["samples"] = rounds[0]["samples"]
     if env:  # assistant turns and tool calls per episode; tools that failed; seconds in the environment
         m.update(turns=total("turns") / len(lengths), tool_calls=total("tool_calls") / len(lengths),
-                 tool_errors=total("tool_errors"), tool_timeouts=total("tool_timeouts"),
-                 tool_crashes=total("tool_crashes"), time_tools=total("time_tools"))
+                 **{f"tool_{kind}": total(f"tool_{kind}") for kind in TOOL_FAILURES}, time_tools=total("time_tools"))
     if cfg.active_sampling:  # extra rounds run, and groups still missing after them
         m.update(active_sampling_rounds=len(rounds) - 1, active_sampling_missing_groups=prompts - len(samples) // n)
     return samples, m

@@ -5,15 +5,18 @@ reward of every sample, and an environment's answer to every assistant turn (its
     values, counts, first_failure = pool.score(prompts, completions, examples)
     pool.close()
 
-    tools = CallPool(("environments", "calculator", "step"), workers=2, timeout=5.0, kind="tool",
-                     check=environments.check_messages, fallback=None)
-    replies, failures = tools.map([(row, messages), ...])   # failures: [(index, "timeouts", why), ...]
+    tools = CallPool(environments.Calls(spec), workers=2, timeout=5.0, kind="tool", check=None, fallback=None)
+    replies, failures = tools.map([(key, first, "step", row, messages), ...], pin=[key, ...])
+    # failures: [(index, "timeouts", why), ...]; pin: the worker that must run each call (None: any)
 
 A reward that runs past `timeout` seconds (reward_timeout), kills its own process, raises,
 or returns something that is not a number (rewards.to_float) scores 0. Each is counted
 (`reward_timeouts`, `reward_crashes`, `reward_errors`; `tool_...` for an environment) and
 the first is described; a worker that hung or died is killed and replaced, and the rest
-goes on. The timeout runs
+goes on. Each worker leads its own process group, and a worker that is stopped, hung or dead
+is ended with its whole group, so a tool's children (a shell's `sleep 300 &`) die with it.
+A worker found dead while idle (killed by the kernel, say) is replaced and the call it was
+about to get is sent to the new one: never a crash of the trainer. The timeout runs
 per sample from the moment a worker receives it. Signals would not do: math-verify's
 own signal timeout fails outside the main thread (and with async_steps, scoring runs
 on a thread), so rewards.py turns it off and this pool is the guard.
@@ -21,9 +24,9 @@ on a thread), so rewards.py turns it off and this pool is the guard.
 Workers come from a forkserver: a clean process started once, not a fork of the
 multi-threaded trainer, with the training script, rewards.py and math-verify preloaded
 so that a replacement worker starts in milliseconds. The function reaches a worker pickled
-(a module-level function), or as the `--reward_fn` string or (`--environment` string,
-method) pair, which each worker loads itself (a function from `file.py` cannot be pickled
-by name).
+(a module-level function, or an object that loads itself when unpickled, like
+environments.Calls), or as the `--reward_fn` string, which each worker loads itself (a
+function from `file.py` cannot be pickled by name).
 
 workers=0 calls in the calling process: no timeout (a hanging reward hangs the run),
 but breakpoint() works inside it.
@@ -32,6 +35,7 @@ but breakpoint() works inside it.
 import atexit
 import multiprocessing
 import multiprocessing.connection
+import os
 import signal
 import threading
 import time
@@ -42,16 +46,16 @@ STARTUP_TIMEOUT = 120.0  # seconds for a new worker to load the function and say
 
 
 def resolve(fn):
-    """A callable, a "module:name" / "file.py:name" string, or (that string, attribute)."""
-    if isinstance(fn, tuple):
-        return getattr(load_object(fn[0]), fn[1])
+    """A callable, or a "module:name" / "file.py:name" string."""
     return load_object(fn) if isinstance(fn, str) else fn
 
 
 def call_one(fn, check, fallback, args):
-    """(check(fn(*args)), None), or (fallback, "what went wrong") when either raises."""
+    """(check(fn(*args)), None), or (fallback, "what went wrong") when either raises; check=None
+    takes fn's value as it is."""
     try:
-        return check(fn(*args)), None
+        value = fn(*args)
+        return (value if check is None else check(value)), None
     except Exception as e:  # noqa: BLE001 - user code may raise anything
         return fallback, f"{type(e).__name__}: {e}"
 
@@ -59,6 +63,7 @@ def call_one(fn, check, fallback, args):
 def work(conn, fn, check, fallback):
     """A worker: load the function, say ready, then answer (i, args) with (i, value, error)
     until the pipe closes."""
+    os.setsid()  # its own process group: ending the group ends whatever a call started (end_group)
     try:  # SIGKILL when the forkserver dies (it dies with the trainer): no orphan left hanging in a reward
         import ctypes
 
@@ -66,13 +71,25 @@ def work(conn, fn, check, fallback):
     except (OSError, AttributeError):
         pass
     fn = resolve(fn)
-    conn.send("ready")
-    while True:
-        try:
+    try:
+        conn.send("ready")
+        while True:
             i, args = conn.recv()
-        except EOFError:
-            return
-        conn.send((i, *call_one(fn, check, fallback, args)))
+            conn.send((i, *call_one(fn, check, fallback, args)))
+    except (EOFError, BrokenPipeError, ConnectionResetError):  # the pool closed its end: stop
+        return
+
+
+def end_group(proc):
+    """SIGKILL a worker's process group (it leads one: os.setsid in work), children included, and
+    reap the worker. The group outlives its leader while any member lives, so this also ends what
+    a dead worker left running."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is gone (or was never made: the worker died before setsid)
+    proc.kill()
+    proc.join()
 
 
 class Worker:
@@ -86,9 +103,7 @@ class Worker:
     def stop(self):
         self.conn.close()  # a healthy worker sees EOF and returns
         self.proc.join(timeout=1)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
+        end_group(self.proc)  # and what its calls left running
 
 
 class CallPool:
@@ -115,9 +130,11 @@ class CallPool:
             # Closed at exit before multiprocessing's own handler, which would SIGTERM them and wait
             atexit.register(self.close)
 
-    def map(self, tasks):
+    def map(self, tasks, pin=None):
         """fn(*args) for each args tuple of tasks, in order (fallback where a call failed), and the
-        failures as (index, "errors" | "timeouts" | "crashes", what went wrong), as they happened."""
+        failures as (index, "errors" | "timeouts" | "crashes", what went wrong), as they happened.
+        pin[i], when given and not None, is the worker that must run task i (the one that holds its
+        episode's state): it waits for that worker."""
         failures = []
         values = [self.fallback] * len(tasks)
         if not self.workers:
@@ -126,14 +143,12 @@ class CallPool:
                 if error:
                     failures.append((i, "errors", error))
             return values, failures
+        pin = [None] * len(tasks) if pin is None else [None if p is None else p % len(self.workers) for p in pin]
         with self.lock:
-            todo, left = list(range(len(tasks)))[::-1], len(tasks)
+            todo, left = list(range(len(tasks))), len(tasks)
             while left:
+                self.hand_out(tasks, todo, pin)
                 now = time.monotonic()
-                for w in self.workers:  # hand a sample to every ready, idle worker
-                    if w.ready and w.task is None and todo:
-                        w.task, w.deadline = todo.pop(), now + self.timeout
-                        w.conn.send((w.task, tasks[w.task]))
                 deadlines = [w.deadline for w in self.workers if w.task is not None]
                 wait = min(deadlines) - now if deadlines else STARTUP_TIMEOUT
                 ready = multiprocessing.connection.wait([w.conn for w in self.workers], timeout=max(wait, 0.0))
@@ -149,17 +164,35 @@ class CallPool:
                                            f"(loading {self.spec!r} hangs?)")
         return values, failures
 
+    def hand_out(self, tasks, todo, pin):
+        """Give every ready, idle worker the first task it may run. A worker found dead when it is
+        handed one (its pipe is broken) is replaced, and the task stays to be handed out again."""
+        for k, w in enumerate(self.workers):
+            mine = next((i for i in todo if pin[i] in (None, k)), None)
+            if not (w.ready and w.task is None) or mine is None:
+                continue
+            try:
+                w.conn.send((mine, tasks[mine]))
+            except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+                self.replace(k)
+                continue
+            todo.remove(mine)
+            w.task, w.deadline = mine, time.monotonic() + self.timeout
+
     def receive(self, k, w, values, failures):
         """Read worker k's message; returns how many samples it finished (0 or 1)."""
         try:
             msg = w.conn.recv()
         except (EOFError, OSError):  # the worker died
             w.proc.join(timeout=5)
-            if w.task is None:
+            if not w.ready:
                 raise RuntimeError(f"a {self.kind} worker exited with code {w.proc.exitcode} before answering anything: "
-                                   f"{self.spec!r} cannot be loaded in a worker (see its error above)")
-            failures.append((w.task, "crashes", f"the {self.kind}'s process died (exit code {w.proc.exitcode})"))
+                                   f"{self.spec!r} cannot be loaded in a worker (see its error above)") from None
+            task = w.task
             self.replace(k)
+            if task is None:  # died while idle: replaced, nothing lost
+                return 0
+            failures.append((task, "crashes", f"the {self.kind}'s process died (exit code {w.proc.exitcode})"))
             return 1
         if msg == "ready":
             w.ready = True
@@ -171,10 +204,9 @@ class CallPool:
         return 1
 
     def replace(self, k):
-        """Kill worker k (hung or dead) and start a fresh one in its place."""
+        """End worker k (hung or dead) with its process group and start a fresh one in its place."""
         w = self.workers[k]
-        w.proc.kill()
-        w.proc.join()
+        end_group(w.proc)
         w.conn.close()
         self.workers[k] = Worker(self.ctx, self.spec, self.check, self.fallback)
 

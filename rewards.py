@@ -155,6 +155,10 @@ def load_object(path, flag="reward_fn", kind="function"):
             module = importlib.import_module(module_name)
     except ImportError as e:
         raise ValueError(f"{flag}={path!r}: cannot import {module_name!r} ({e}); check the module path") from None
+    except Exception as e:  # noqa: BLE001 - a SyntaxError, or whatever the file raises when it runs
+        where = f" (line {e.lineno})" if isinstance(e, SyntaxError) and e.lineno else ""
+        raise ValueError(f"{flag}={path!r}: {module_name!r} does not load: {type(e).__name__}{where}: "
+                         f"{getattr(e, 'msg', e)}; fix the file") from None
     obj = getattr(module, name, None)
     if obj is None:
         raise ValueError(f"{flag}={path!r}: {module_name!r} has no {kind} {name!r}")
