@@ -1,30 +1,49 @@
 """Environments: episodes of several turns, written as plain Python and passed by flag.
 
-    --environment my_env.py:shop      (or module:name; the built-in: environments:calculator)
+    --environment my_env.py:shop      an instance: one object for every episode (stateless)
+    --environment my_env.py:Shop      a class or zero-argument factory: one instance per episode
+    (or module:name; the built-in: environments:calculator)
 
-The object named needs one method, and may have three attributes:
+The object needs one method, and may have more:
 
     step(row, messages) -> list of new messages, or [] to end the episode
         messages is the conversation so far, ending with the policy's last turn as
         {"role": "assistant", "content": text}; the answer is usually a tool's result,
-        [{"role": "tool", "content": "873"}], or feedback as a user message.
-    reset(row) -> the first messages (default: the row's prompt as one user message)
+        [{"role": "tool", "content": "873"}], or feedback as a user message. Raise
+        ToolError("...") for the policy's mistake (a bad call): its text is the answer.
+    reset(row) -> the first messages (default: the row's prompt as one user message); the
+        same messages for the same row, since they are rendered into the row's prompt once
+    reward(row, messages) -> a number: the environment scores its episodes (the dataset's
+        default reward is then unused; a --reward_fn you set is added to it)
+    close(): called on a per-episode instance when its episode ends
     stop: stop strings that end an assistant turn, kept in its text (e.g. ["</calc>"])
     tools: tool schemas for the chat template (apply_chat_template(tools=...)), if it takes them
 
-Text in, messages out: the trainer owns tokenization. The reward (--reward_fn) scores the
-episode: it sees the policy's final turn as the completion, and the whole conversation as
+A per-episode instance is made, and reset(row), by its episode's first call, in the one
+worker process that serves every call of that episode (CallPool's pin), so state on self
+lasts the episode and is never shared; at the episode's end, however it ended, reward and
+close run on it. An instance named directly is shared and its calls go to any free worker.
+
+Text in, messages out: the trainer owns tokenization. The reward (--reward_fn) sees the
+policy's final turn as the completion and the whole conversation, ending with that turn, as
 example["messages"].
 
-step runs in worker processes (reward_pool.CallPool) under tool_timeout: one that hangs,
-kills its process or raises becomes an "error: ..." tool message to the policy, is counted
-(tool_timeouts, tool_crashes, tool_errors) and the episode goes on. A message longer than
-tool_output_max_tokens is cut there. The worker is an ordinary process: it shares the
-trainer's user, files and network. It stops a tool that hangs or crashes from stopping the
-run; it does not contain code that means harm.
+The calls run in worker processes (reward_pool.CallPool) under tool_timeout. What reaches
+the policy, and how it is counted:
+- a ToolError: an "error: ..." tool message (tool_bad_calls): the policy's to learn from;
+- any other exception of step, a timeout, a crash: an "error: ..." tool message (tool_errors,
+  tool_timeouts, tool_crashes), since the policy's input may have caused it (TRL answers a
+  tool's exception the same way), and the step's first one is printed. With a per-episode
+  environment a timeout or a crash took the episode's instance with its worker: the episode
+  ends there, as do the other episodes whose instances lived in that worker (tool_lost).
+A message longer than tool_output_max_tokens is cut there (to a bounded number of characters
+first, then tokens). The worker is an ordinary process in a process group of its own, ended
+with its children on a timeout or a crash: it keeps a tool from stopping the run; it does not
+contain code that means harm.
 
 The environment's messages enter the episode as the chat template's rendering of just those
-messages (ChatTokens), with loss mask 0. That is exact only for a template that renders a
+messages (ChatTokens), with loss mask 0. A reply that leaves no room for another turn in the
+token budget ends the episode before it. That is exact only for a template that renders a
 conversation as an extension of its earlier turns, which start-up checks.
 """
 

@@ -281,17 +281,12 @@ def test_only_policy_tokens_reach_the_loss_and_its_gradients(tiny_model_dir, los
 def test_the_documented_environment_runs(tiny_model_dir, tmp_path):
     """docs/data.md's "Writing an environment", as written, in a file: three guesses, two hints,
     and its reward of the last guess over the turns taken."""
-    import os
-
     from transformers import AutoTokenizer
 
     from episodes import score
     from reward_pool import RewardPool
-    from test_objectives import ROOT
 
-    text = open(os.path.join(ROOT, "docs", "data.md")).read().split("\n## Writing an environment\n", 1)[1]
-    (code,) = re.findall(r"```python\n(.*?)```", text.split("\n## ", 1)[0], re.S)
-    (tmp_path / "guess.py").write_text(code)
+    (tmp_path / "guess.py").write_text(documented("Guess"))
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     cfg = Config(environment=f"{tmp_path}/guess.py:guess", tool_workers=1, response_length=256, max_turns=6,
                  max_prompt_length=200, num_samples_per_prompt_rollout=2)
@@ -307,3 +302,162 @@ def test_the_documented_environment_runs(tiny_model_dir, tmp_path):
     assert [m["content"] for m in episodes[0].messages[1:]] == ["50", "lower", "25", "higher", "42"]
     rewards, _, _ = score(RewardPool(f"{tmp_path}/guess.py:reward", workers=0), episodes, env)
     assert rewards == [1 / 3, 1 / 3] and stats["tool_failures"] == []
+
+
+def documented(name):
+    """The code block of docs/data.md that defines `name`, as written."""
+    import os
+
+    from test_objectives import ROOT
+
+    text = open(os.path.join(ROOT, "docs", "data.md")).read().split("\n## Writing an environment\n", 1)[1]
+    return next(c for c in re.findall(r"```python\n(.*?)```", text, re.S) if f"class {name}" in c)
+
+
+def play_file(tmp_path, code, spec, tok, script, rows, workers=0, **kw):
+    """rows played by the environment `spec` of a file holding `code`, against a scripted server;
+    returns the episodes, the play's counts and the environment (closed)."""
+    (tmp_path / "env.py").write_text(code)
+    cfg = Config(environment=f"{tmp_path}/env.py:{spec}", tool_workers=workers, tool_timeout=20.0,
+                 max_prompt_length=200, **{"response_length": 256, "max_turns": 6, "num_samples_per_prompt_rollout": 2,
+                                           **kw})
+    env = Environment(cfg.environment, tok, cfg)
+    env.start()
+    try:
+        for row in rows:
+            row["messages"] = env.reset(row)
+            row["prompt_text"] = tok.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+            row["prompt_ids"] = tok(row["prompt_text"], add_special_tokens=False)["input_ids"]
+        episodes, stats = play(cfg, ScriptedClient(tok, script), rows, cfg.num_samples_per_prompt_rollout, 0, tok, env)
+    finally:
+        env.close()
+    return episodes, stats, env
+
+
+@pytest.mark.parametrize("max_turns", range(1, 7))
+def test_the_documented_guess_pays_a_right_last_guess_for_every_max_turns(tiny_model_dir, tmp_path, max_turns):
+    """A right guess on the last allowed turn pays 1 / max_turns: the conversation the reward sees
+    ends with the policy's final turn also when max_turns ended the episode."""
+    from transformers import AutoTokenizer
+
+    from episodes import score
+    from reward_pool import RewardPool
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    script = ["50"] * (max_turns - 1) + ["42"]
+    episodes, stats, env = play_file(tmp_path, documented("Guess"), "guess", tok, script,
+                                     [dict(prompt="guess", answer="42")], max_turns=max_turns)
+    assert all(e.messages[-1] == {"role": "assistant", "content": "42"} for e in episodes)
+    rewards, counts, _ = score(RewardPool(f"{tmp_path}/env.py:reward", workers=0), episodes, env)
+    assert rewards == [1 / max_turns] * 2 and sum(counts.values()) == 0
+
+
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.subprocess)])
+def test_a_stateful_environment_keeps_its_state_per_episode(tiny_model_dir, tmp_path, workers):
+    """docs/data.md's Board, named by its class: each episode's instance keeps its own board, in
+    the worker that serves every call of the episode, and scores the episode; rewards from a
+    shared board would mix the episodes' letters and misses."""
+    from transformers import AutoTokenizer
+
+    from episodes import score
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = [dict(prompt="w", answer="ab"), dict(prompt="w", answer="abc"), dict(prompt="w", answer="xa")]
+    episodes, stats, env = play_file(tmp_path, documented("Board"), "Board", tok, ["a", "b", "x", "c"], rows, workers,
+                                     max_turns=4, num_samples_per_prompt_rollout=3)
+    assert env.factory and env.scores and stats["tool_failures"] == []
+    # ab: a, b (done, no miss); abc: a, b, x (a miss), c; xa: a, b (a miss), x (done)
+    assert [e.turns for e in episodes] == [2] * 3 + [4] * 3 + [3] * 3
+    assert [e.env_reward for e in episodes] == [1.0] * 3 + [0.5] * 3 + [0.5] * 3
+    assert score(None, episodes, env)[0] == [e.env_reward for e in episodes]  # no --reward_fn: the environment's
+    episodes, _, _ = play_file(tmp_path, documented("Board"), "Board", tok, ["a", "b", "x"], rows[1:2], workers,
+                               max_turns=3)
+    assert [e.env_reward for e in episodes] == [0.0, 0.0]  # max_turns: reward plays the unseen "x", a miss
+
+
+CRASHY = '''
+import os
+
+
+class Counter:
+    """Counts its steps; a row with crash=True kills its worker at the second step."""
+
+    def reset(self, row):
+        self.steps = 0
+        return [{"role": "user", "content": "count"}]
+
+    def step(self, row, messages):
+        self.steps += 1
+        if row.get("crash") and self.steps == 2:
+            os._exit(3)
+        return [{"role": "user", "content": str(self.steps)}]
+'''
+
+
+@pytest.mark.subprocess
+def test_a_per_episode_environment_whose_worker_dies_ends_its_episodes(tiny_model_dir, tmp_path):
+    """Two workers; episodes 0, 2 live in worker 0 and 1, 3 in worker 1. Episodes 0 and 1 kill
+    their workers at their second step: those two are crashes, and 2 and 3, whose instances died
+    with them, are lost; all four end there, counted, and the run goes on."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    episodes, stats, _ = play_file(tmp_path, CRASHY, "Counter", tok, ["x"] * 6, [dict(prompt="c", crash=True),
+                                                                                 dict(prompt="c")], workers=2)
+    assert sorted(kind for kind, _ in stats["tool_failures"]) == ["crashes", "crashes", "lost", "lost"]
+    assert [e.turns for e in episodes] == [2] * 4 and all(e.done for e in episodes)
+    assert [[m["content"] for m in e.messages[1:]] for e in episodes] == [["x", "1", "x"]] * 4
+
+
+def test_the_first_environment_failure_of_a_step_is_printed(tiny_model_dir, capsys):
+    """A step's first failing environment call is printed; the policy's bad calls (ToolError) are
+    counted apart and not printed."""
+    from transformers import AutoTokenizer
+
+    from episodes import sample_groups
+    from reward_pool import RewardPool
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = Config(environment="environments:calculator", tool_workers=0, max_prompt_length=300, response_length=64,
+                 max_turns=2, num_samples_per_prompt_rollout=2)
+    pool = RewardPool("rewards:number_reward", workers=0)
+    for spec, tool, script in [("environments:calculator", None, "<calc>2+</calc>"), ("test_multiturn:adder", "raise",
+                                                                                      "<calc>2+3</calc>")]:
+        env = Environment(spec, tok, cfg)
+        env.start()
+        rows = [dict(prompt="q", answer="5", tool=tool)]
+        for row in rows:
+            row["messages"] = env.reset(row)
+            row["prompt_text"] = tok.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+            row["prompt_ids"] = tok(row["prompt_text"], add_special_tokens=False)["input_ids"]
+        _, m = sample_groups(cfg, ScriptedClient(tok, [script, "x"]), rows, 0, 7, pool, tok, env)
+        out = capsys.readouterr().out
+        if tool is None:  # the calculator's answer to a bad expression: the policy's bad call
+            assert m["tool_bad_calls"] == 2 and m["tool_errors"] == 0 and "failed" not in out
+        else:
+            assert m["tool_errors"] == 2 and m["tool_bad_calls"] == 0
+            assert "step 7: 2 environment call(s) failed; first: episode 0: ValueError: boom" in out
+
+
+def test_a_long_reply_is_cut_before_it_is_tokenized(tiny_model_dir):
+    """A 1 MB tool reply: the tokenizer sees at most tool_output_max_tokens times the vocabulary's
+    longest string, not the megabyte."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = Config(environment="environments:calculator", tool_output_max_tokens=6)
+    env = Environment(cfg.environment, tok, cfg)
+    seen = []
+    encode = env.tokenizer.__class__.__call__
+    env.tokenizer = type("Counting", (), {"__call__": lambda self, text, **kw: seen.append(len(text)) or encode(tok, text, **kw),
+                                          "decode": lambda self, ids: tok.decode(ids)})()
+    assert env.truncate({"role": "tool", "content": "5" * 1_000_000})["content"] == "555555 [cut]"
+    assert seen and max(seen) <= 6 * max(map(len, tok.get_vocab()))
+
+
+def test_an_environment_file_that_does_not_load_is_refused_in_one_line(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    (tmp_path / "bad.py").write_text("class Env:\n    def step(self, row, messages)\n        return []\n")
+    with pytest.raises(ValueError, match=r"does not load: SyntaxError \(line 2\).*; fix the file"):
+        Environment(f"{tmp_path}/bad.py:Env", AutoTokenizer.from_pretrained(tiny_model_dir), Config())

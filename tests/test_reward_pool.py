@@ -1,5 +1,6 @@
 """The reward pool: rewards that hang, kill their own process or raise score 0, are counted,
-and scoring goes on with fresh workers; every number type a reward may return is accepted."""
+and scoring goes on with fresh workers (a hung worker's children end with it; a worker that
+died idle is replaced without a failure); every number type a reward may return is accepted."""
 
 import os
 import signal
@@ -21,6 +22,12 @@ def misbehaving(prompt, completion, example):
         os.kill(os.getpid(), signal.SIGKILL)
     if completion == "raise":
         raise RuntimeError("bad reward")
+    if completion.startswith("spawn "):  # a child that outlives its call: sleep 300, its pid in a file
+        import subprocess
+
+        child = subprocess.Popen(["sleep", "300"])
+        open(completion.split(" ", 1)[1], "w").write(str(child.pid))
+        time.sleep(3600)
     return float(completion)
 
 
@@ -89,3 +96,40 @@ def test_math_reward_in_the_pool_matches_serial():
     finally:
         pool.close()
     assert values == [rewards.math_reward("", c, e) for c, e in zip(completions, examples)] == [1, 0, 0, 1, 0]
+
+
+def running(pid):
+    """True while pid is a live process (a zombie, killed and not yet reaped by init, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_timed_out_call_ends_its_children_with_it(tmp_path):
+    pool = RewardPool(SPEC, workers=1, timeout=3.0)
+    try:
+        values, counts, _ = run(pool, [f"spawn {tmp_path}/pid", "1"])
+        child = int((tmp_path / "pid").read_text())
+        assert values == [0.0, 1.0] and counts["reward_timeouts"] == 1
+        deadline = time.monotonic() + 10
+        while running(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not running(child)  # the worker's process group was killed, its sleep 300 with it
+    finally:
+        pool.close()
+
+
+def test_a_worker_that_died_idle_is_replaced_without_a_failure():
+    pool = RewardPool(SPEC, workers=2, timeout=30.0)
+    try:
+        assert run(pool, ["1", "2"])[0] == [1.0, 2.0]  # both workers started and idle
+        for w in pool.workers:  # killed from outside (the kernel's OOM killer, say) while idle
+            os.kill(w.proc.pid, signal.SIGKILL)
+            w.proc.join()
+        values, counts, first = run(pool, ["0.5", "1", "2"])
+        assert values == [0.5, 1.0, 2.0] and sum(counts.values()) == 0 and first is None
+        assert all(w.proc.is_alive() for w in pool.workers)
+    finally:
+        pool.close()
