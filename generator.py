@@ -20,7 +20,7 @@ import vllm_client
 import vllm_server
 from data import stop_token_ids
 from episodes import Rollouts, drop_stale, evaluate, rollout_batch
-from weight_sync import AdapterSync, make_weight_sync, serving_state_dict, write_serving_dir
+from weight_sync import AdapterSync, launch_state_dict, make_weight_sync, write_serving_dir
 
 
 class Generator:
@@ -41,7 +41,7 @@ class Generator:
             if rank == 0 and cfg.vllm_server_urls:
                 self.client = vllm_client.VLLMClient(cfg.vllm_server_urls, None, cfg.vllm_request_timeout,
                                                  cfg.vllm_max_retries, stop_token_ids=stop_ids)
-            full = serving_state_dict(policy, cfg)  # a collective: every rank takes part
+            full = launch_state_dict(policy, cfg)  # a collective: every rank takes part
             if rank == 0 and not cfg.vllm_server_urls:
                 write_serving_dir(full, policy.config, tokenizer, self.served)
                 self.server, url = vllm_server.launch_server(self.served, cfg, self.log_path)

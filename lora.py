@@ -45,8 +45,8 @@ def peft_config(cfg):
 def add_adapters(model, cfg):
     """Inject the trained adapter (and, for the EMA reference, its copy) into `model` in place and
     freeze everything else. Every rank draws the same lora_A (train.py seeds torch first), so the
-    shards FSDP2 keeps of each rank's full tensor agree. A target module the model lacks is a
-    ValueError naming it."""
+    shards FSDP2 keeps of each rank's full tensor agree. A target module the model lacks, or one
+    outside the decoder layers' linear modules (check_targets), is a ValueError naming it."""
     from peft import inject_adapter_in_model
 
     config = peft_config(cfg)
@@ -64,6 +64,7 @@ def add_adapters(model, cfg):
     except ValueError as e:
         raise ValueError(f"lora_target_modules={','.join(cfg.lora_target_modules)}: {str(e).splitlines()[0]} "
                          "(PEFT names: q_proj, v_proj, ..., or all-linear)") from None
+    check_targets(model, cfg)
     with torch.no_grad():
         for (_, ref), (_, trained) in zip(adapter_parameters(model, REFERENCE), adapter_parameters(model, ADAPTER)):
             ref.copy_(trained)  # the EMA starts at the policy
@@ -73,6 +74,25 @@ def add_adapters(model, cfg):
     # from_pretrained's models are in eval mode, the modules PEFT adds are not: without this its
     # dropout would act in every forward, the sampler's logprobs and the reference's included
     return model.eval()
+
+
+def check_targets(model, cfg):
+    """Refuse, in one line, an adapter outside the decoder layers' linear modules. The LM head's would
+    get no gradient (sequence_logprobs reads lm_head.weight, the base's, into its own kernel) yet be
+    merged into what the server serves; an embedding's is dropped by the merge and misnamed in the
+    adapter file (its parameters are lora_embedding_A/B, not modules). vLLM's LoRA, besides, takes
+    embedding and LM-head adapters for some architectures only (Llama, Qwen3; not Qwen2, Mistral)."""
+    from peft.tuners.lora import Linear
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    inside = {id(m) for m in model.model.layers.modules()}
+    outside = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)
+                      and (id(m) not in inside or not isinstance(m, Linear))})
+    if outside:
+        raise ValueError(f"lora_target_modules={','.join(cfg.lora_target_modules)}: {', '.join(outside)} is outside "
+                         "the decoder layers' linear modules, the only ones adapted here (an LM head's adapter gets "
+                         "no gradient, an embedding's is left out of the merge and the adapter file); name those "
+                         "(q_proj,v_proj,...) or write all-linear")
 
 
 def is_adapter(name, adapter):
@@ -176,21 +196,21 @@ def write_adapter(tensors, cfg, out_dir):
     return sum(v.numel() * v.element_size() for v in tensors.values())
 
 
+def base(state_dict):
+    """The base model's state dict under its own names (PEFT's ...q_proj.base_layer.weight is
+    ...q_proj.weight), every adapter tensor dropped: what a server that loads the adapter starts from."""
+    return {key.replace(".base_layer.", "."): value for key, value in state_dict.items() if ".lora_" not in key}
+
+
 def merge(state_dict, cfg):
     """The base model's state dict with the trained adapter folded in, W + (lora_alpha / lora_rank)
     B A, under the base's own names; every adapter tensor dropped. The input is a full state dict
     (weight_sync.full_state_dict), not the live parameters."""
     scale = cfg.lora_alpha / cfg.lora_rank
-    out = {}
-    for key, value in state_dict.items():
-        if ".lora_" in key:
-            continue
-        if ".base_layer." not in key:
-            out[key] = value
-            continue
-        layer, leaf = key.split(".base_layer.")
-        out[f"{layer}.{leaf}"] = value
-        if leaf == "weight" and f"{layer}.lora_A.{ADAPTER}.weight" in state_dict:
-            a, b = state_dict[f"{layer}.lora_A.{ADAPTER}.weight"], state_dict[f"{layer}.lora_B.{ADAPTER}.weight"]
-            out[f"{layer}.{leaf}"] = (value.double() + scale * (b.double() @ a.double())).to(value.dtype)
+    out = base(state_dict)
+    for key, a in state_dict.items():
+        if key.endswith(f".lora_A.{ADAPTER}.weight"):
+            layer = key[:-len(f".lora_A.{ADAPTER}.weight")]
+            w, b = out[f"{layer}.weight"], state_dict[f"{layer}.lora_B.{ADAPTER}.weight"]
+            out[f"{layer}.weight"] = (w.double() + scale * (b.double() @ a.double())).to(w.dtype)
     return out

@@ -16,8 +16,9 @@ transfer, which would otherwise wait forever for a peer that is gone, runs in a 
 that is abandoned with a TimeoutError when it takes longer.
 
 - LoRA (lora_rank > 0): the adapter alone, as PEFT's adapter directory that each server
-  loads by name (AdapterSync; the server runs with --enable-lora), or with
-  lora_weight_sync='merged' full weights with the adapter folded in (servers without LoRA).
+  loads by name (AdapterSync; the server runs with --enable-lora, and one we launch starts
+  from the unmerged base), or with lora_weight_sync='merged' full weights with the adapter
+  folded in (servers without LoRA).
 
 Tied embeddings: the CPU server's `reload_weights` does not refresh a tied LM head
 ("ParallelLMHead: Failed to load weights"), so the server always gets an untied copy:
@@ -56,6 +57,16 @@ def serving_state_dict(model, cfg=None):
     what a server without LoRA serves. Every rank must call it."""
     sd = full_state_dict(model)
     return lora.merge(sd, cfg) if cfg is not None and cfg.lora_rank and sd else sd
+
+
+def launch_state_dict(model, cfg):
+    """What a server we launch starts from (every rank must call it): with lora_weight_sync='adapter'
+    the base alone, since AdapterSync loads the adapter on top of it; merged weights there would hold
+    it twice (vLLM computing W + 2 s B A once lora_B has moved, as after a resume). Otherwise
+    serving_state_dict."""
+    if cfg.lora_rank and cfg.lora_weight_sync == "adapter":
+        return lora.base(full_state_dict(model))
+    return serving_state_dict(model, cfg)
 
 
 def untie(state_dict):

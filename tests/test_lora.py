@@ -1,9 +1,11 @@
 """LoRA (lora.py): what trains, the reference without a copy, the adapter's files and the merge, the
 config's refusals (in the test process, no process group); then, slow, real runs on a real vLLM CPU
-server serving the adapter: the sync check each step, resume after SIGKILL, the exports."""
+server serving the adapter: the sync check each step, resume after SIGKILL (a server you run) and after
+SIGTERM (the server train.py launches), the exports. The gradients: tests/test_lora_gradients.py."""
 
 import dataclasses
 import os
+import signal
 import sys
 import types
 
@@ -165,6 +167,67 @@ def test_a_target_module_the_model_lacks_is_refused_before_anything_starts(tiny_
     check_model_config(AutoConfig.from_pretrained(tiny_model_dir), dataclasses.replace(cfg, lora_target_modules=["q_proj"]))
 
 
+def test_all_linear_adapts_the_decoder_layers_alone(tiny_model_dir, tied_model_dir):
+    """PEFT's all-linear leaves out the output layer (get_output_embeddings), tied or not: every adapted
+    module is a linear layer inside model.model.layers."""
+    from peft.tuners.lora import Linear
+
+    for model_dir in (tiny_model_dir, tied_model_dir):
+        _, model = lora_model(model_dir)
+        inside = {id(m) for m in model.model.layers.modules()}
+        layers = lora.tuner_layers(model)
+        assert len(layers) == 7 * model.config.num_hidden_layers
+        assert all(isinstance(m, Linear) and id(m) in inside for m in layers)
+        assert not any(".lora_" in n for n, _ in model.lm_head.named_parameters())
+
+
+@pytest.mark.parametrize("targets", [["lm_head"], ["q_proj", "embed_tokens"], ["model.embed_tokens", "v_proj"]])
+def test_adapters_outside_the_decoder_layers_are_refused_before_anything_starts(tiny_model_dir, targets):
+    """The LM head and the embeddings take no adapter: sequence_logprobs reads lm_head.weight itself (its
+    adapter would get no gradient), and the merge and PEFT's adapter file hold linear layers' lora_A and
+    lora_B only (an embedding's adapter would be dropped from both). Refused on the meta model."""
+    from transformers import AutoConfig
+
+    from policy import check_model_config
+
+    cfg = Config(model_name_or_path=tiny_model_dir, lora_rank=4, lora_target_modules=targets)
+    with pytest.raises(ValueError) as e:
+        check_model_config(AutoConfig.from_pretrained(tiny_model_dir), cfg)
+    message = str(e.value)
+    assert message.startswith("lora_target_modules=") and "decoder layers" in message and "\n" not in message
+    assert "all-linear" in message  # the fix
+
+
+def test_the_server_we_launch_starts_from_the_base_when_it_loads_the_adapter(tiny_model_dir, tmp_path, monkeypatch):
+    """lora_weight_sync='adapter': the launched server's model directory holds the base weights, since
+    every sync loads the adapter on top; merged weights there would put it in twice (W + 2 s B A, once
+    lora_B has moved: after a resume). 'merged': the merged weights. The server is not started."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import generator
+    from data import load_tokenizer
+
+    class Launched(Exception):
+        pass
+
+    def launch(model_dir, *args, **kwargs):
+        raise Launched(model_dir)
+    monkeypatch.setattr(vllm_server, "launch_server", launch)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()
+    for sync in ("adapter", "merged"):
+        cfg, model = lora_model(tiny_model_dir, output_dir=str(tmp_path / sync), lora_weight_sync=sync)
+        with pytest.raises(Launched):
+            generator.Generator(cfg, model, load_tokenizer(cfg), types.SimpleNamespace(position=0), None, 0,
+                                torch.device("cpu"))
+        served = load_file(str(tmp_path / sync / "vllm_model" / "model.safetensors"))
+        want = base if sync == "adapter" else lora.merge(model.state_dict(), cfg)
+        assert served.keys() == want.keys(), sync
+        changed = [k for k in want if not torch.equal(served[k], want[k])]
+        assert not changed, f"{sync}: {len(changed)} tensors differ, e.g. {changed[0]}"
+        assert all(torch.equal(served[k], base[k]) for k in base) == (sync == "adapter")  # lora_B != 0: merged != base
+
+
 # --- real runs: train.py with a vLLM CPU server serving the adapter
 
 
@@ -207,6 +270,39 @@ def test_sigkill_then_resume_with_lora_equals_the_uninterrupted_run(lora_server,
         assert repr(wa[part].keys()) == repr(wb[part].keys())
     assert all(torch.equal(wa["policy"][k], wb["policy"][k]) for k in wa["policy"])
     check_exports(whole / "out", tiny_model_dir)
+
+
+@pytest.mark.slow
+def test_resume_with_the_server_we_launch_loads_the_adapter_once(tiny_model_dir, tmp_path):
+    """One process, the server train.py launches, adapter sync, learning_rate 1e-2: a run stopped by
+    SIGTERM (a checkpoint of the step it was in) resumes with lora_B far from 0. The resumed run's
+    server starts from the base and loads the adapter once (a merged start would serve W + 2 s B A and
+    the first step's sync check would stop the run): the check holds at every step, and the run equals
+    the uninterrupted one, metrics and adapters bit for bit."""
+    from test_faults import command, flags, full, metrics, run, stable, start, wait_for_step
+
+    lora_flags = ["--lora_rank", "8", "--learning_rate", "1e-2", "--checkpoint_state_freq", "100", "--vllm_port",
+                  "8055"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    out = run(command("train.py", 1) + flags(tiny_model_dir, whole, 6, *lora_flags))
+    assert out.returncode == 0, out.stderr[-3000:]
+    proc = start(command("train.py", 1) + flags(tiny_model_dir, cut, 6, *lora_flags))
+    wait_for_step(proc, cut, 2)
+    proc.send_signal(signal.SIGTERM)
+    text = proc.communicate(timeout=300)[0]
+    stopped = metrics(cut)[-1]["step"]
+    assert proc.returncode == 143 and 2 <= stopped < 6, text[-3000:]
+    saved = full(cut / "ckpt" / f"step_{stopped:08d}")["policy"]
+    assert min(saved[k].abs().max() for k in saved if ".lora_B.default." in k) > 1e-3  # the adapter has moved
+    out = run(command("train.py", 1) + flags(tiny_model_dir, cut, 6, *lora_flags))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"step_{stopped:08d} (step {stopped})" in out.stdout, out.stdout[-2000:]
+    a, b = metrics(whole), metrics(cut)
+    assert [r["step"] for r in b] == list(range(1, 7)) and stable(a) == stable(b)
+    assert all(r["vllm_logp_diff_max"] < 1e-4 for r in b), [r["vllm_logp_diff_max"] for r in b]
+    wa, wb = full(whole / "ckpt" / "step_00000006"), full(cut / "ckpt" / "step_00000006")
+    assert wa["policy"].keys() == wb["policy"].keys()
+    assert all(torch.equal(wa["policy"][k], wb["policy"][k]) for k in wa["policy"])
 
 
 def check_exports(out_dir, base_dir):
