@@ -167,7 +167,8 @@ class Config:
     lora_dropout: float = option(0.0, "dropout on the adapters' input in the forward that takes a gradient (old "
                                       "logprobs then get a forward of their own)")
     lora_target_modules: list[str] = option(["all-linear"],
-        "PEFT's module names (q_proj,v_proj,...) or all-linear (every linear layer but the LM head)")
+        "the decoder layers' linear modules by PEFT's names (q_proj,v_proj,...) or all-linear (all of them); "
+        "the LM head and the embeddings take none")
     lora_weight_sync: Literal["adapter", "merged"] = option("adapter",
         "adapter: the servers load each new adapter (vLLM --enable-lora); merged: full weights with the adapter "
         "folded in (servers without LoRA)")
@@ -444,6 +445,16 @@ class Config:
         offset = ((self.num_training_steps + 1) * (self.active_sampling_max_rounds + 1) * self.episode_turns
                   * self.num_unique_prompts_rollout * self.num_samples_per_prompt_rollout - 1)
         return (2**63 - 1 - offset) // 2**32
+
+    def check_launch(self, cuda: bool):
+        """Refuse, before any model loads, a GPU run that would launch its vLLM server on a training GPU:
+        launch_server starts it on the first visible GPU, rank 0's, to take vllm_gpu_memory_utilization of
+        a GPU the policy already fills. In a world of one as well, where single_gpu_mode is the way to share."""
+        if cuda and not self.vllm_server_urls and not self.single_gpu_mode:
+            raise ValueError("on GPUs, without vllm_server_urls rank 0 would launch its vLLM server on its own "
+                             "training GPU; give the servers GPUs of their own with bash scripts/launch_8gpu.sh (or "
+                             "pass vllm_server_urls of servers you run), or set single_gpu_mode=True to share one GPU "
+                             "in a single process")
 
     def check_model(self, model_config):
         """Refusals that need the model's config.json (transformers' AutoConfig), at start-up."""

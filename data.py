@@ -185,6 +185,8 @@ def tokenize_rows(rows, tokenizer, cfg, env=None):
         if not (p.strip() if isinstance(p, str) else p):
             skipped["empty"] += 1
             continue
+        # an environment's conversation, over any dataset column of that name; without one a "messages"
+        # column stays the dataset's own, for the reward (episodes.Episode reads it only with an environment)
         extra = {"messages": env.reset(row)} if env else {}
         text = prompt_text(extra["messages"], tokenizer, True, env.tools) if env else \
             prompt_text(p, tokenizer, cfg.apply_chat_template)
@@ -243,6 +245,42 @@ class PromptSampler:
         return batch
 
 
+def locate_model(name, timeout=5.0):
+    """Refuse, in seconds, a model_name_or_path that cannot load: not a local directory, and not a hub
+    model id the hub can send. Otherwise transformers takes it for a hub id and, with the hub out of
+    reach, retries for about a minute before it fails (each load again). A hub that cannot be reached
+    with the model in the local hub cache: offline mode, so every load reads the cache at once."""
+    if os.path.isdir(name):
+        return
+    import urllib.error
+    import urllib.request
+
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    fix = (f"pass a local model directory (.venv/bin/python scripts/make_tiny_model.py --out {name} builds a tiny "
+           "one there), or a hub model id where the hub is reachable")
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        raise ValueError(f"model_name_or_path={name!r} is not a local directory, nor a hub model id; {fix}") from None
+    if constants.HF_HUB_OFFLINE:  # transformers then reads only the cache, and fails fast
+        return
+    try:
+        urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=timeout).close()
+        return
+    except urllib.error.HTTPError:  # it answered: transformers fetches the model, or says why not
+        return
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        constants.HF_HUB_OFFLINE = True  # read by huggingface_hub at each request; the variable for child processes
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        return
+    raise ValueError(f"model_name_or_path={name!r} is not a local directory, and the hub that would send it as a "
+                     f"model id ({constants.ENDPOINT}) cannot be reached ({reason}); {fix}")
+
+
 def load_tokenizer(cfg):
     """The tokenizer of model_name_or_path, with a one-line error naming the fix."""
     from transformers import AutoTokenizer
@@ -253,7 +291,7 @@ def load_tokenizer(cfg):
         where = "is not a local model directory" if not os.path.isdir(cfg.model_name_or_path) else "is unreadable"
         raise ValueError(f"model_name_or_path={cfg.model_name_or_path!r} {where} and could not be loaded "
                          f"({type(e).__name__}); build a tiny model with "
-                         f"python scripts/make_tiny_model.py --out {cfg.model_name_or_path}") from None
+                         f".venv/bin/python scripts/make_tiny_model.py --out {cfg.model_name_or_path}") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

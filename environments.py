@@ -252,8 +252,9 @@ class Environment:
         return values, failures
 
     def truncate(self, message):
-        ids = self.tokenizer(message["content"][:self.max_chars], add_special_tokens=False)["input_ids"]
-        if len(ids) <= self.cfg.tool_output_max_tokens:
+        text = message["content"]
+        ids = self.tokenizer(text[:self.max_chars], add_special_tokens=False)["input_ids"]
+        if len(ids) <= self.cfg.tool_output_max_tokens and len(text) <= self.max_chars:
             return message
         return dict(message, content=self.tokenizer.decode(ids[:self.cfg.tool_output_max_tokens]) + " [cut]")
 

@@ -51,7 +51,7 @@ import sequence_parallel
 import tracking
 from cli import parse_args_or_exit
 from config import Config
-from data import PromptSampler, load_model_config, load_prompts, load_tokenizer
+from data import PromptSampler, load_model_config, load_prompts, load_tokenizer, locate_model
 from environments import Environment
 from generator import Generator
 from parallel import close_distributed, load_model, setup_distributed
@@ -106,7 +106,9 @@ def load_inputs(cfg):
     before any process group, model or server."""
     rank0 = int(os.environ.get("RANK", 0)) == 0
     try:
+        cfg.check_launch(torch.cuda.is_available())  # where our vLLM server would go, before any model
         cfg.batch_plan(int(os.environ.get("WORLD_SIZE", 1)))
+        locate_model(cfg.model_name_or_path)  # in seconds offline, not after the hub's minute of retries
         tokenizer = load_tokenizer(cfg)
         check_outside(cfg)
         env = Environment(cfg.environment, tokenizer, cfg) if cfg.environment else None

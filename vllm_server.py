@@ -13,6 +13,7 @@ the weights it left.
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -42,12 +43,9 @@ def server_dtype(cfg):
     return cfg.vllm_dtype if cfg.vllm_dtype != "auto" else "bfloat16" if torch.cuda.is_available() else "float32"
 
 
-def launch_server(model_dir, cfg, log_path, port=None, env=None, extra_args=()):
-    """Start a vLLM server on `model_dir` and return (process, url) once /health answers.
-    A server that exits or stays unhealthy past vllm_startup_timeout is stopped and the
-    tail of its log is quoted in the error. `env` and `extra_args` (benchmarks) are laid over
-    the environment and the arguments below; None in `env` unsets a variable."""
-    port = port or cfg.vllm_port
+def server_command(model_dir, cfg, port):
+    """The command line of the vLLM server on `model_dir`, and the variables it adds to the environment:
+    the server train.py launches (launch_server) and scripts/launch_8gpu.sh starts (main, below)."""
     max_len = cfg.vllm_max_model_len or cfg.max_prompt_length + cfg.response_length
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", server_dtype(cfg), "--max-model-len", str(max_len),
@@ -71,11 +69,29 @@ def launch_server(model_dir, cfg, log_path, port=None, env=None, extra_args=()):
             raise VLLMError("single_gpu_mode=True needs a GPU (vLLM's sleep mode frees GPU memory); "
                             "set single_gpu_mode=False on CPU")
         cmd += ["--enable-sleep-mode"]
-    cmd += list(extra_args)
-    server_env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=str(cfg.vllm_kv_cache_space_gb),
-                      VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")  # the LoRA load and unload routes
+    added = dict(VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=str(cfg.vllm_kv_cache_space_gb),
+                 VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")  # the LoRA load and unload routes
     if not torch.cuda.is_available():
-        server_env.update(cpu_placement(cfg, server_env))
+        added.update(cpu_placement(cfg, os.environ))
+    return cmd, added
+
+
+def launch_server(model_dir, cfg, log_path, port=None, env=None, extra_args=()):
+    """Start a vLLM server on `model_dir` and return (process, url) once /health answers.
+    A server that exits or stays unhealthy past vllm_startup_timeout is stopped and the
+    tail of its log is quoted in the error. `env` and `extra_args` (benchmarks) are laid over
+    the environment and the arguments of server_command; None in `env` unsets a variable."""
+    port = port or cfg.vllm_port
+    with socket.socket() as s:  # a server already there would answer the /health below in place of ours
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no owner
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            raise VLLMError(f"port {port} is taken on this machine (another vLLM server?); stop what holds it, "
+                            "or pick another with --vllm_port") from None
+    cmd, added = server_command(model_dir, cfg, port)
+    cmd += list(extra_args)
+    server_env = dict(os.environ, **added)
     for k, v in (env or {}).items():
         server_env.pop(k, None) if v is None else server_env.__setitem__(k, v)
     log = open(log_path, "w")
@@ -138,4 +154,28 @@ def stop_server(proc, timeout=30):
         pass
 
 
-# --- the client
+def main(argv=None):
+    """python vllm_server.py [--print] --serve MODEL_DIR [train.py's flags]: become the vLLM server
+    train.py would launch on MODEL_DIR for those flags (port: --vllm_port); --print writes its
+    command instead. scripts/launch_8gpu.sh starts its servers so, with the trainer's flags: the
+    servers' flags have one source, server_command."""
+    import shlex
+
+    from cli import fail, parse_args_or_exit
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    show = "--print" in argv
+    argv = [a for a in argv if a != "--print"]
+    if len(argv) < 2 or argv[0] != "--serve":
+        fail("usage: python vllm_server.py [--print] --serve MODEL_DIR [train.py's --key value flags]")
+    cfg = parse_args_or_exit(argv[2:])
+    cmd, added = server_command(argv[1], cfg, cfg.vllm_port)
+    if show:
+        print(" ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(added.items())), shlex.join(cmd))
+        return
+    sys.stdout.flush()
+    os.execve(cmd[0], cmd, dict(os.environ, **added))  # this process becomes the server: the caller's pid stops it
+
+
+if __name__ == "__main__":
+    main()

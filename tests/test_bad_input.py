@@ -101,3 +101,67 @@ def test_train_py_names_a_server_that_is_not_there(tmp_path, tiny_model_dir):
                         "5"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(env, OMP_NUM_THREADS="1"))
     err = [line for line in p.stderr.splitlines() if line.strip()]
     assert p.returncode == 2 and len(err) == 1 and err[0].startswith("error: vllm_server_urls"), p.stderr[-2000:]
+
+
+def test_a_gpu_run_without_servers_is_refused_before_any_model(capsys, monkeypatch, tmp_path):
+    """`torchrun --nproc_per_node 8 train.py` on GPUs would have rank 0 launch a vLLM server on its own,
+    loaded GPU: refused in one line naming the launcher, before the tokenizer or any model is loaded
+    (the model named here does not even exist). Before: no refusal; the model loaded first."""
+    import torch
+
+    import train
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(train, "load_tokenizer", lambda cfg: pytest.fail("the tokenizer was loaded first"))
+    monkeypatch.setenv("RANK", "0")
+    cfg = Config(model_name_or_path=str(tmp_path / "no_model"), output_dir=str(tmp_path / "out"))
+    line = one_error_line(capsys, lambda: train.load_inputs(cfg))
+    assert "bash scripts/launch_8gpu.sh" in line and "single_gpu_mode" in line
+
+
+def test_a_model_that_is_nowhere_fails_in_seconds(monkeypatch, tmp_path):
+    """Not a local directory, and the hub out of reach (a closed port stands for it here): refused
+    at once naming the fix, where transformers retried for about a minute. A name the hub cache
+    holds loads from there, offline; a directory is taken as it is."""
+    import time
+
+    from huggingface_hub import constants
+
+    import data
+
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"'models/nowhere' is not a local directory, and the hub .* cannot be "
+                                         r"reached .*make_tiny_model.py --out models/nowhere"):
+        data.locate_model("models/nowhere")
+    assert time.monotonic() - start < 20
+    with pytest.raises(ValueError, match="not a local directory, nor a hub model id"):
+        data.locate_model("./models/nowhere")
+    data.locate_model(str(tmp_path))
+    snapshot = tmp_path / "hub" / "models--org--cached" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "hub" / "models--org--cached" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--cached" / "refs" / "main").write_text("0" * 40)
+    data.locate_model("org/cached")
+    assert constants.HF_HUB_OFFLINE and os.environ["HF_HUB_OFFLINE"] == "1"
+
+
+@pytest.mark.subprocess
+def test_train_py_without_its_model_fails_in_seconds(tmp_path):
+    """The README's `train.py` on a fresh clone, where models/tiny is not built yet, and no hub (a
+    closed port stands for it): one line naming the command that builds it. Before: the same
+    start-up took 57 s of transformers' retries (measured on the 2-core machine), now 10 s, most of
+    it imports; the message is asserted, not the time."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "HF_HUB_OFFLINE",
+                                                            "TRANSFORMERS_OFFLINE")}
+    p = subprocess.run([sys.executable, "train.py", "--model_name_or_path", "models/not-built-yet", "--output_dir",
+                        str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(env, OMP_NUM_THREADS="1", HF_ENDPOINT="http://127.0.0.1:9"))
+    err = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and len(err) == 1, p.stderr[-2000:]
+    assert "cannot be reached" in err[0] and ".venv/bin/python scripts/make_tiny_model.py --out models/not-built-yet" \
+        in err[0], err[0]

@@ -270,3 +270,14 @@ def test_max_seed_keeps_every_request_seed_in_int64(tiny_model_dir):
     assert len(sent) == (R + 1) * P * N and len(set(sent)) == len(sent)
     assert max(sent) == cfg.seed * 2**32 + (T + 1) * (R + 1) * P * N - 1
     assert max(sent) <= 2**63 - 1 < max(sent) + 2**32  # seed + 1 would overflow
+
+
+def test_a_gpu_run_launches_no_server_on_a_training_gpu():
+    """On GPUs a server we launch would sit on rank 0's GPU (a world of one included): refused
+    naming the launcher, unless servers are given or single_gpu_mode shares the GPU on purpose.
+    Before: nothing refused it (Config had no such check)."""
+    with pytest.raises(ValueError, match="bash scripts/launch_8gpu.sh"):
+        Config().check_launch(cuda=True)
+    Config().check_launch(cuda=False)  # CPU: the server we launch takes the CPU's cores
+    Config(vllm_server_urls=["http://gpu-node:8000"]).check_launch(cuda=True)
+    Config(single_gpu_mode=True, vllm_gpu_memory_utilization=0.3).check_launch(cuda=True)

@@ -167,3 +167,33 @@ def test_completion_text_strips_any_stop_id(llama_like_dir):
     assert completion_text(tok, dict(token_ids=[a, b, 4], finish_reason="stop")) == "ab"
     assert completion_text(tok, dict(token_ids=[a, b, 2], finish_reason="stop")) == "ab"
     assert completion_text(tok, dict(token_ids=[a, b, 4], finish_reason="length")) == "ab<|im_end|>"
+
+
+
+class KeepExamples:
+    """A RewardPool stand-in: scores 0 and keeps the examples the reward would see."""
+
+    def score(self, prompts, completions, examples):
+        self.examples = examples
+        return [0.0] * len(prompts), {}, None
+
+
+def test_messages_column_in_a_single_turn_dataset(tmp_path, tokenizer):
+    """Without an environment a dataset's own "messages" column is no episode's conversation: it
+    reaches the reward as written, a list, a missing value (None) or a string. (Before: the None row
+    crashed episodes.Episode with a TypeError, and the string reached the reward as characters.)"""
+    from episodes import Episode, score
+
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "2"}]
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "1+1=", "answer": "2", "messages": chat}) + "\n"
+                    + json.dumps({"prompt": "2+2=", "answer": "4"}) + "\n")  # datasets fills in None
+    text = tmp_path / "t.jsonl"
+    text.write_text(json.dumps({"prompt": "3+3=", "answer": "6", "messages": "user: hi"}) + "\n")
+    seen = {}
+    for dataset in (path, text):
+        train, _, _, _ = data.load_prompts(Config(dataset=str(dataset), num_eval_prompts=0), tokenizer)
+        pool = KeepExamples()
+        score(pool, [Episode(k, row, 8) for k, row in enumerate(train)])
+        seen.update({e["prompt"]: e["messages"] for e in pool.examples})
+    assert seen == {"1+1=": chat, "2+2=": None, "3+3=": "user: hi"}

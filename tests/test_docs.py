@@ -1,0 +1,18 @@
+"""The operations guide names what the code names: every snake_case name in backticks in
+docs/operations.md (metrics, fields, files) is a word of the code, so a renamed metric
+cannot linger there (it named `skipped_steps` after update.py had renamed it `skipped_updates`)."""
+
+import glob
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_operations_md_names_only_what_the_code_names():
+    code = "\n".join(open(f).read() for pattern in ("*.py", "scripts/*", "benchmarks/*.py")
+                     for f in glob.glob(os.path.join(ROOT, pattern)) if os.path.isfile(f))
+    with open(os.path.join(ROOT, "docs", "operations.md")) as f:
+        names = set(re.findall(r"`([a-z][a-z0-9]*(?:_[a-z0-9]+)+)`", f.read()))
+    assert len(names) > 50
+    assert sorted(n for n in names if not re.search(rf"\b{n}\b", code)) == []
