@@ -1,10 +1,11 @@
 """Parallelism: the process group, the device mesh and the FSDP2-sharded model.
 
     python train.py                                                # a world of one (gloo on CPU)
-    torchrun --nproc_per_node 8 train.py                           # shard over 8 ranks (FSDP)
+    torchrun --nproc_per_node 8 train.py --vllm_server_urls URL    # shard over 8 ranks (FSDP); on GPUs the
+                                                                   # servers need GPUs of their own (launch_8gpu.sh)
     torchrun --nnodes 4 --nproc_per_node 8 ... train.py --fsdp_shard_size 8   # shard in each node,
                                                                    # replicate across the 4 (HSDP)
-    torchrun --nproc_per_node 8 train.py --sequence_parallel_size 2   # 4 groups of 2 ranks split each row
+    torchrun --nproc_per_node 8 train.py --sequence_parallel_size 2 ...  # 4 groups of 2 ranks split each row
 
 open-instruct's GRPO distributed knobs (DeepSpeed terms) and what they are here:
 

@@ -1,8 +1,8 @@
 """GRPO on PyTorch FSDP2 with rollouts from a vLLM server and an EMA reference policy.
 
-    python scripts/make_tiny_model.py --out models/tiny          # a random 0.3 M model
-    python train.py --num_training_steps 20                      # one process (breakpoint() works)
-    torchrun --nproc_per_node 2 train.py --output_dir output/demo  # 2 CPU ranks (gloo)
+    .venv/bin/python scripts/make_tiny_model.py --out models/tiny   # a random 0.3 M model
+    .venv/bin/python train.py --num_training_steps 20              # one process (breakpoint() works)
+    .venv/bin/torchrun --nproc_per_node 2 train.py --output_dir output/demo  # 2 CPU ranks (gloo)
     torchrun --nproc_per_node 8 train.py --model_name_or_path Qwen/Qwen2.5-0.5B --dataset my.jsonl \
         --vllm_server_urls http://gpu-node:8000                  # 8 GPUs (nccl), your vLLM server
     torchrun --nproc_per_node 2 train.py --checkpoint_state_dir ckpt --checkpoint_state_freq 50  # resumes by itself
