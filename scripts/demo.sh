@@ -55,7 +55,7 @@ else
           --beta 0 --load_ref_policy false)
     # With --lora_rank: lr 2e-4 (40x full fine-tuning's) and alpha 32; merged weights into the server
     # (the CPU build's LoRA kernels generate 3.9x slower). Measured (BENCHMARKS.md, "LoRA learning
-    # rate"): rank 16 gains +56 points at 2e-4 against +9 at 5e-5 and +34 for full fine-tuning.
+    # rate"): rank 16 gained +9 points at 5e-5, +38 at 1e-4 and +56 at 2e-4; full fine-tuning +34.
     if [[ " $* " == *" --lora_rank"* ]]; then
         args+=(--learning_rate 2e-4 --lora_alpha 32 --lora_weight_sync merged)
     fi
