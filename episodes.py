@@ -143,14 +143,12 @@ def play(cfg, client, rows, n, seed, tokenizer, env=None, temperature=None):
         live, lost = env.answer(live)
         failures += lost
         timing["time_tools"] += time.perf_counter() - t
-    if env:  # the environment's reward of each episode, on its instance, which is then closed
-        t = time.perf_counter()
-        rewards, lost = env.finish(episodes)
-        for e, r in zip(episodes, rewards):
-            e.env_reward = r
-        timing["time_tools"] += time.perf_counter() - t
-        return episodes, dict(timing, tool_failures=failures, env_reward_failures=lost)
-    return episodes, dict(timing, tool_failures=failures, env_reward_failures=[])
+    t = time.perf_counter()  # the environment's reward of each episode, on its instance, which is then closed
+    rewards, lost = env.finish(episodes) if env else ([], [])
+    for e, r in zip(episodes, rewards):
+        e.env_reward = r
+    timing["time_tools"] += time.perf_counter() - t
+    return episodes, dict(timing, tool_failures=failures, env_reward_failures=lost)
 
 
 def evaluate(cfg, client, eval_rows, pool, tokenizer, env=None):
