@@ -94,16 +94,22 @@ def tokenizer(request, tiny_model_dir):
     return tok
 
 
+def with_prompts(env, tokenizer, rows):
+    """Give rows what data.tokenize_rows gives them: the environment's first messages, rendered."""
+    for row in rows:
+        row["messages"] = env.reset(row)
+        row["prompt_text"] = tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+        row["prompt_ids"] = tokenizer(row["prompt_text"], add_special_tokens=False)["input_ids"]
+    return rows
+
+
 def episodes_of(tokenizer, script, rows, workers=0, **kw):
     cfg = Config(environment="test_multiturn:adder", tool_workers=workers, tool_timeout=2.0, max_prompt_length=200,
                  **{"response_length": 256, "max_turns": 4, "num_samples_per_prompt_rollout": 2, **kw})
     env = Environment(cfg.environment, tokenizer, cfg)
     env.start()
     try:
-        for row in rows:
-            row["messages"] = env.reset(row)
-            row["prompt_text"] = tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
-            row["prompt_ids"] = tokenizer(row["prompt_text"], add_special_tokens=False)["input_ids"]
+        with_prompts(env, tokenizer, rows)
         client = ScriptedClient(tokenizer, script)
         episodes, stats = play(cfg, client, rows, cfg.num_samples_per_prompt_rollout, 0, tokenizer, env)
     finally:
@@ -292,9 +298,7 @@ def test_the_documented_environment_runs(tiny_model_dir, tmp_path):
                  max_prompt_length=200, num_samples_per_prompt_rollout=2)
     env = Environment(cfg.environment, tok, cfg)
     env.start()
-    row = dict(prompt="guess", answer="42", messages=env.reset(dict(prompt="guess")))
-    row["prompt_text"] = tok.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
-    row["prompt_ids"] = tok(row["prompt_text"], add_special_tokens=False)["input_ids"]
+    (row,) = with_prompts(env, tok, [dict(prompt="guess", answer="42")])
     try:
         episodes, stats = play(cfg, ScriptedClient(tok, ["50", "25", "42"]), [row], 2, 0, tok, env)
     finally:
@@ -324,10 +328,7 @@ def play_file(tmp_path, code, spec, tok, script, rows, workers=0, **kw):
     env = Environment(cfg.environment, tok, cfg)
     env.start()
     try:
-        for row in rows:
-            row["messages"] = env.reset(row)
-            row["prompt_text"] = tok.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
-            row["prompt_ids"] = tok(row["prompt_text"], add_special_tokens=False)["input_ids"]
+        with_prompts(env, tok, rows)
         episodes, stats = play(cfg, ScriptedClient(tok, script), rows, cfg.num_samples_per_prompt_rollout, 0, tok, env)
     finally:
         env.close()
@@ -426,10 +427,7 @@ def test_the_first_environment_failure_of_a_step_is_printed(tiny_model_dir, caps
         env = Environment(spec, tok, cfg)
         env.start()
         rows = [dict(prompt="q", answer="5", tool=tool)]
-        for row in rows:
-            row["messages"] = env.reset(row)
-            row["prompt_text"] = tok.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
-            row["prompt_ids"] = tok(row["prompt_text"], add_special_tokens=False)["input_ids"]
+        with_prompts(env, tok, rows)
         _, m = sample_groups(cfg, ScriptedClient(tok, [script, "x"]), rows, 0, 7, pool, tok, env)
         out = capsys.readouterr().out
         if tool is None:  # the calculator's answer to a bad expression: the policy's bad call

@@ -14,7 +14,7 @@ from config import Config
 from environments import Environment
 from episodes import play
 from sandbox import Interpreter, Limits
-from test_multiturn import ScriptedClient
+from test_multiturn import ScriptedClient, with_prompts
 
 pytestmark = pytest.mark.subprocess  # every test here starts sandboxed processes
 
@@ -179,10 +179,7 @@ def test_the_python_tool_keeps_each_episodes_variables_and_counts_its_errors(tin
     env.start()
     rows = [dict(prompt="a"), dict(prompt="b")]
     try:
-        for row in rows:
-            row["messages"] = env.reset(row)
-            row["prompt_text"] = tok.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
-            row["prompt_ids"] = tok(row["prompt_text"], add_special_tokens=False)["input_ids"]
+        with_prompts(env, tok, rows)
         script = ["<python>import os\nn = globals().get('n', 0) + 1\nprint(n, os.getcwd(), os.getuid())</python>",
                   "<python>n += 1\nprint(n)</python>", "<python>1 / 0</python>", "done."]
         episodes, stats = play(cfg, ScriptedClient(tok, script), rows, 2, 0, tok, env)
