@@ -15,8 +15,9 @@ or returns something that is not a number (rewards.to_float) scores 0. Each is c
 the first is described; a worker that hung or died is killed and replaced, and the rest
 goes on. Each worker leads its own process group, and a worker that is stopped, hung or dead
 is ended with its whole group, so a tool's children (a shell's `sleep 300 &`) die with it.
-A worker found dead while idle (killed by the kernel, say) is replaced and the call it was
-about to get is sent to the new one: never a crash of the trainer. The timeout runs
+A worker found dead while idle (killed by the kernel, say), or killed before it finished
+loading, is replaced and the call it was about to get is sent to the new one: never a crash
+of the trainer. The timeout runs
 per sample from the moment a worker receives it. Signals would not do: math-verify's
 own signal timeout fails outside the main thread (and with async_steps, scoring runs
 on a thread), so rewards.py turns it off and this pool is the guard.
@@ -43,6 +44,7 @@ import time
 from rewards import load_object, to_float
 
 STARTUP_TIMEOUT = 120.0  # seconds for a new worker to load the function and say it is ready
+MAX_EARLY_DEATHS = 3  # workers killed by a signal before "ready", in a row, before loading is called broken
 
 
 def resolve(fn):
@@ -99,6 +101,7 @@ class Worker:
         self.proc.start()
         child.close()
         self.ready, self.task, self.deadline, self.started = False, None, None, time.monotonic()
+        self.early_deaths = 0  # how many workers in a row died in this slot before saying "ready"
 
     def stop(self):
         self.conn.close()  # a healthy worker sees EOF and returns
@@ -185,11 +188,14 @@ class CallPool:
             msg = w.conn.recv()
         except (EOFError, OSError):  # the worker died
             w.proc.join(timeout=5)
-            if not w.ready:
-                raise RuntimeError(f"a {self.kind} worker exited with code {w.proc.exitcode} before answering anything: "
+            code = w.proc.exitcode
+            # An exit of its own before "ready" is the function failing to load; a signal is a kill from
+            # outside (the OOM killer, say) unless it repeats (a crash in the import): then it is the load too
+            if not w.ready and (code is None or code >= 0 or w.early_deaths >= MAX_EARLY_DEATHS):
+                raise RuntimeError(f"a {self.kind} worker exited with code {code} before answering anything: "
                                    f"{self.spec!r} cannot be loaded in a worker (see its error above)") from None
             task = w.task
-            self.replace(k)
+            self.replace(k, early_deaths=0 if w.ready else w.early_deaths + 1)
             if task is None:  # died while idle: replaced, nothing lost
                 return 0
             failures.append((task, "crashes", f"the {self.kind}'s process died (exit code {w.proc.exitcode})"))
@@ -203,12 +209,13 @@ class CallPool:
         w.task = None
         return 1
 
-    def replace(self, k):
+    def replace(self, k, early_deaths=0):
         """End worker k (hung or dead) with its process group and start a fresh one in its place."""
         w = self.workers[k]
         end_group(w.proc)
         w.conn.close()
         self.workers[k] = Worker(self.ctx, self.spec, self.check, self.fallback)
+        self.workers[k].early_deaths = early_deaths
 
     def close(self):
         for w in self.workers:

@@ -3,6 +3,7 @@
     python tests/fault_worker.py nan_loss=2,4,5,6 [train.py flags]     # the loss is NaN at these steps (rank 0)
     torchrun ... tests/fault_worker.py kill_in_checkpoint=4 [flags]    # rank 1 SIGKILLs itself while writing checkpoint 4
     python tests/fault_worker.py lost_sync=3 [flags]     # the server answers the reload after step 3 but keeps its weights
+    torchrun ... tests/fault_worker.py kill_at_step=5 [flags]     # every rank SIGKILLs itself as step 5 begins
 """
 
 import os
@@ -11,6 +12,7 @@ import sys
 
 import checkpoint
 import generator
+from generator import Generator
 import vllm_client
 import train
 import update
@@ -52,6 +54,15 @@ if __name__ == "__main__":  # the reward pool's workers import this script again
                 real_reload(self, weights_dir, timeout)
 
         vllm_client.VLLMClient.reload_weights = reload_weights
+    elif kind == "kill_at_step":  # a SIGKILL at a known place: the steps before are logged, nothing of this one
+        real_batch = Generator.batch
+
+        def batch(self, step, policy):
+            if step in steps:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_batch(self, step, policy)
+
+        Generator.batch = batch
     else:
         raise SystemExit(f"unknown fault {kind!r}")
 

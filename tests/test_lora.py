@@ -248,16 +248,18 @@ def test_sigkill_then_resume_with_lora_equals_the_uninterrupted_run(lora_server,
     server's logprobs agree with the trainer's at every step; a run killed after its step-3
     checkpoint resumes to the same metrics and the same adapters, optimizer and reference adapter,
     bit for bit; the checkpoint holds the adapters alone; the exports load."""
-    from test_faults import command, flags, full, kill_job, metrics, run, stable, start, wait_for_step
+    from test_faults import command, flags, full, metrics, run, stable
 
     url, lora_flags = lora_server.urls[0], ["--lora_rank", "8", "--checkpoint_state_freq", "3", "--eval_freq", "0"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     out = run(command("train.py", 2) + flags(tiny_model_dir, whole, 6, *lora_flags, url=url))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "trainable parameters" in out.stdout
-    proc = start(command("train.py", 2) + flags(tiny_model_dir, cut, 6, *lora_flags, url=url))
-    wait_for_step(proc, cut, 4)
-    kill_job(proc)
+    # killed as step 5 begins (every rank SIGKILLs itself: a kill from outside could come after step 6)
+    out = run(command("tests/fault_worker.py", 2) + ["kill_at_step=5"] + flags(tiny_model_dir, cut, 6, *lora_flags,
+                                                                               url=url))
+    assert out.returncode != 0 and [r["step"] for r in metrics(cut)] == [1, 2, 3, 4], out.stdout[-2000:]
+    assert os.listdir(cut / "ckpt") == ["step_00000003"]
     out = run(command("train.py", 2) + flags(tiny_model_dir, cut, 6, *lora_flags, url=url))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "step_00000003 (step 3)" in out.stdout, out.stdout[-2000:]
