@@ -69,6 +69,11 @@ class Config:
     tool_workers: int = option(2, "with an environment: processes that run its step (tool calls)")
     tool_timeout: float = option(10.0, "seconds one step (tool call) may take; past it the policy is told so")
     tool_output_max_tokens: int = option(256, "an environment message longer than this is cut")
+    tool_call_parser: Optional[str] = option(None, "with an environment: read the policy's tool calls in the "
+                                                   "model's own format with this vLLM tool parser (hermes for "
+                                                   "Qwen2.5/Qwen3, llama3_json for Llama-3.1, mistral, ...; the "
+                                                   "names of vllm serve --tool-call-parser); None = the "
+                                                   "environment reads its text")
     format_reward: float = option(0.0, "added to the training reward (not to evaluation) of a completion that marks "
                                        "an answer with \\boxed{} or ####")
     apply_chat_template: bool = option(False, "wrap string prompts as one user message and apply the tokenizer's "
@@ -256,7 +261,7 @@ class Config:
                     "there, or use packed_sdpa (the default)")
 
     def _check_rollouts(self):
-        idle = [f for f in ("max_turns", "tool_workers", "tool_timeout", "tool_output_max_tokens")
+        idle = [f for f in ("max_turns", "tool_workers", "tool_timeout", "tool_output_max_tokens", "tool_call_parser")
                 if not self.environment and getattr(self, f) != Config.__dataclass_fields__[f].default]
         if idle:
             return f"{', '.join(idle)} act only on multi-turn episodes: set --environment, or leave them at their defaults"

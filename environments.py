@@ -4,7 +4,8 @@
     --environment my_env.py:Shop      a class or zero-argument factory: one instance per episode
     (or module:name; the built-in: environments:calculator)
 
-The object needs one method, and may have more:
+The object needs a step method, or tools and --tool_call_parser (tool_calls.py), and may
+have more:
 
     step(row, messages) -> list of new messages, or [] to end the episode
         messages is the conversation so far, ending with the policy's last turn as
@@ -17,7 +18,11 @@ The object needs one method, and may have more:
         default reward is then unused; a --reward_fn you set is added to it)
     close(): called on a per-episode instance when its episode ends
     stop: stop strings that end an assistant turn, kept in its text (e.g. ["</calc>"])
-    tools: tool schemas for the chat template (apply_chat_template(tools=...)), if it takes them
+    tools: Python functions (type hints, a docstring with Args) or JSON schemas, rendered by the
+        chat template (apply_chat_template(tools=...)). With --tool_call_parser (hermes,
+        llama3_json, ...: vLLM's parsers) the policy's turns are read in the model's own format:
+        messages[-1] carries "tool_calls", and without a step method the functions answer them
+        (tool_calls.answer_calls: one {"role": "tool", "name", "tool_call_id", "content"} each)
 
 A per-episode instance is made, and reset(row), by its episode's first call, in the one
 worker process that serves every call of that episode (CallPool's pin), so state on self
@@ -52,19 +57,24 @@ import itertools
 import operator
 import re
 
+import tool_calls
 from reward_pool import CallPool
 from rewards import load_object, to_float
+from tool_calls import ToolError
+
+KEYS = ("role", "content", "name", "tool_call_id", "tool_calls")  # what a message keeps
 
 
 def check_messages(value):
-    """An environment's answer: a list of {"role": str, "content": str} ([] or None: the end)."""
+    """An environment's answer: a list of {"role": str, "content": str} ([] or None: the end), which
+    may carry a tool message's "name" and "tool_call_id"."""
     if value is None:
         return []
     if not isinstance(value, (list, tuple)) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in value):
         raise TypeError(f"step returned {value!r:.80}, not a list of {{'role': str, 'content': str}} messages")
-    return [dict(role=m["role"], content=m["content"]) for m in value]
+    return [{k: m[k] for k in KEYS if k in m} for m in value]
 
 
 class ChatTokens:
@@ -141,12 +151,6 @@ class ChatTokens:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-class ToolError(Exception):
-    """Raised by an environment for the policy's mistake (a call that does not parse, names no
-    tool, or has bad arguments): its text is told to the policy as a tool message and counted as
-    tool_bad_calls. Any other exception is the environment's own failure (tool_errors)."""
-
-
 INSTANCES = {}  # this process's per-episode environments: episode key -> instance
 
 
@@ -195,6 +199,9 @@ class Calls:
                 raise LookupError("the episode's environment was lost with its worker")
         if what == "step":
             try:
+                if not callable(getattr(env, "step", None)):  # native tool calls, answered by the tools
+                    replies, bad = tool_calls.answer_calls(env.tools, messages[-1])
+                    return replies, "bad_calls" if bad else None
                 return check_messages(env.step(row, messages)), None
             except ToolError as e:
                 return [{"role": "tool", "content": f"error: {e}"}], "bad_calls"
@@ -217,11 +224,19 @@ class Environment:
         except Exception as e:  # noqa: BLE001 - user code may raise anything
             raise ValueError(f"environment={spec!r}: {getattr(obj, '__name__', obj)}() raised {type(e).__name__}: {e}; "
                              "a class or factory must build an environment with no arguments") from None
-        if not callable(getattr(probe, "step", None)):
-            raise ValueError(f"environment={spec!r} has no step(row, messages) method; see environments.py")
-        self.probe, self.stop, self.tools = probe, list(getattr(probe, "stop", ())), getattr(probe, "tools", None)
+        tools = list(getattr(probe, "tools", None) or ())
+        if not callable(getattr(probe, "step", None)) and not (tool_calls.functions(tools) and cfg.tool_call_parser):
+            raise ValueError(f"environment={spec!r} has no step(row, messages) method" + (
+                ", and its tools are called only in a format a parser reads: set --tool_call_parser (hermes for "
+                "Qwen, llama3_json for Llama-3.1, ...)" if tool_calls.functions(tools) else "") + "; see environments.py")
+        try:
+            self.tools = tool_calls.schemas(tools) or None
+        except ValueError as e:
+            raise ValueError(f"environment={spec!r}: {e}") from None
+        self.probe, self.stop = probe, list(getattr(probe, "stop", ()))
         self.scores = callable(getattr(probe, "reward", None))  # the environment scores its episodes
         self.chat = ChatTokens(tokenizer, self.tools)
+        self.parser = tool_calls.Parser(cfg.tool_call_parser, tokenizer, self.tools) if cfg.tool_call_parser else None
         self.spec, self.cfg, self.tokenizer, self.pool = spec, cfg, tokenizer, None
         self.keys = itertools.count()
         # no token spans more characters than the vocabulary's longest string: a reply is cut to
@@ -241,6 +256,10 @@ class Environment:
 
     def begin(self, episode):
         episode.key, episode.started = next(self.keys), False
+
+    def message(self, text, turn):
+        """The policy's turn as an assistant message: its text, and with a tool_call_parser its calls."""
+        return self.parser.message(text, turn) if self.parser else {"role": "assistant", "content": text}
 
     def call(self, episodes, what):
         """Calls(what) for each episode, each in its own worker; returns the values and the
@@ -267,7 +286,17 @@ class Environment:
         per-episode environment a timeout or a crash took the episode's instance with its worker,
         and the episode ends there. A reply that leaves no room for another turn ends the episode
         before it (the conversation, and the sample, end with the policy's turn)."""
-        replies, failures = self.call(episodes, "step")
+        replies, asked = [None] * len(episodes), []
+        for i, e in enumerate(episodes):  # a call the parser could not read is answered here
+            unread = self.parser.unread(e.messages[-1]) if self.parser else None
+            if unread:
+                replies[i] = ([{"role": "tool", "content": f"error: {unread}"}], "bad_calls")
+            else:
+                asked.append(i)
+        values, failures = self.call([episodes[i] for i in asked], "step")
+        for i, value in zip(asked, values):
+            replies[i] = value
+        failures = [(asked[i], what, why) for i, what, why in failures]
         failed = [(what, f"episode {episodes[i].k}: {why}") for i, what, why in failures]
         for i, what, why in failures:
             lost = self.factory and what != "errors"  # the episode's instance went with its worker

@@ -135,7 +135,7 @@ def play(cfg, client, rows, n, seed, tokenizer, env=None, temperature=None):
             e.answer, e.eos, e.turns = completion_text(tokenizer, out), out.get("eos", False), e.turns + 1
             e.done = e.cut = out["finish_reason"] == "length" or e.budget <= 0  # cut by the token budget
             if env:  # the conversation ends with the policy's turn, however the episode ends
-                e.messages.append({"role": "assistant", "content": e.answer})
+                e.messages.append(env.message(e.answer, turn))
         live = [e for e in live if not e.done]
         if not live or turn == turns - 1:
             break

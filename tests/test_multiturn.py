@@ -64,8 +64,8 @@ class ScriptedClient:
     then <|im_end|> when the text does not end on a stop string); logprobs -0.1, -0.2, ...;
     cut at the request's max_tokens. Records each request's prompt."""
 
-    def __init__(self, tokenizer, script):
-        self.tokenizer, self.script, self.turn, self.prompts = tokenizer, script, 0, []
+    def __init__(self, tokenizer, script, eos_id=IM_END):
+        self.tokenizer, self.script, self.turn, self.prompts, self.eos_id = tokenizer, script, 0, [], eos_id
 
     def generate(self, prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=()):
         text = self.script[self.turn]
@@ -75,7 +75,7 @@ class ScriptedClient:
         out = []
         for budget in budgets:
             stopped = any(text.endswith(s) for s in stop)
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + ([] if stopped else [IM_END])
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + ([] if stopped else [self.eos_id])
             cut = len(ids) > budget
             ids = ids[:budget]
             out.append([dict(token_ids=ids, logprobs=[-0.1 * (j + 1) for j in range(len(ids))],
@@ -98,7 +98,8 @@ def with_prompts(env, tokenizer, rows):
     """Give rows what data.tokenize_rows gives them: the environment's first messages, rendered."""
     for row in rows:
         row["messages"] = env.reset(row)
-        row["prompt_text"] = tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+        row["prompt_text"] = tokenizer.apply_chat_template(row["messages"], tools=env.tools, tokenize=False,
+                                                           add_generation_prompt=True)
         row["prompt_ids"] = tokenizer(row["prompt_text"], add_special_tokens=False)["input_ids"]
     return rows
 

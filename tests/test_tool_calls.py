@@ -1,0 +1,180 @@
+"""Native tool calls (tool_calls.py): tools written as Python functions, rendered by real chat
+templates (tests/data/templates), called in the model's own format and read by vLLM's parsers
+(hermes for Qwen2.5, llama3_json for Llama-3.1); episodes whose appended tokens are the
+template's rendering of the final conversation, tool calls included; bad calls answered and
+counted."""
+
+import pytest
+
+from config import Config
+from environments import Environment
+from episodes import play
+from test_multiturn import ScriptedClient, with_prompts
+from test_templates import family_tokenizer
+from tool_calls import Parser, answer_calls, schemas
+
+# importing vLLM (its tool parsers) runs `file` on the interpreter (py-cpuinfo): outside the quick tier
+vllm_import = pytest.mark.subprocess
+
+ENV = '''
+from tool_calls import ToolError
+
+
+class Ledger:
+    """One ledger per episode: add puts an amount on it, total reads it."""
+
+    def __init__(self):
+        self.entries = []
+        self.tools = [self.add, self.total]
+
+    def reset(self, row):
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def add(self, amount: int, note: str = "") -> str:
+        """Put an amount on the ledger.
+
+        Args:
+            amount: how much, a positive number
+            note: what it is for
+        """
+        if amount <= 0:
+            raise ToolError("amount must be positive")
+        self.entries.append(amount)
+        return f"{len(self.entries)} entries"
+
+    def total(self) -> dict:
+        """The ledger's entries and their sum."""
+        return {"entries": self.entries, "sum": sum(self.entries)}
+
+    def reward(self, row, messages):
+        return float(sum(self.entries) == int(row["answer"]))
+'''
+
+
+def call(name, arguments):
+    """A call as Qwen2.5's template writes one (and the model was trained to)."""
+    import json
+
+    return '<tool_call>\n{"name": "' + name + '", "arguments": ' + json.dumps(arguments) + '}\n</tool_call>'
+
+
+def ledger_episodes(tmp_path, script, workers=0, **kw):
+    tok = family_tokenizer("qwen2.5-instruct")
+    (tmp_path / "ledger.py").write_text(ENV)
+    cfg = Config(environment=f"{tmp_path}/ledger.py:Ledger", tool_call_parser="hermes", tool_workers=workers,
+                 tool_timeout=20.0, max_prompt_length=3000, response_length=1000, max_turns=6,
+                 num_samples_per_prompt_rollout=2, **kw)
+    env = Environment(cfg.environment, tok, cfg)
+    env.start()
+    try:
+        rows = with_prompts(env, tok, [dict(prompt="put 2 and 3 on the ledger", answer="5")])
+        client = ScriptedClient(tok, script, eos_id=tok.convert_tokens_to_ids("<|im_end|>"))
+        episodes, stats = play(cfg, client, rows, 2, 0, tok, env)
+    finally:
+        env.close()
+    return tok, env, rows[0], episodes, stats
+
+
+def test_a_function_is_a_schema_the_template_renders():
+    """transformers' get_json_schema of a function (hints, docstring Args) is what Qwen2.5's template
+    lists in its system turn; a dict is taken as a schema; a function without Args is refused."""
+    import types
+
+    tok = family_tokenizer("qwen2.5-instruct")
+    ledger = types.SimpleNamespace()
+    exec(ENV, ledger.__dict__)
+    tools = schemas(ledger.Ledger().tools + [{"name": "ping", "parameters": {"type": "object", "properties": {}}}])
+    assert tools[0]["function"]["name"] == "add" and tools[0]["function"]["parameters"]["required"] == ["amount"]
+    assert tools[0]["function"]["parameters"]["properties"]["note"] == {"type": "string", "description": "what it is for"}
+    assert tools[2] == {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=tools, tokenize=False)
+    assert '<tools>\n{"type": "function", "function": {"name": "add", "description": "Put an amount on the ledger."' in text
+
+    def bare(x: int):
+        return x
+
+    with pytest.raises(ValueError, match="'bare' has no JSON schema"):
+        schemas([bare])
+
+
+@vllm_import
+@pytest.mark.parametrize("family,parser,text,content", [
+    ("qwen2.5-instruct", "hermes", 'Adding.\n<tool_call>\n{"name": "add", "arguments": {"amount": 2}}\n</tool_call>\n'
+                                   '<tool_call>\n{"name": "total", "arguments": {}}\n</tool_call>', "Adding.\n"),
+    ("llama-3.1-instruct", "llama3_json", '<|python_tag|>{"name": "add", "parameters": {"amount": 2}}; '
+                                          '{"name": "total", "parameters": {}}', ""),
+])
+def test_vllms_parsers_read_sampled_calls(family, parser, text, content):
+    """Each family's own format, as sampled, read into the OpenAI form with ids that depend on the
+    turn and the call's place only; a call the parser cannot read is named as such."""
+    p = Parser(parser, family_tokenizer(family), None)
+    message = p.message(text, turn=1)
+    assert message == {"role": "assistant", "content": content, "tool_calls": [
+        {"id": "c00010000", "type": "function", "function": {"name": "add", "arguments": {"amount": 2}}},
+        {"id": "c00010001", "type": "function", "function": {"name": "total", "arguments": {}}}]}
+    assert p.unread(message) is None
+    plain = p.message("it is 5", turn=2)
+    assert plain == {"role": "assistant", "content": "it is 5"} and p.unread(plain) is None
+    broken = p.message(p.marker + '{"name": "add", "arguments": {"amount": 2', turn=3)
+    assert "tool_calls" not in broken and p.unread(broken) == f"the tool call does not parse in the {parser} format"
+
+
+@vllm_import
+def test_a_parser_that_does_not_exist_or_fit_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="'herpes' is not one of vLLM's tool parsers; pick one of .*hermes"):
+        Parser("herpes", family_tokenizer("qwen2.5-instruct"), None)
+    with pytest.raises(ValueError, match="does not fit the tokenizer of 'qwen2.5-instruct'"):
+        Parser("llama3_json", family_tokenizer("qwen2.5-instruct"), None)  # no <|python_tag|> token
+
+
+def test_bad_calls_are_answered_one_message_each():
+    def add(a: int, b: int) -> int:
+        """Add.
+
+        Args:
+            a: one
+            b: two
+        """
+        return a + b
+
+    calls = [{"id": "x", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}},
+             {"id": "y", "function": {"name": "mul", "arguments": {}}},
+             {"id": "z", "function": {"name": "add", "arguments": {"a": 1}}},
+             {"id": "w", "function": {"name": "add", "arguments": "a=1"}}]
+    replies, bad = answer_calls([add], {"role": "assistant", "content": "", "tool_calls": calls})
+    assert bad and [(m["tool_call_id"], m["name"]) for m in replies] == [("x", "add"), ("y", "mul"), ("z", "add"),
+                                                                        ("w", "add")]
+    assert [m["content"] for m in replies] == ["3", "error: no tool is named 'mul'; the tools are add",
+                                               "error: add: missing a required argument: 'b'",
+                                               "error: the arguments of add are not a JSON object: 'a=1'"]
+    assert answer_calls([add], {"role": "assistant", "content": "5"}) == ([], False)
+
+
+@vllm_import
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_episode_with_native_calls_is_the_templates_rendering(tmp_path, workers):
+    """A per-episode Ledger whose tools are its methods, hermes on Qwen2.5's real template: the
+    episode's tokens (sampled calls, the tools' answers as the template renders tool messages)
+    equal the template's rendering of the final conversation with its tool_calls; each episode
+    keeps its own ledger; a call to no tool, a bad argument and an unreadable call are answered
+    with errors and counted as bad calls."""
+    script = [call("add", {"amount": 2}) + "\n" + call("add", {"amount": 3}),
+              call("subtract", {"amount": 1}),
+              call("add", {"amount": -4}),
+              '<tool_call>\n{"name": "total", "arguments": {}',
+              call("total", {}),
+              "The sum is 5."]
+    tok, env, row, episodes, stats = ledger_episodes(tmp_path, script, workers)
+    for e in episodes:
+        assert e.turns == 6 and e.tool_calls == 5 and not e.cut
+        rendered = tok.apply_chat_template(e.messages, tools=env.tools, tokenize=False)
+        assert tok.decode(e.ids) + "\n" == rendered
+        tools = [m for m in e.messages if m["role"] == "tool"]
+        assert [m.get("name") for m in tools] == ["add", "add", "subtract", "add", None, "total"]
+        assert [m.get("tool_call_id") for m in tools[:2]] == ["c00000000", "c00000001"]
+        assert [m["content"] for m in tools] == [
+            "1 entries", "2 entries", "error: no tool is named 'subtract'; the tools are add, total",
+            "error: amount must be positive", "error: the tool call does not parse in the hermes format",
+            '{"entries": [2, 3], "sum": 5}']  # this episode's ledger only
+        assert e.messages[-1] == {"role": "assistant", "content": "The sum is 5."} and e.env_reward == 1.0
+    assert [what for what, _ in stats["tool_failures"]] == ["bad_calls"] * 6

@@ -1,0 +1,150 @@
+"""Native tool calls: tools as Python functions or JSON schemas, rendered by the chat template,
+called in the model's own format and read by one of vLLM's tool parsers.
+
+    class Shop:                                 # --environment shop.py:Shop --tool_call_parser hermes
+        def __init__(self):
+            self.cart = []
+            self.tools = [self.add_to_cart]     # bound methods: state per episode
+
+        def add_to_cart(self, item: str, count: int) -> str:
+            '''Put items in the cart.
+
+            Args:
+                item: what to buy
+                count: how many
+            '''
+            self.cart += [item] * count
+            return f"{len(self.cart)} items in the cart"
+
+A function's schema is transformers' get_json_schema of it (its type hints, and its docstring's
+description and Args); a dict is taken as a schema as it is. The chat template renders them
+(apply_chat_template(tools=...)). The policy's turn is read by the parser `--tool_call_parser`
+names (the names of `vllm serve --tool-call-parser`: hermes for Qwen2.5 and Qwen3, llama3_json
+for Llama-3.1, mistral, ...) into the OpenAI form of an assistant message:
+
+    {"role": "assistant", "content": text before the calls,
+     "tool_calls": [{"id": "c00010000", "type": "function", "function": {"name": ..., "arguments": {...}}}]}
+
+and an environment without a step method of its own answers it with `answer_calls`: each call
+runs with its parsed arguments and its result comes back as {"role": "tool", "name": ...,
+"tool_call_id": ..., "content": ...}; a turn without calls ends the episode. A call that names no
+tool, has arguments its function does not take, or raises environments.ToolError is answered
+with an error message and counted (tool_bad_calls), as is a turn that opens a call the parser
+cannot read (the parser's start marker, as <tool_call>, with no call parsed); any other
+exception of a tool is the environment's failure (tool_errors, printed).
+"""
+
+import inspect
+import json
+import logging
+
+
+class ToolError(Exception):
+    """Raised by an environment for the policy's mistake (a call that does not parse, names no
+    tool, or has bad arguments): its text is told to the policy as a tool message and counted as
+    tool_bad_calls. Any other exception is the environment's own failure (tool_errors)."""
+
+
+def schemas(tools):
+    """The JSON schemas of an environment's tools, for the chat template and the parser: a function
+    through transformers' get_json_schema, a dict as it is (a bare function schema is wrapped as
+    {"type": "function", "function": ...}). ValueError naming the tool that has no schema."""
+    from transformers.utils import get_json_schema
+
+    out = []
+    for tool in tools:
+        if isinstance(tool, dict):
+            out.append(tool if "function" in tool else {"type": "function", "function": tool})
+            continue
+        try:
+            out.append(get_json_schema(tool))
+        except Exception as e:  # noqa: BLE001 - transformers raises its own types for a docstring it cannot read
+            raise ValueError(f"tool {getattr(tool, '__name__', tool)!r} has no JSON schema ({type(e).__name__}: {e}); "
+                             "give it type hints and a docstring with an Args section, or pass a schema dict") from None
+    return out
+
+
+def functions(tools):
+    """The callable tools by name."""
+    return {tool.__name__: tool for tool in tools if callable(tool)}
+
+
+class Parser:
+    """The policy's turn read by one of vLLM's tool parsers into an assistant message with
+    tool_calls. Call ids are made from the turn and the call's place in it (the parsers' own are
+    random), so a run repeats exactly."""
+
+    def __init__(self, name, tokenizer, tool_schemas):
+        try:
+            from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+            from vllm.tool_parsers import ToolParserManager
+        except ImportError as e:
+            raise ValueError(f"tool_call_parser={name!r} needs vLLM's tool parsers ({e}); install vllm") from None
+        try:
+            cls = ToolParserManager.get_tool_parser(name)
+        except KeyError:
+            raise ValueError(f"tool_call_parser={name!r} is not one of vLLM's tool parsers; pick one of "
+                             f"{', '.join(ToolParserManager.list_registered())}") from None
+        logging.getLogger(cls.__module__).setLevel(logging.CRITICAL)  # a call it cannot read is counted here
+        try:
+            self.parser = cls(tokenizer)
+        except Exception as e:  # noqa: BLE001 - a parser checks the vocabulary its own way
+            raise ValueError(f"tool_call_parser={name!r} does not fit the tokenizer of {tokenizer.name_or_path!r} "
+                             f"({type(e).__name__}: {e}); pick the parser of the model's family") from None
+        self.name, self.request = name, ChatCompletionRequest(model="policy", messages=[], tools=tool_schemas or None)
+        # the text that opens a call in this format: a turn holding it and no parsed call is a bad call
+        self.marker = getattr(cls, "tool_call_start_token", None) or getattr(cls, "bot_token", None)
+
+    def message(self, text, turn):
+        """The assistant message of a sampled turn: its text, or the text before its calls and the calls."""
+        found = self.parser.extract_tool_calls(text, self.request)
+        if not found.tools_called:
+            return {"role": "assistant", "content": text}
+        calls = []
+        for j, call in enumerate(found.tool_calls):
+            try:
+                arguments = json.loads(call.function.arguments)
+            except (TypeError, ValueError):
+                arguments = call.function.arguments  # not JSON: answered as a bad call (answer_calls)
+            calls.append({"id": f"c{turn:04d}{j:04d}", "type": "function",
+                          "function": {"name": call.function.name, "arguments": arguments}})
+        return {"role": "assistant", "content": found.content or "", "tool_calls": calls}
+
+    def unread(self, message):
+        """Why the policy's last turn is a bad call the parser could not read, or None."""
+        if "tool_calls" in message or not self.marker or self.marker not in message["content"]:
+            return None
+        return f"the tool call does not parse in the {self.name} format"
+
+
+def as_text(value):
+    """A tool's result as a message's content: text as it is, anything else as JSON (or str)."""
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def answer_calls(tools, message):
+    """The tool messages that answer an assistant message's tool calls, one per call, in order, and
+    whether any was a bad call; ([], False) when it makes none (the episode ends)."""
+    by_name, replies, bad = functions(tools), [], False
+    for call in message.get("tool_calls") or ():
+        name, arguments = call["function"]["name"], call["function"]["arguments"]
+        fn = by_name.get(name)
+        try:
+            if fn is None:
+                raise ToolError(f"no tool is named {name!r}; the tools are {', '.join(sorted(by_name))}")
+            if not isinstance(arguments, dict):
+                raise ToolError(f"the arguments of {name} are not a JSON object: {arguments!r:.80}")
+            try:
+                inspect.signature(fn).bind(**arguments)
+            except TypeError as e:
+                raise ToolError(f"{name}: {e}") from None
+            content = as_text(fn(**arguments))
+        except ToolError as e:
+            content, bad = f"error: {e}", True
+        replies.append({"role": "tool", "name": name, "tool_call_id": call.get("id", ""), "content": content})
+    return replies, bad
