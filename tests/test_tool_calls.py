@@ -9,46 +9,14 @@ import pytest
 from config import Config
 from environments import Environment
 from episodes import play
-from test_multiturn import ScriptedClient, with_prompts
+from test_multiturn import ScriptedClient, documented, with_prompts
 from test_templates import family_tokenizer
 from tool_calls import Parser, answer_calls, schemas
 
 # importing vLLM (its tool parsers) runs `file` on the interpreter (py-cpuinfo): outside the quick tier
 vllm_import = pytest.mark.subprocess
 
-ENV = '''
-from tool_calls import ToolError
-
-
-class Ledger:
-    """One ledger per episode: add puts an amount on it, total reads it."""
-
-    def __init__(self):
-        self.entries = []
-        self.tools = [self.add, self.total]
-
-    def reset(self, row):
-        return [{"role": "user", "content": row["prompt"]}]
-
-    def add(self, amount: int, note: str = "") -> str:
-        """Put an amount on the ledger.
-
-        Args:
-            amount: how much, a positive number
-            note: what it is for
-        """
-        if amount <= 0:
-            raise ToolError("amount must be positive")
-        self.entries.append(amount)
-        return f"{len(self.entries)} entries"
-
-    def total(self) -> dict:
-        """The ledger's entries and their sum."""
-        return {"entries": self.entries, "sum": sum(self.entries)}
-
-    def reward(self, row, messages):
-        return float(sum(self.entries) == int(row["answer"]))
-'''
+ENV = documented("Ledger")  # docs/data.md's example, as written
 
 
 def call(name, arguments):
