@@ -14,6 +14,7 @@ QWEN = dict(specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], eos="<|im_
 FAMILIES = {
     "qwen2.5-instruct": QWEN,
     "qwen3": QWEN,
+    "smollm2-instruct": QWEN,  # ChatML; a template that renders no tools
     "llama-3.1-instruct": dict(specials=["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                                          "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"],
                                eos="<|eot_id|>", bos="<|begin_of_text|>"),

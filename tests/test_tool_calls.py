@@ -146,3 +146,25 @@ def test_an_episode_with_native_calls_is_the_templates_rendering(tmp_path, worke
             '{"entries": [2, 3], "sum": 5}']  # this episode's ledger only
         assert e.messages[-1] == {"role": "assistant", "content": "The sum is 5."} and e.env_reward == 1.0
     assert [what for what, _ in stats["tool_failures"]] == ["bad_calls"] * 6
+
+
+@vllm_import
+def test_the_native_calculator_answers_hermes_calls_on_a_chatml_template():
+    """environments:calculator_tool on a template that renders no tools (ChatML, as SmolLM2's): its
+    system message shows the hermes format, a call is answered with its value, a bad expression
+    with an error (a bad call), and \\boxed{} ends the episode."""
+    tok = family_tokenizer("smollm2-instruct")
+    cfg = Config(environment="environments:calculator_tool", tool_call_parser="hermes", tool_workers=0,
+                 max_prompt_length=800, response_length=400, max_turns=4, num_samples_per_prompt_rollout=2)
+    env = Environment(cfg.environment, tok, cfg)
+    env.start()
+    rows = with_prompts(env, tok, [dict(prompt="What is 12 * 7 + 5?", answer="89")])
+    assert '<tool_call>\n{"name": "calculate", "arguments": {"expression": "214 + 659"}}\n</tool_call>' in \
+        rows[0]["prompt_text"]
+    script = [call("calculate", {"expression": "12 * 7"}), call("calculate", {"expression": "84 +* 5"}),
+              call("calculate", {"expression": "84 + 5"}), "\\boxed{89}"]
+    episodes, stats = play(cfg, ScriptedClient(tok, script, eos_id=tok.eos_token_id), rows, 2, 0, tok, env)
+    for e in episodes:
+        assert [m["content"] for m in e.messages if m["role"] == "tool"][-3:] == ["84", "error: invalid syntax", "89"]
+        assert e.turns == 4 and e.tool_calls == 3 and e.answer == "\\boxed{89}"
+    assert [what for what, _ in stats["tool_failures"]] == ["bad_calls"] * 2
