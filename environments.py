@@ -47,9 +47,12 @@ with its children on a timeout or a crash: it keeps a tool from stopping the run
 contain code that means harm.
 
 The environment's messages enter the episode as the chat template's rendering of just those
-messages (ChatTokens), with loss mask 0. A reply that leaves no room for another turn in the
-token budget ends the episode before it. That is exact only for a template that renders a
-conversation as an extension of its earlier turns, which start-up checks.
+messages after an assistant turn (ChatTokens), with loss mask 0; the policy's turns stay as
+sampled. A reply that leaves no room for another turn in the token budget ends the episode
+before it. Start-up checks that the template writes the same text after an assistant turn
+whatever that turn and the earlier ones held; a template that rewrites earlier turns when it
+renders a whole conversation (Qwen3's drops past reasoning) is accepted, and the episode keeps
+what was sampled (docs/data.md says where that differs from the template's rendering).
 """
 
 import ast
@@ -80,56 +83,75 @@ def check_messages(value):
 class ChatTokens:
     """The tokens an environment's messages add to an episode, from the chat template.
 
-    Rendered against a fixed conversation (system, user, assistant A): the assistant turn's
-    closing text (ChatML: "<|im_end|>\\n"), then the new messages up to the next generation prompt.
-    Start-up refuses a template whose renderings do not grow by appending, naming where they differ."""
+    The policy's turns stay the tokens it sampled (what vLLM saw). After a turn, the environment's
+    messages are appended as the template renders them after an assistant turn: the turn's closing
+    (ChatML: "<|im_end|>\\n"), the messages, the next generation prompt; that text is read off a
+    rendering of a fixed conversation, from the end of a marked assistant turn on. Start-up checks
+    what this needs: the text after an assistant turn is the same whatever that turn held (its
+    reasoning) and whatever came before it (earlier turns), for a tool message and a user message
+    alike; a template for which it is not is refused, naming where. A template may still rewrite
+    earlier turns when it renders a whole conversation (Qwen3's drops the reasoning of the turns
+    before the last user message, and adds an empty <think> block to a final turn without one):
+    the episode keeps them as sampled, which is the context the policy had."""
 
     BASE = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+    TURN = "A1 turn"  # the marked assistant turn's text
+    PROBES = {"a tool message": [{"role": "tool", "content": "T"}], "a user message": [{"role": "user", "content": "F"}]}
+    EARLIER = {"its reasoning": ([], "<think>\nR\n</think>\n\n" + TURN),
+               "earlier turns": ([{"role": "assistant", "content": "A0"}, {"role": "tool", "content": "T0"}], TURN)}
 
     def __init__(self, tokenizer, tools=None):
         self.tokenizer, self.tools = tokenizer, tools
         if not tokenizer.chat_template:
             raise ValueError(f"an environment's episodes are conversations, and the tokenizer of "
                              f"{tokenizer.name_or_path!r} has no chat template; use a chat model")
-        first = [*self.BASE, {"role": "assistant", "content": "A1"}]
-        second = [*first, {"role": "tool", "content": "T"}, {"role": "assistant", "content": "A2"}]
         try:
-            opened, self.done = self.render(self.BASE, True), self.render(first)
-            again, last = self.render(second[:-1], True), self.render(second)
+            self.close = self.after([])  # what the template puts after a final assistant turn
+            problem = self.drift()
         except Exception as e:  # noqa: BLE001 - a Jinja template may raise anything (Gemma's: on a system role)
             raise ValueError(f"the chat template of {tokenizer.name_or_path!r} raises on a conversation of system, "
                              f"user, assistant and tool messages ({type(e).__name__}: {e}); an environment needs a "
                              "model whose template renders them") from None
-        self.close = self.done[len(opened + "A1"):]  # what the template puts after an assistant turn
-        # the closing's first token (ChatML's <|im_end|>, Llama-3's <|eot_id|>), which a sampled end-of-sequence
-        # token may stand for (ids)
-        self.closing_token = tokenizer.decode(tokenizer(self.close, add_special_tokens=False)["input_ids"][:1])
-        if problem := self.drift(opened, again, last):
+        if problem:
             raise ValueError(f"the chat template of {tokenizer.name_or_path!r} {problem}, so an episode's tokens "
                              "cannot be appended turn by turn; use a model whose template does (ChatML's does), or "
                              "write one into the model directory's chat_template.jinja")
+        # the closing's first token (ChatML's <|im_end|>, Llama-3's <|eot_id|>), which a sampled end-of-sequence
+        # token may stand for (ids)
+        self.closing_token = tokenizer.decode(tokenizer(self.close, add_special_tokens=False)["input_ids"][:1])
 
-    def drift(self, opened, again, last):
-        """Where the template's renderings of a growing conversation stop being one growing text,
-        in words; None when they do not. Qwen3's template, for one, adds an empty <think> block to
-        the last assistant turn and drops it once a later turn follows."""
+    def drift(self):
+        """Where the text after an assistant turn depends on more than the messages that follow it,
+        in words; None when it does not."""
         def differ(a, b):  # the two texts from where they part
             i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             return f"{a[i:i + 40]!r} becomes {b[i:i + 40]!r}"
-        if not self.done.startswith(opened + "A1"):
-            return ("does not render an assistant turn as its generation prompt followed by the sampled text "
-                    f"(after the prompt, {differ(opened + 'A1', self.done)}: it writes a turn by its place in "
-                    "the conversation)")
-        if not again.startswith(self.done):
-            return ("does not render a conversation with tool messages as its earlier turns followed by the new "
-                    f"ones (once a tool message follows, {differ(self.done, again)})")
-        if last != again + "A2" + self.close:
-            return f"closes an assistant turn after a tool message differently ({differ(again + 'A2' + self.close, last)})"
+        if self.close is None:
+            return "does not render an assistant turn's text as it is"
+        for what, probe in self.PROBES.items():
+            after = self.after(probe)
+            if after is None:
+                return f"drops an assistant turn that {what} follows"
+            if not after.startswith(self.close):
+                return f"closes an assistant turn that {what} follows differently ({differ(self.close, after)})"
+            for earlier, (history, turn) in self.EARLIER.items():
+                other = self.after(probe, history, turn)
+                if other != after:
+                    return (f"renders {what} after an assistant turn differently with {earlier} "
+                            f"({differ(after, other or '')})")
         return None
 
     def render(self, messages, generation_prompt=False):
         return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
                                                   add_generation_prompt=generation_prompt)
+
+    def after(self, messages, history=(), turn=TURN):
+        """The template's text after an assistant turn `turn` (following BASE and history), through
+        the messages and, when there are any, the next generation prompt; None when the turn's text
+        is not in the rendering."""
+        text = self.render([*self.BASE, *history, {"role": "assistant", "content": turn}, *messages], bool(messages))
+        i = text.find(self.TURN)
+        return None if i < 0 else text[i + len(self.TURN):]
 
     def ids(self, messages, eos_id=None):
         """Token ids of the environment's messages after an assistant turn, through the next
@@ -141,13 +163,12 @@ class ChatTokens:
         eos_id the template never writes (Qwen2.5's <|endoftext|>, Llama-3.1's <|end_of_text|>)
         is text of the turn, and the whole closing follows it, as the template renders a turn
         that ends with that text."""
-        close = self.close
+        text = self.after(messages)
         ended = self.tokenizer.decode([eos_id]) if eos_id is not None else ""
-        if ended and close.startswith(ended):
-            close = close[len(ended):]
-        elif ended and ended in str(self.tokenizer.chat_template) and close.startswith(self.closing_token):
-            close = close[len(self.closing_token):]  # the token that ended the turn in place of the closing's
-        text = close + self.render([*self.BASE, {"role": "assistant", "content": "A1"}, *messages], True)[len(self.done):]
+        if ended and text.startswith(ended):
+            text = text[len(ended):]
+        elif ended and ended in str(self.tokenizer.chat_template) and text.startswith(self.closing_token):
+            text = text[len(self.closing_token):]  # the token that ended the turn in place of the closing's
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

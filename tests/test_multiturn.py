@@ -190,14 +190,14 @@ def test_a_wrong_environment_is_refused_in_one_line(tiny_model_dir, spec, fragme
         Environment(spec, AutoTokenizer.from_pretrained(tiny_model_dir), Config(environment=spec))
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused(tiny_model_dir):
+def test_a_template_that_drops_earlier_answers_is_refused(tiny_model_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     tok.chat_template = ("{% for m in messages %}{% if m.role != 'assistant' or loop.last %}<|im_start|>{{ m.role }}\n"
                          "{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
                          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # drops earlier answers
-    with pytest.raises(ValueError, match="does not render a conversation with tool messages as its earlier turns"):
+    with pytest.raises(ValueError, match="drops an assistant turn that a tool message follows"):
         ChatTokens(tok)
 
 

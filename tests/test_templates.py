@@ -84,17 +84,35 @@ def test_qwen25_a_turn_ended_on_endoftext_is_closed_by_im_end():
     assert text.endswith("A<|endoftext|><|im_end|>\n" + answer)
 
 
+NUMBERED = ("{% for m in messages %}<|im_start|>{{ m.role }}{% if m.role == 'tool' %} {{ loop.index }}{% endif %}\n"
+            "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
 @pytest.mark.parametrize("name,cause", [
-    ("qwen3", "does not render an assistant turn as its generation prompt followed by the sampled text "
-              "(after the prompt, 'A1' becomes '<think>"),
+    ("numbered", "renders a tool message after an assistant turn differently with earlier turns "
+                 "('4T<|im_end|>\\n<|im_start|>assistant\\n' becomes '6T<|im_end|>"),
     ("gemma-2-it", "raises on a conversation of system, user, assistant and tool messages "
                    "(TemplateError: System role not supported)"),
 ])
 def test_templates_an_episode_cannot_grow_on_are_refused_naming_why(name, cause):
-    """Qwen3's template writes an assistant turn by its place (an empty <think> block on the
-    last one); Gemma's raises on a system or tool message. Before: both got one message about
-    tool messages as earlier turns, which is neither's cause."""
+    """A template that numbers its tool messages renders an environment's answer by the turns before
+    it; Gemma's raises on a system or tool message."""
+    tok = family_tokenizer("qwen2.5-instruct" if name == "numbered" else name)
+    if name == "numbered":
+        tok.chat_template, tok.name_or_path = NUMBERED, name
     with pytest.raises(ValueError) as refused:
-        ChatTokens(family_tokenizer(name))
+        ChatTokens(tok)
     message = str(refused.value)
     assert cause in message and "\n" not in message and message.startswith(f"the chat template of '{name}'")
+
+
+def test_qwen3_appends_the_same_messages_whatever_the_turn_before_held():
+    """Qwen3's template writes a turn by its place (an empty <think> block on a final turn without
+    one; the reasoning of turns before the last user message dropped), but what it writes after an
+    assistant turn depends on the messages that follow only: accepted, its tool answer as the
+    template renders it."""
+    tok = family_tokenizer("qwen3")
+    chat = ChatTokens(tok)
+    assert chat.close == "<|im_end|>\n"
+    assert tok.decode(chat.ids(TOOL, tok.eos_token_id)) == (
+        "\n<|im_start|>user\n<tool_response>\n873\n</tool_response><|im_end|>\n<|im_start|>assistant\n")

@@ -26,11 +26,11 @@ def call(name, arguments):
     return '<tool_call>\n{"name": "' + name + '", "arguments": ' + json.dumps(arguments) + '}\n</tool_call>'
 
 
-def ledger_episodes(tmp_path, script, workers=0, **kw):
-    tok = family_tokenizer("qwen2.5-instruct")
+def ledger_episodes(tmp_path, script, workers=0, family="qwen2.5-instruct", **kw):
+    tok = family_tokenizer(family)
     (tmp_path / "ledger.py").write_text(ENV)
     cfg = Config(environment=f"{tmp_path}/ledger.py:Ledger", tool_call_parser="hermes", tool_workers=workers,
-                 tool_timeout=20.0, max_prompt_length=3000, response_length=1000, max_turns=6,
+                 tool_timeout=20.0, max_prompt_length=2500, response_length=1500, max_turns=6,
                  num_samples_per_prompt_rollout=2, **kw)
     env = Environment(cfg.environment, tok, cfg)
     env.start()
@@ -119,20 +119,21 @@ def test_bad_calls_are_answered_one_message_each():
 
 
 @vllm_import
-@pytest.mark.parametrize("workers", [0, 2])
-def test_an_episode_with_native_calls_is_the_templates_rendering(tmp_path, workers):
-    """A per-episode Ledger whose tools are its methods, hermes on Qwen2.5's real template: the
-    episode's tokens (sampled calls, the tools' answers as the template renders tool messages)
-    equal the template's rendering of the final conversation with its tool_calls; each episode
-    keeps its own ledger; a call to no tool, a bad argument and an unreadable call are answered
-    with errors and counted as bad calls."""
-    script = [call("add", {"amount": 2}) + "\n" + call("add", {"amount": 3}),
-              call("subtract", {"amount": 1}),
-              call("add", {"amount": -4}),
-              '<tool_call>\n{"name": "total", "arguments": {}',
-              call("total", {}),
-              "The sum is 5."]
-    tok, env, row, episodes, stats = ledger_episodes(tmp_path, script, workers)
+@pytest.mark.parametrize("workers,family", [(0, "qwen2.5-instruct"), (2, "qwen2.5-instruct"), (0, "qwen3")])
+def test_an_episode_with_native_calls_is_the_templates_rendering(tmp_path, workers, family):
+    """A per-episode Ledger whose tools are its methods, hermes on Qwen2.5's and Qwen3's real
+    templates (Qwen3's turns reason in <think> first): the episode's tokens (sampled calls, the
+    tools' answers as the template renders tool messages) equal the template's rendering of the
+    final conversation with its tool_calls; each episode keeps its own ledger; a call to no tool, a
+    bad argument and an unreadable call are answered with errors and counted as bad calls."""
+    think = (lambda text: f"<think>\nturn {text[:3]}\n</think>\n\n{text}") if family == "qwen3" else (lambda text: text)
+    script = [think(call("add", {"amount": 2}) + "\n" + call("add", {"amount": 3})),
+              think(call("subtract", {"amount": 1})),
+              think(call("add", {"amount": -4})),
+              think('<tool_call>\n{"name": "total", "arguments": {}'),
+              think(call("total", {})),
+              think("The sum is 5.")]
+    tok, env, row, episodes, stats = ledger_episodes(tmp_path, script, workers, family)
     for e in episodes:
         assert e.turns == 6 and e.tool_calls == 5 and not e.cut
         rendered = tok.apply_chat_template(e.messages, tools=env.tools, tokenize=False)
@@ -144,7 +145,7 @@ def test_an_episode_with_native_calls_is_the_templates_rendering(tmp_path, worke
             "1 entries", "2 entries", "error: no tool is named 'subtract'; the tools are add, total",
             "error: amount must be positive", "error: the tool call does not parse in the hermes format",
             '{"entries": [2, 3], "sum": 5}']  # this episode's ledger only
-        assert e.messages[-1] == {"role": "assistant", "content": "The sum is 5."} and e.env_reward == 1.0
+        assert e.messages[-1] == {"role": "assistant", "content": script[-1]} and e.env_reward == 1.0
     assert [what for what, _ in stats["tool_failures"]] == ["bad_calls"] * 6
 
 
