@@ -50,6 +50,8 @@ RULES = [
     (dict(vllm_logp_tolerance=0.0), "vllm_logp_tolerance", dict(vllm_logp_tolerance=1e-3)),
     (dict(vllm_port=70000), "vllm_port", dict(vllm_port=8000)),
     (dict(max_turns=3), "max_turns act only on multi-turn episodes", dict(max_turns=3, environment="environments:calculator")),
+    (dict(tool_call_parser="hermes"), "tool_call_parser act only on multi-turn episodes",
+     dict(tool_call_parser="hermes", environment="environments:calculator_tool")),
     (dict(vllm_importance_sampling_mask="seq"), "vllm_importance_sampling_mask",
      dict(vllm_importance_sampling_mask="sequence")),
     (dict(vllm_importance_sampling_mask="token", vllm_importance_sampling_mask_cap=0.5), "must be > 1",

@@ -182,7 +182,10 @@ def test_tools_that_hang_crash_or_raise_become_error_messages(tiny_model_dir):
 
 @pytest.mark.parametrize("spec,fragment", [("environments:OPS", "has no step(row, messages) method"),
                                            ("environments:arithmetic", "must build an environment with no arguments"),
-                                           ("environments:nope", "has no environment 'nope'")])
+                                           ("environments:nope", "has no environment 'nope'"),
+                                           ("environments:calculator_tool", "has no step(row, messages) method, "
+                                            "and its tools are called only in a format a parser reads: set "
+                                            "--tool_call_parser")])
 def test_a_wrong_environment_is_refused_in_one_line(tiny_model_dir, spec, fragment):
     from transformers import AutoTokenizer
 
