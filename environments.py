@@ -2,7 +2,7 @@
 
     --environment my_env.py:shop      an instance: one object for every episode (stateless)
     --environment my_env.py:Shop      a class or zero-argument factory: one instance per episode
-    (or module:name; the built-in: environments:calculator)
+    (or module:name; built in: environments:calculator, environments:calculator_tool, sandbox:PythonTool)
 
 The object needs a step method, or tools and --tool_call_parser (tool_calls.py), and may
 have more:
