@@ -9,11 +9,13 @@ training overlap (the server is its own process; the thread only waits on HTTP).
 An episode is token-in, token-out and append-only: each turn sends the episode's ids so far
 to vLLM and appends the ids it sampled (mask 1, with their logprobs); the environment's
 answer is appended as the chat template's rendering of its new messages (mask 0). Nothing is
-re-tokenized, so the trainer scores exactly the tokens that were sampled. Every live
-episode's next turn goes to the server at once (one request each, concurrently). Without an
-environment an episode is one turn: a prompt and its completion.
+re-tokenized, so the trainer scores exactly the tokens that were sampled. Episodes go at
+their own pace: one whose turn is back gets its answer and sends its next turn while others
+still generate, so the server's batch stays full. Without an environment an episode is one
+turn: a prompt and its completion.
 """
 
+import concurrent.futures
 import dataclasses
 import threading
 import time
@@ -106,49 +108,54 @@ class Episode:
 
 
 def play(cfg, client, rows, n, seed, tokenizer, env=None, temperature=None):
-    """n episodes of each row, played turn by turn. Turn t's request of episode k (row k // n)
-    is seeded seed + t * len(rows) * n + k. Returns the episodes and the time spent generating
+    """n episodes of each row, played turn by turn, each at its own pace: an episode whose turn is
+    back is answered by the environment (with the others back by then) and its next turn is sent,
+    while other episodes still generate. The first turns are one request of n samples per row,
+    seeded seed + i * n for row i; turn t of episode k (row k // n) is seeded
+    seed + t * len(rows) * n + k. Returns the episodes and the seconds spent waiting on generation
     and in the environment."""
     episodes = [Episode(k, row, cfg.response_length) for k, row in enumerate(r for r in rows for _ in range(n))]
     for e in episodes if env else ():
         e.messages = list(e.row["messages"])  # the environment's first messages (data.tokenize_rows)
         env.begin(e)
     temperature = cfg.temperature if temperature is None else temperature
-    stop = env.stop if env else ()
-    timing, failures, live = dict(time_generate=0.0, time_tools=0.0), [], episodes
-    turns = cfg.episode_turns if env else 1
-    for turn in range(turns):
-        if not live:
-            break
-        t = time.perf_counter()
-        if turn == 0:  # one request of n samples per row
-            outs = client.generate([r["prompt_ids"] for r in rows], n, cfg.response_length, temperature, cfg.top_p,
-                                   seed=seed, stop=stop)
-            outs = [o for group in outs for o in group]
-        else:
-            seeds = [None if seed is None else seed + turn * len(episodes) + e.k for e in live]
-            outs = [g[0] for g in client.generate([e.ids for e in live], 1, [e.budget for e in live], temperature,
-                                                  cfg.top_p, seed=seeds, stop=stop)]
-        timing["time_generate"] += time.perf_counter() - t
-        for e, out in zip(live, outs):
-            e.add(out["token_ids"], out["logprobs"], True, out["version"])
-            e.answer, e.eos, e.turns = completion_text(tokenizer, out), out.get("eos", False), e.turns + 1
-            e.done = e.cut = out["finish_reason"] == "length" or e.budget <= 0  # cut by the token budget
-            if env:  # the conversation ends with the policy's turn, however the episode ends
-                e.messages.append(env.message(e.answer, turn))
-        live = [e for e in live if not e.done]
-        if not live or turn == turns - 1:
-            break
-        t = time.perf_counter()
-        live, lost = env.answer(live)
-        failures += lost
-        timing["time_tools"] += time.perf_counter() - t
+    turns, stop, failures, tools = cfg.episode_turns if env else 1, env.stop if env else (), [], 0.0
+
+    def send(ids, k, budget, s):
+        return client.submit(ids, k, budget, temperature, cfg.top_p, None if seed is None else seed + s, stop)
+
+    started = time.perf_counter()
+    pending = {send(row["prompt_ids"], n, cfg.response_length, i * n): episodes[i * n:(i + 1) * n]
+               for i, row in enumerate(rows)}
+    while pending:
+        done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+        back = sorted(((e, out) for f in done for e, out in zip(pending.pop(f), f.result())), key=lambda p: p[0].k)
+        for e, out in back:
+            take_turn(e, out, tokenizer, env)
+        going = [e for e, _ in back if not e.done and e.turns < turns]
+        if going:
+            t = time.perf_counter()
+            going, lost = env.answer(going)
+            failures, tools = failures + lost, tools + time.perf_counter() - t
+            for e in going:
+                pending[send(e.ids, 1, e.budget, e.turns * len(episodes) + e.k)] = [e]
+    timing = dict(time_generate=time.perf_counter() - started - tools)
     t = time.perf_counter()  # the environment's reward of each episode, on its instance, which is then closed
     rewards, lost = env.finish(episodes) if env else ([], [])
     for e, r in zip(episodes, rewards):
         e.env_reward = r
-    timing["time_tools"] += time.perf_counter() - t
-    return episodes, dict(timing, tool_failures=failures, env_reward_failures=lost)
+    return episodes, dict(timing, time_tools=tools + time.perf_counter() - t, tool_failures=failures,
+                          env_reward_failures=lost)
+
+
+def take_turn(e, out, tokenizer, env):
+    """Append one sampled turn (mask 1, its logprobs) to episode e; with an environment, to its
+    conversation too, however the episode ends."""
+    e.add(out["token_ids"], out["logprobs"], True, out["version"])
+    e.answer, e.eos, e.turns = completion_text(tokenizer, out), out.get("eos", False), e.turns + 1
+    e.done = e.cut = out["finish_reason"] == "length" or e.budget <= 0  # cut by the token budget
+    if env:
+        e.messages.append(env.message(e.answer, e.turns - 1))
 
 
 def evaluate(cfg, client, eval_rows, pool, tokenizer, env=None):

@@ -50,6 +50,7 @@ class VLLMClient:
         self.model = model or self.get(self.urls[0], "/v1/models")["data"][0]["id"]  # the name it serves
         self.version = 0  # weight updates the servers have taken (see updating)
         self._cond, self._in_flight, self._updating = threading.Condition(), 0, False
+        self._requests, self._sent = None, 0  # submit's threads (made on first use), requests sent
 
     @contextlib.contextmanager
     def generating(self):
@@ -145,20 +146,33 @@ class VLLMClient:
         k = len(prompt_ids)
         budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * k
         seeds = seed if isinstance(seed, list) else [None if seed is None else seed + i * n for i in range(k)]
+        futures = [self.submit(ids, n, budget, temperature, top_p, s, stop, server=i)
+                   for i, (ids, budget, s) in enumerate(zip(prompt_ids, budgets, seeds))]
+        return [f.result() for f in futures]
+
+    def submit(self, prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(), server=None):
+        """generate's request for one prompt, sent now: a Future of its n completions. vLLM seeds
+        sample j with seed + j. Requests go round-robin over the servers (or to `server` mod their
+        number)."""
         extra = dict(stop=list(stop), include_stop_str_in_output=True) if stop else {}
-        payloads = [dict(prompt=ids, n=n, max_tokens=budget, temperature=temperature,
-                         top_p=top_p, **NEUTRAL_SAMPLING, stop_token_ids=self.stop_token_ids, logprobs=0,
-                         return_token_ids=True, seed=s, **extra)  # vLLM seeds sample j with seed + j
-                    for ids, budget, s in zip(prompt_ids, budgets, seeds)]
-        out = []
-        for resp, version in self.map("/v1/completions", payloads, self.versioned_post):
-            choices = sorted(resp["choices"], key=lambda c: c["index"])
-            # stop_reason: None for the model's EOS, the token id for stop_token_ids (a string for a stop string)
-            out.append([dict(token_ids=c["token_ids"], logprobs=c["logprobs"]["token_logprobs"],
-                             finish_reason=c["finish_reason"], text=c["text"], version=version,
-                             eos=c["finish_reason"] == "stop" and not isinstance(c.get("stop_reason"), str))
-                        for c in choices])
-        return out
+        payload = dict(prompt=prompt_ids, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                       **NEUTRAL_SAMPLING, stop_token_ids=self.stop_token_ids, logprobs=0, return_token_ids=True,
+                       seed=seed, **extra)
+        with self._cond:
+            if self._requests is None:  # threads that wait on HTTP; requests beyond them queue
+                self._requests = ThreadPoolExecutor(max_workers=64, thread_name_prefix="vllm-request")
+            self._sent += 1
+            url = self.urls[(self._sent if server is None else server) % len(self.urls)]
+        return self._requests.submit(self.completions, url, payload)
+
+    def completions(self, url, payload):
+        resp, version = self.versioned_post(url, "/v1/completions", payload)
+        choices = sorted(resp["choices"], key=lambda c: c["index"])
+        # stop_reason: None for the model's EOS, the token id for stop_token_ids (a string for a stop string)
+        return [dict(token_ids=c["token_ids"], logprobs=c["logprobs"]["token_logprobs"],
+                     finish_reason=c["finish_reason"], text=c["text"], version=version,
+                     eos=c["finish_reason"] == "stop" and not isinstance(c.get("stop_reason"), str))
+                for c in choices]
 
     def score(self, sequences):
         """The server's logprob of every token of each sequence after the first

@@ -1,3 +1,4 @@
+import concurrent.futures
 import dataclasses
 import os
 import subprocess
@@ -260,12 +261,13 @@ def test_max_seed_keeps_every_request_seed_in_int64(tiny_model_dir):
     cfg = Config(**{**dataclasses.asdict(cfg), "seed": cfg.max_seed})
     sent = []
 
-    def generate(prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=()):  # VLLMClient.generate's seeds
-        sent.extend(seed + i * n + j for i in range(len(prompt_ids)) for j in range(n))
-        return [[dict(token_ids=[5], logprobs=[-0.1], finish_reason="length", text="", version=0)] * n
-                for _ in prompt_ids]  # one answer per group: zero std, every group filtered
+    def submit(prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=()):  # vLLM: seed + j
+        sent.extend(seed + j for j in range(n))
+        future = concurrent.futures.Future()  # one answer per group: zero std, every group filtered
+        future.set_result([dict(token_ids=[5], logprobs=[-0.1], finish_reason="length", text="", version=0)] * n)
+        return future
 
-    client = type("Client", (), {"generate": staticmethod(generate)})()
+    client = type("Client", (), {"submit": staticmethod(submit)})()
     rows = [dict(prompt_ids=[k], prompt_text=str(k), answer="a") for k in range(20)]
     rollout_batch(cfg, client, PromptSampler(rows, 0), T, RewardPool(lambda p, c, e: 1.0, workers=0),
                   AutoTokenizer.from_pretrained(tiny_model_dir))

@@ -3,6 +3,8 @@ dynamic sampling (active_sampling) refilling the groups the zero-std filter drop
 server is replaced by a scripted one here so that which groups survive is known exactly;
 test_vllm.py checks the seeds against a real vLLM server."""
 
+import concurrent.futures
+
 import pytest
 
 from config import Config
@@ -12,17 +14,19 @@ from reward_pool import RewardPool
 
 
 class ScriptedServer:
-    """Answers like VLLMClient.generate. Prompt k's group is all "a" (every reward 1, zero
+    """Answers like VLLMClient.submit. Prompt k's group is all "a" (every reward 1, zero
     std) when k is in `agree`, else half "a", half "b". Records each request's seed."""
 
     def __init__(self, tokenizer, agree):
         self.a, self.b = tokenizer.convert_tokens_to_ids(["a", "b"])
         self.agree, self.seeds = agree, []
 
-    def generate(self, prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=()):
+    def submit(self, ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=()):
         self.seeds.append(seed)
-        return [[dict(token_ids=[self.a if ids[0] in self.agree or j % 2 else self.b], logprobs=[-0.5],
-                      finish_reason="length", text="", version=0) for j in range(n)] for ids in prompt_ids]
+        future = concurrent.futures.Future()
+        future.set_result([dict(token_ids=[self.a if ids[0] in self.agree or j % 2 else self.b], logprobs=[-0.5],
+                                finish_reason="length", text="", version=0) for j in range(n)])
+        return future
 
 
 def rows(n):
@@ -59,7 +63,8 @@ def test_filtered_groups_are_refilled_until_the_batch_is_full(tokenizer):
     assert m["filtered_groups"] == sum(k in agree for k in order[:4 * (rounds + 1)])
     assert m["prompts_seen"] == 4 * (rounds + 1)
     block = 4 * 2  # each round's requests use seeds base .. base + prompts x samples - 1
-    assert server.seeds == [3 * 2 ** 32 + (7 * 4 + r) * block for r in range(rounds + 1)]
+    # prompt i of round r: base + i * 2 (vLLM seeds its sample j with the request's seed + j)
+    assert server.seeds == [3 * 2 ** 32 + (7 * 4 + r) * block + i * 2 for r in range(rounds + 1) for i in range(4)]
 
 
 def test_refills_stop_after_max_rounds(tokenizer):
@@ -68,7 +73,7 @@ def test_refills_stop_after_max_rounds(tokenizer):
     server = ScriptedServer(tokenizer, agree=set(range(100)))  # nothing ever has signal
     samples, m = rollout_batch(cfg, server, PromptSampler(rows(20), 0), 1, RewardPool(reward, workers=0), tokenizer)
     assert samples == [] and m["active_sampling_rounds"] == 2 and m["active_sampling_missing_groups"] == 2
-    assert len(server.seeds) == 3 and m["filtered_groups"] == 6
+    assert len(server.seeds) == 3 * 2 and m["filtered_groups"] == 6  # 3 rounds of 2 requests
 
 
 def test_without_active_sampling_one_round(tokenizer):
@@ -76,7 +81,7 @@ def test_without_active_sampling_one_round(tokenizer):
     server = ScriptedServer(tokenizer, agree={0})
     sampler = PromptSampler(rows(2), 0)
     samples, m = rollout_batch(cfg, server, sampler, 1, RewardPool(reward, workers=0), tokenizer)
-    assert len(server.seeds) == 1 and len(samples) == 2 and m["filtered_groups"] == 1
+    assert len(server.seeds) == 2 and len(samples) == 2 and m["filtered_groups"] == 1  # one round, 2 prompts
     assert "active_sampling_rounds" not in m
 
 
@@ -102,8 +107,9 @@ def test_request_seeds_leave_room_for_every_sample():
 
     client = vllm_client.VLLMClient(["http://127.0.0.1:9"], "m")
     sent = []
-    client.map = lambda route, payloads, fn=None: sent.extend(payloads) or []
+    client.completions = lambda url, payload: sent.append(payload) or []
     client.generate([[1], [2], [3]], n=8, max_tokens=4, seed=100)
+    sent.sort(key=lambda p: p["prompt"])
     streams = [set(range(p["seed"], p["seed"] + p["n"])) for p in sent]
     assert [p["seed"] for p in sent] == [100, 108, 116]
     assert all(not (a & b) for i, a in enumerate(streams) for b in streams[i + 1:])

@@ -4,8 +4,10 @@ policy's tokens reach the loss, tools that hang, crash or raise become error mes
 budgets cut episodes with ids, mask and logprobs aligned. test_smollm2.py runs the calculator
 on SmolLM2 with the real vLLM server."""
 
+import concurrent.futures
 import copy
 import re
+import threading
 
 import pytest
 import torch
@@ -60,28 +62,29 @@ adder = Adder()
 
 
 class ScriptedClient:
-    """Answers like VLLMClient.generate: turn t of every episode says script[t] (its tokens,
-    then <|im_end|> when the text does not end on a stop string); logprobs -0.1, -0.2, ...;
-    cut at the request's max_tokens. Records each request's prompt."""
+    """Answers like VLLMClient.submit, at once: turn t of every episode says script[t] (its tokens,
+    then <|im_end|> when the text does not end on a stop string); logprobs -0.1, -0.2, ...; cut at
+    the request's max_tokens. An episode's turn is read off its prompt: the prompt of an earlier
+    request and its answer, extended. Records each request as (turn, prompt)."""
 
     def __init__(self, tokenizer, script, eos_id=IM_END):
-        self.tokenizer, self.script, self.turn, self.prompts, self.eos_id = tokenizer, script, 0, [], eos_id
+        self.tokenizer, self.script, self.eos_id, self.requests, self.answered = tokenizer, script, eos_id, [], {}
 
-    def generate(self, prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=()):
-        text = self.script[self.turn]
-        self.turn += 1
-        budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompt_ids)
-        self.prompts.append(prompt_ids)
-        out = []
-        for budget in budgets:
-            stopped = any(text.endswith(s) for s in stop)
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + ([] if stopped else [self.eos_id])
-            cut = len(ids) > budget
-            ids = ids[:budget]
-            out.append([dict(token_ids=ids, logprobs=[-0.1 * (j + 1) for j in range(len(ids))],
-                             finish_reason="length" if cut else "stop", eos=not cut and not stopped, version=0,
-                             text="") for _ in range(n)])
-        return out
+    def submit(self, prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=()):
+        turn = max((t + 1 for sent, t in self.answered.items() if tuple(prompt_ids[:len(sent)]) == sent), default=0)
+        self.requests.append((turn, prompt_ids))
+        text = self.script[turn]
+        stopped = any(text.endswith(s) for s in stop)
+        ids = (self.tokenizer(text, add_special_tokens=False)["input_ids"] + ([] if stopped else [self.eos_id]))
+        cut = len(ids) > max_tokens
+        ids = ids[:max_tokens]
+        self.answered[tuple(prompt_ids) + tuple(ids)] = turn
+        out = [dict(token_ids=ids, logprobs=[-0.1 * (j + 1) for j in range(len(ids))],
+                    finish_reason="length" if cut else "stop", eos=not cut and not stopped, version=0, text="")
+               for _ in range(n)]
+        future = concurrent.futures.Future()
+        future.set_result(out)
+        return future
 
 
 @pytest.fixture(params=["chatml", "qwen2_style"])
@@ -138,9 +141,51 @@ def test_episode_tokens_are_the_templates_rendering_of_the_conversation(tokenize
         assert all(lp == 0.0 for lp, m in zip(s.logprobs, s.mask) if not m) and all(
             lp < 0 for lp, m in zip(s.logprobs, s.mask) if m)
         assert [m["content"] for m in e.messages if m["role"] == "tool"] == ["5", "15"]
-    # every later turn is one request per live episode, sent together, each extending its episode
-    assert [len(p) for p in client.prompts] == [1, 2, 2]
+    # one request of both samples for the first turn, then one request per live episode, extending it
+    assert [turn for turn, _ in client.requests] == [0, 1, 1, 2, 2]
     assert stats["tool_failures"] == []
+
+
+class HeldBack(ScriptedClient):
+    """Holds the first turn of the last row back until another episode has sent its second turn
+    (or 10 s have passed: `late`)."""
+
+    def __init__(self, tokenizer, script, last_prompt):
+        super().__init__(tokenizer, script)
+        self.last_prompt, self.held, self.late = last_prompt, None, False
+
+    def submit(self, prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=()):
+        answer = super().submit(prompt_ids, n, max_tokens, temperature, top_p, seed, stop)
+        if list(prompt_ids) == self.last_prompt:
+            self.held = concurrent.futures.Future()
+            timer = threading.Timer(10.0, self.release, args=(answer, True))
+            timer.daemon = True
+            timer.start()
+            self.answer = answer
+            return self.held
+        if self.requests[-1][0] == 1 and self.held is not None and not self.held.done():
+            self.release(self.answer, False)
+        return answer
+
+    def release(self, answer, late):
+        if not self.held.done():
+            self.late = late
+            self.held.set_result(answer.result())
+
+
+def test_an_episode_goes_on_while_others_still_generate(tokenizer):
+    """The first row's episodes get their tool answers and send their second turns while the
+    second row's first turn is still generating: no turn waits for the slowest episode's."""
+    rows = [dict(prompt="what is 2+3?"), dict(prompt="what is 4+5?")]
+    cfg = Config(environment="test_multiturn:adder", tool_workers=0, max_prompt_length=200, response_length=256,
+                 max_turns=3, num_samples_per_prompt_rollout=2)
+    env = Environment(cfg.environment, tokenizer, cfg)
+    env.start()
+    with_prompts(env, tokenizer, rows)
+    client = HeldBack(tokenizer, ["<calc>2+3</calc>", "it is 5."], rows[1]["prompt_ids"])
+    episodes, stats = play(cfg, client, rows, 2, 0, tokenizer, env)
+    assert not client.late and [e.turns for e in episodes] == [2] * 4
+    assert [turn for turn, _ in client.requests][:4] == [0, 0, 1, 1]  # row 0's second turns before row 1 is back
 
 
 def test_budgets_cut_episodes_with_ids_mask_and_logprobs_aligned(tiny_model_dir):
