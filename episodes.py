@@ -127,18 +127,22 @@ def play(cfg, client, rows, n, seed, tokenizer, env=None, temperature=None):
     started = time.perf_counter()
     pending = {send(row["prompt_ids"], n, cfg.response_length, i * n): episodes[i * n:(i + 1) * n]
                for i, row in enumerate(rows)}
-    while pending:
-        done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
-        back = sorted(((e, out) for f in done for e, out in zip(pending.pop(f), f.result())), key=lambda p: p[0].k)
-        for e, out in back:
-            take_turn(e, out, tokenizer, env)
-        going = [e for e, _ in back if not e.done and e.turns < turns]
-        if going:
-            t = time.perf_counter()
-            going, lost = env.answer(going)
-            failures, tools = failures + lost, tools + time.perf_counter() - t
-            for e in going:
-                pending[send(e.ids, 1, e.budget, e.turns * len(episodes) + e.k)] = [e]
+    try:
+        while pending:
+            done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            back = sorted(((e, out) for f in done for e, out in zip(pending.pop(f), f.result())),
+                          key=lambda p: p[0].k)
+            for e, out in back:
+                take_turn(e, out, tokenizer, env)
+            going = [e for e, _ in back if not e.done and e.turns < turns]
+            if going:
+                t = time.perf_counter()
+                going, lost = env.answer(going)
+                failures, tools = failures + lost, tools + time.perf_counter() - t
+                for e in going:
+                    pending[send(e.ids, 1, e.budget, e.turns * len(episodes) + e.k)] = [e]
+    finally:  # a request failed (a dead server): the others end before the error goes on, none left behind
+        concurrent.futures.wait(pending)
     timing = dict(time_generate=time.perf_counter() - started - tools)
     t = time.perf_counter()  # the environment's reward of each episode, on its instance, which is then closed
     rewards, lost = env.finish(episodes) if env else ([], [])
