@@ -135,7 +135,8 @@ class CallPool:
 
     def map(self, tasks, pin=None):
         """fn(*args) for each args tuple of tasks, in order (fallback where a call failed), and the
-        failures as (index, "errors" | "timeouts" | "crashes", what went wrong), as they happened.
+        failures as (index, "errors" | "timeouts" | "crashes", what went wrong) in the order of their
+        tasks, whichever worker finished first (the first one described is the same every run).
         pin[i], when given and not None, is the worker that must run task i (the one that holds its
         episode's state): it waits for that worker."""
         failures = []
@@ -165,7 +166,7 @@ class CallPool:
                     elif not w.ready and time.monotonic() - w.started > STARTUP_TIMEOUT:
                         raise RuntimeError(f"a {self.kind} worker did not start in {STARTUP_TIMEOUT:.0f}s "
                                            f"(loading {self.spec!r} hangs?)")
-        return values, failures
+        return values, sorted(failures, key=lambda f: f[0])
 
     def hand_out(self, tasks, todo, pin):
         """Give every ready, idle worker the first task it may run. A worker found dead when it is

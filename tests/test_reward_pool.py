@@ -22,6 +22,9 @@ def misbehaving(prompt, completion, example):
         os.kill(os.getpid(), signal.SIGKILL)
     if completion == "raise":
         raise RuntimeError("bad reward")
+    if completion == "slow raise":
+        time.sleep(1.0)
+        raise ValueError("slow bad reward")
     if completion.startswith("spawn "):  # a child that outlives its call: sleep 300, its pid in a file
         import subprocess
 
@@ -137,3 +140,16 @@ def test_a_worker_that_died_idle_is_replaced_without_a_failure(when):
         assert all(w.proc.is_alive() for w in pool.workers)
     finally:
         pool.close()
+
+
+def test_the_first_failure_described_is_the_first_sample_s_whichever_worker_ends_first():
+    """Sample 0 fails after 1 s, sample 1 at once in the other worker: sample 0's failure is the one
+    described (it used to be whichever came first in time, so a run's printed failure varied)."""
+    pool = RewardPool(SPEC, workers=2, timeout=30.0)
+    try:
+        run(pool, ["1", "2", "3", "4"])  # both workers loaded
+        values, counts, first = run(pool, ["slow raise", "raise"])
+    finally:
+        pool.close()
+    assert values == [0.0, 0.0] and counts["reward_errors"] == 2
+    assert first == "sample 0: ValueError: slow bad reward"
