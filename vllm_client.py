@@ -7,6 +7,7 @@ Pushing the trainer's weights into the server is weight_sync.py.
 """
 
 import contextlib
+import http.client
 import json
 import random
 import threading
@@ -114,7 +115,8 @@ class VLLMClient:
                 last = f"HTTP {e.code}: {e.read().decode(errors='replace')[:500]}"
                 if e.code < 500:
                     break  # the request is wrong; retrying will not help
-            except (urllib.error.URLError, OSError, TimeoutError) as e:
+            except (urllib.error.URLError, OSError, TimeoutError, http.client.HTTPException) as e:
+                # HTTPException: an answer cut short (IncompleteRead), as when the server dies mid-reply
                 last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
             if attempt < self.max_retries:
                 time.sleep(min(2.0 ** attempt, 30.0) * (0.5 + random.random()))

@@ -1,5 +1,6 @@
 """weight_sync_timeout: the reload request and the NCCL transfer give up with an error
-that names the field, against a local HTTP server that answers too late (no vLLM)."""
+that names the field, against a local HTTP server that answers too late (no vLLM); and an
+answer cut short, as from a server that dies mid-reply, is retried or is a VLLMError."""
 
 import os
 import threading
@@ -60,3 +61,35 @@ def test_within_gives_up_passes_errors_and_values():
     with pytest.raises(ZeroDivisionError):
         within(5, lambda: 1 / 0, "x")
     assert within(5, lambda: 42, "x") == 42
+
+
+def test_an_answer_cut_short_is_retried_then_a_vllm_error():
+    """The server promises 100 bytes, sends 9 and closes (a server killed mid-reply: what the
+    restart of a launched server needs to see as a VLLMError, not an http.client error)."""
+    answers = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            whole = len(answers) % 2 == 1  # every second answer arrives whole
+            body = b'{"ok": 1}'
+            self.send_header("Content-Length", str(len(body) if whole else 100))
+            self.end_headers()
+            self.wfile.write(body)
+            answers.append(whole)
+            self.close_connection = True
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        assert VLLMClient([url], model="m", max_retries=1).post(url, "/v1/completions") == {"ok": 1}
+        assert answers == [False, True]
+        with pytest.raises(VLLMError, match=r"failed /v1/completions after 1 attempt\(s\): IncompleteRead"):
+            VLLMClient([url], model="m", max_retries=0).post(url, "/v1/completions")
+    finally:
+        server.shutdown()
