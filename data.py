@@ -104,9 +104,11 @@ def task_knobs(cfg):
 
 
 def task_rows(task, n, seed, split, **knobs):
-    """n rows of a built-in task, deterministic in (seed, split, knobs), from its train or eval part."""
+    """n rows of a built-in task from its train or eval part, deterministic in (seed, split, knobs).
+    The eval rows do not depend on the seed, so every seed of an experiment is scored on the same
+    prompts (they are the ones seed 1, the default, drew when each seed drew its own)."""
     make, _ = TASKS[task]
-    rng = random.Random(f"{task}-{seed}-{split}")
+    rng = random.Random(f"{task}-{seed if split == 'train' else 1}-{split}")
     rows = []
     while len(rows) < n:
         row = make(rng, **knobs)

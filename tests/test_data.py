@@ -19,6 +19,7 @@ def test_tasks_are_deterministic_and_eval_is_held_out():
         assert a == data.task_rows(task, 200, seed=3, split="train")
         assert a != data.task_rows(task, 200, seed=4, split="train")
         evals = data.task_rows(task, 50, seed=3, split="eval")
+        assert evals == data.task_rows(task, 50, seed=4, split="eval") == data.task_rows(task, 50, seed=1, split="eval")
         assert not {json.dumps(r["prompt"]) for r in a} & {json.dumps(r["prompt"]) for r in evals}
 
 
