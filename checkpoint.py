@@ -31,22 +31,17 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
-from torch.distributed.tensor import DTensor
+
+import lora
+from config import Config
 
 COMPLETE = re.compile(r"^step_(\d{8})$")
 
-# Config fields a resumed run may change: where and how often it writes, logs and evaluates,
-# how long it waits, which servers it talks to, and how the same computation is laid out on
-# ranks and memory. Every other change would make the resumed run another run.
-RESUMABLE = {
-    "num_training_steps",  # only with lr_scheduler_type="constant": a decaying schedule's length is its shape
-    "eval_freq", "output_dir", "with_tracking", "checkpoint_state_dir", "checkpoint_state_freq",
-    "keep_last_n_checkpoints", "save_freq", "max_consecutive_skipped_steps",
-    "backend_timeout", "weight_sync_timeout", "vllm_startup_timeout", "vllm_request_timeout", "vllm_max_retries",
-    "vllm_max_restarts", "vllm_server_urls", "vllm_port", "vllm_kv_cache_space_gb", "vllm_gpu_memory_utilization",
-    "vllm_logp_tolerance", "weight_sync_dir", "weight_sync_master_address", "weight_sync_master_port",
-    "lora_weight_sync", "fsdp_shard_size", "reshard_after_forward", "activation_checkpointing", "offload_params", "offload_ref_policy",
-}
+# Config fields a resumed run may change (resumable=True in config.py): where and how often it
+# writes, logs and evaluates, how long it waits, which servers it talks to, and how the same
+# computation is laid out on ranks and memory. Every other change would make the resumed run another
+# run; num_training_steps only with lr_scheduler_type="constant" (a decaying schedule's length is its shape).
+RESUMABLE = {f.name for f in dataclasses.fields(Config) if f.metadata["resumable"]}
 
 
 def check_resumable(saved, cfg, path):
@@ -87,10 +82,8 @@ def set_rng_state(state):
 
 
 def policy_state(policy):
-    """The policy's part of a checkpoint: with LoRA its adapters alone (the trained one and the EMA
-    reference's), the frozen base being read from model_name_or_path again on resume."""
-    sd = get_model_state_dict(policy)
-    return {k: v for k, v in sd.items() if ".lora_" in k} or sd
+    """The policy's part of a checkpoint (lora.checkpoint_part: with LoRA its adapters alone)."""
+    return lora.checkpoint_part(get_model_state_dict(policy))
 
 
 def sharded_state(train_state):
@@ -98,13 +91,8 @@ def sharded_state(train_state):
     For a fresh optimizer this initialises its state (a step at lr 0), so it can be loaded."""
     policy, ref = train_state.policy, train_state.ref
     state = {"policy": policy_state(policy), "optimizer": get_optimizer_state_dict(policy, train_state.optimizer)}
-    if ref is not None and isinstance(ref.model, torch.nn.Module):  # a LoRA reference is in the policy's state
-        state["ref"] = get_model_state_dict(ref.model)
-        if ref.master is not None:  # the fp32 master shards, wrapped with their parameter's sharding
-            state["ref_master"] = {
-                name: DTensor.from_local(m, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-                if isinstance(p, DTensor) else m
-                for (name, p), m in zip(ref.model.named_parameters(), ref.master)}
+    if ref is not None:
+        state.update(ref.state_dict())  # {} where the policy's state holds it (LoRA's adapters)
     return state
 
 
@@ -170,14 +158,11 @@ def load(path, train_state, cfg=None):
         cause = [line for line in str(e).splitlines() if line.strip()][-1].strip()
         raise ValueError(f"cannot resume from {path}: {cause[:300]}; it was written for another model or setup: "
                          "give a new checkpoint_state_dir, or the model it was made with") from None
-    lora = any(".lora_" in k for k in state["policy"])
-    set_model_state_dict(policy, state["policy"], options=StateDictOptions(strict=not lora))
+    strict = not lora.is_adapter_state(state["policy"])  # adapters alone: the base stays as loaded
+    set_model_state_dict(policy, state["policy"], options=StateDictOptions(strict=strict))
     set_optimizer_state_dict(policy, train_state.optimizer, state["optimizer"])
-    if "ref" in state:
-        set_model_state_dict(ref.model, state["ref"])
-        if ref.master is not None:  # DCP loaded into the wrappers; a no-op where they alias the master
-            for m, t in zip(ref.master, state["ref_master"].values()):
-                m.copy_(t.to_local() if isinstance(t, DTensor) else t)
+    if ref is not None:
+        ref.load_state_dict(state)
     train_state.scheduler.load_state_dict(trainer["scheduler"])
     rng = os.path.join(path, f"rng_{dist.get_rank()}.pt")
     if os.path.exists(rng):

@@ -17,11 +17,15 @@ def flash_attention_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
 
 
-def option(default, help):
-    """A Config field: its default and the line `train.py --help` prints for it (field metadata)."""
+def option(default, help, low=None, above=None, note="", only_with=None, resumable=False):
+    """A Config field and its facts (field metadata): the default, the line `train.py --help` prints,
+    a lower bound (value >= low, or > above; `note` says what the edge means), the field that
+    must be set for it to act (only_with: left at its default otherwise), and whether a resumed
+    run may change it (resumable; checkpoint.check_resumable). Config.__post_init__ checks them."""
+    meta = dict(help=help, low=low, above=above, note=note, only_with=only_with, resumable=resumable)
     if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 def objectives():
@@ -59,77 +63,90 @@ class Config:
     reward_fn: Optional[str] = option(None, "\"module:function\" or \"path/to/file.py:function\"; None = the "
                                             "built-in task's reward, else exact_match")
     reward_workers: int = option(2, "processes that score rewards (reward_pool.py); 0 = in the trainer, no timeout "
-                                    "(breakpoint() works)")
+                                    "(breakpoint() works)", low=0)
     reward_timeout: float = option(10.0, "seconds one sample's reward may take in a worker; past it the sample "
-                                         "scores 0")
+                                         "scores 0", above=0)
     environment: Optional[str] = option(None, "multi-turn episodes: \"module:name\" or \"file.py:name\" "
                                               "(environments.py; built-in: environments:calculator); None = one "
                                               "completion per prompt")
-    max_turns: int = option(4, "with an environment: assistant turns per episode at most")
-    tool_workers: int = option(2, "with an environment: processes that run its step (tool calls)")
-    tool_timeout: float = option(10.0, "seconds one step (tool call) may take; past it the policy is told so")
-    tool_output_max_tokens: int = option(256, "an environment message longer than this is cut")
+    max_turns: int = option(4, "with an environment: assistant turns per episode at most",
+                            low=1, only_with="environment")
+    tool_workers: int = option(2, "with an environment: processes that run its step (tool calls)",
+                               low=0, only_with="environment")
+    tool_timeout: float = option(10.0, "seconds one step (tool call) may take; past it the policy is told so",
+                                 above=0, only_with="environment")
+    tool_output_max_tokens: int = option(256, "an environment message longer than this is cut",
+                                         low=1, only_with="environment")
     tool_call_parser: Optional[str] = option(None, "with an environment: read the policy's tool calls in the "
                                                    "model's own format with this vLLM tool parser (hermes for "
                                                    "Qwen2.5/Qwen3, llama3_json for Llama-3.1, mistral, ...; the "
                                                    "names of vllm serve --tool-call-parser); None = the "
-                                                   "environment reads its text")
+                                                   "environment reads its text", only_with="environment")
     format_reward: float = option(0.0, "added to the training reward (not to evaluation) of a completion that marks "
                                        "an answer with \\boxed{} or ####")
     apply_chat_template: bool = option(False, "wrap string prompts as one user message and apply the tokenizer's "
                                               "chat template")
     max_prompt_length: int = option(64, "prompt tokens; longer prompts are skipped and counted, or refused (see "
-                                        "skip_long_prompts)")
+                                        "skip_long_prompts)", low=1)
     skip_long_prompts: bool = option(True, "True: skip and count prompts over max_prompt_length; False: stop with an "
                                            "error")
-    num_eval_prompts: int = option(64, "held-out prompts for greedy evaluation (never trained on)")
-    eval_freq: int = option(10, "evaluate every this many steps; 0 disables")
+    num_eval_prompts: int = option(64, "held-out prompts for greedy evaluation (never trained on)", low=0)
+    eval_freq: int = option(10, "evaluate every this many steps; 0 disables", low=0, resumable=True)
     # --- rollouts (vLLM)
-    response_length: int = option(8, "max new tokens per completion")
-    temperature: float = option(1.0, "sampling temperature for training rollouts")
+    response_length: int = option(8, "max new tokens per completion", low=1)
+    temperature: float = option(1.0, "sampling temperature for training rollouts",
+                                above=0, note=" for training rollouts (greedy is used for evaluation)")
     top_p: float = option(1.0, "must stay 1: vLLM renormalises its logprobs over the nucleus, the trainer's ratios "
                                "cannot follow")
-    vllm_server_urls: list[str] = option([], "servers you run yourself (comma separated); empty = launch one")
-    vllm_port: int = option(8011, "port of the server we launch")
+    vllm_server_urls: list[str] = option([], "servers you run yourself (comma separated); empty = launch one",
+                                         resumable=True)
+    vllm_port: int = option(8011, "port of the server we launch", resumable=True)
     vllm_dtype: str = option("auto", "dtype of the server we launch; auto = the trainer's (float32 on CPU, bfloat16 "
                                      "on GPU)")
     vllm_max_model_len: Optional[int] = option(None, "context of the server we launch; None = max_prompt_length + "
                                                      "response_length")
-    vllm_kv_cache_space_gb: int = option(1, "KV cache size of a CPU server we launch (VLLM_CPU_KVCACHE_SPACE)")
+    vllm_kv_cache_space_gb: int = option(1, "KV cache size of a CPU server we launch (VLLM_CPU_KVCACHE_SPACE)",
+                                         low=1, resumable=True)
     vllm_cpu_threads: Optional[int] = option(None, "cores a CPU server we launch computes on; None = all with "
                                                    "async_steps=0, half otherwise")
-    vllm_gpu_memory_utilization: float = option(0.9, "memory fraction of a GPU server we launch")
-    vllm_startup_timeout: float = option(600.0, "seconds to wait for a launched server's /health")
-    vllm_request_timeout: float = option(120.0, "seconds for one HTTP request to a server")
-    vllm_max_retries: int = option(3, "retries (with backoff) of a failed request before the run stops")
+    vllm_gpu_memory_utilization: float = option(0.9, "memory fraction of a GPU server we launch", resumable=True)
+    vllm_startup_timeout: float = option(600.0, "seconds to wait for a launched server's /health",
+                                         above=0, resumable=True)
+    vllm_request_timeout: float = option(120.0, "seconds for one HTTP request to a server", above=0, resumable=True)
+    vllm_max_retries: int = option(3, "retries (with backoff) of a failed request before the run stops",
+                                   low=0, resumable=True)
     async_steps: int = option(0, "generate the batches of the next N steps while training on this one; 0 = "
-                                 "synchronous (exact)")
+                                 "synchronous (exact)", low=0, note=" (0: generate each batch after the last sync)")
     max_sample_staleness: Optional[int] = option(None, "drop samples whose weights are more than this many updates "
                                                        "old; None = async_steps")
     vllm_max_restarts: int = option(3, "times a server we launched is restarted after it dies; a server you run is "
-                                       "never restarted")
+                                       "never restarted", low=0, note=" (0: never restart the server)", resumable=True)
     weight_sync_transport: Literal["filesystem", "nccl"] = option("filesystem",
         "filesystem (safetensors + reload_weights, CPU and GPU) or nccl (GPU servers)")
-    weight_sync_master_address: str = option("127.0.0.1", "nccl: address of trainer rank 0 as the vLLM server sees it")
-    weight_sync_master_port: int = option(29555, "nccl: port of the weight-transfer rendezvous on trainer rank 0")
+    weight_sync_master_address: str = option("127.0.0.1", "nccl: address of trainer rank 0 as the vLLM server sees it",
+                                             resumable=True)
+    weight_sync_master_port: int = option(29555, "nccl: port of the weight-transfer rendezvous on trainer rank 0",
+                                          resumable=True)
     weight_sync_dir: Optional[str] = option(None, "filesystem: where rank 0 writes weights for every server to read; "
-                                                  "None = /dev/shm (servers on its node)")
-    vllm_logp_tolerance: float = option(1e-2, "max |trainer - vLLM| logprob after a sync before it counts as failed")
+                                                  "None = /dev/shm (servers on its node)", resumable=True)
+    vllm_logp_tolerance: float = option(1e-2, "max |trainer - vLLM| logprob after a sync before it counts as failed",
+                                        above=0, note=" (1e-2 catches a sync that did not take)", resumable=True)
     # --- batch
-    num_unique_prompts_rollout: int = option(16, "prompts per step")
-    num_samples_per_prompt_rollout: int = option(8, "completions per prompt (the GRPO group)")
+    num_unique_prompts_rollout: int = option(16, "prompts per step", low=1)
+    num_samples_per_prompt_rollout: int = option(8, "completions per prompt (the GRPO group)",
+                                                 low=2, note=": GRPO's advantage compares samples of one prompt")
     max_tokens_per_micro_batch: int = option(4096, "tokens (prompt + completion) packed into one forward/backward on "
                                                    "one rank; at least max_prompt_length + response_length")
-    num_mini_batches: int = option(1, "optimizer steps per rollout batch (per epoch)")
-    num_epochs: int = option(1, "passes over each rollout batch")
-    num_training_steps: int = option(100, "rollout batches to train on")
+    num_mini_batches: int = option(1, "optimizer steps per rollout batch (per epoch)", low=1)
+    num_epochs: int = option(1, "passes over each rollout batch", low=1)
+    num_training_steps: int = option(100, "rollout batches to train on", low=1, resumable=True)
     # --- optimizer
-    learning_rate: float = option(1e-3, "peak learning rate of AdamW")
+    learning_rate: float = option(1e-3, "peak learning rate of AdamW", low=0)
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = option("constant",
         "constant, linear or cosine (after warm-up)")
-    warm_up_steps: int = option(0, "linear warm-up, in optimizer steps")
-    weight_decay: float = option(0.0, "AdamW weight decay")
-    max_grad_norm: float = option(1.0, "gradient clipping; 0 disables")
+    warm_up_steps: int = option(0, "linear warm-up, in optimizer steps", low=0)
+    weight_decay: float = option(0.0, "AdamW weight decay", low=0)
+    max_grad_norm: float = option(1.0, "gradient clipping; 0 disables", low=0)
     # --- objective
     loss_fn: str = option("dapo", "an objective of loss.OBJECTIVES: dapo (asymmetric clip), cispo (capped weight x "
                                   "logp), ess (batch-adaptive, \"Trust the Batch\" by Fakoor et al.; no clip "
@@ -138,7 +155,7 @@ class Config:
     clip_lower: float = option(0.2, "dapo, gspo: ratio (gspo: the sequence ratio) clipped below at 1 - clip_lower")
     clip_higher: float = option(0.28, "dapo, gspo: ratio clipped above at 1 + clip_higher; cispo: weight capped at 1 "
                                       "+ clip_higher")
-    beta: float = option(0.0, "KL coefficient toward the reference; 0 = no KL term")
+    beta: float = option(0.0, "KL coefficient toward the reference; 0 = no KL term", low=0)
     kl_estimator: Literal["k1", "k2", "k3", "k4", "topk"] = option("k3", "k1, k2, k3, k4 or topk")
     kl_topk: int = option(0, "topk: tokens of the sampling policy summed exactly per position (0 = sampled k4)")
     ess_scope: Literal["step", "micro_batch"] = option("step",
@@ -151,10 +168,10 @@ class Config:
     active_sampling: bool = option(False, "DAPO's dynamic sampling: refill filtered groups with new prompts until "
                                           "the batch is full")
     active_sampling_max_rounds: int = option(4, "active_sampling: extra generation rounds per step at most; then "
-                                                "train on what is kept")
+                                                "train on what is kept", low=1)
     use_vllm_logprobs: bool = option(False, "take vLLM's sampling logprobs as old_logp instead of recomputing them")
     truncated_importance_sampling_ratio_cap: float = option(0.0,
-        "cap of exp(old_logp - vllm_logp) on the policy term; 0 disables")
+        "cap of exp(old_logp - vllm_logp) on the policy term; 0 disables", low=0, note=" (0 disables it)")
     vllm_importance_sampling_mask: Literal["none", "token", "sequence"] = option("none",
         "none, token (IcePop: drop tokens whose ratio pi_old/pi_vllm leaves the band) or sequence (drop sequences by "
         "geometric-mean ratio)")
@@ -176,40 +193,43 @@ class Config:
         "the LM head and the embeddings take none")
     lora_weight_sync: Literal["adapter", "merged"] = option("adapter",
         "adapter: the servers load each new adapter (vLLM --enable-lora); merged: full weights with the adapter "
-        "folded in (servers without LoRA)")
+        "folded in (servers without LoRA)", resumable=True)
     # --- distributed (parallel.py; the README maps open-instruct's DeepSpeed knobs to these)
     fsdp_shard_size: int = option(0, "ranks one weight copy is sharded over; 0 = all (FSDP), a divisor of the world "
-                                     "= hybrid (HSDP)")
+                                     "= hybrid (HSDP)", resumable=True)
     reshard_after_forward: bool = option(True, "free a layer's gathered weights after forward (ZeRO-3); False keeps "
-                                               "them until backward (fewer gathers)")
+                                               "them until backward (fewer gathers)", resumable=True)
     activation_checkpointing: bool = option(False, "recompute each decoder layer's activations in backward instead "
-                                                   "of storing them")
+                                                   "of storing them", resumable=True)
     offload_params: bool = option(False, "policy's parameter shards, gradients and AdamW state in CPU memory (FSDP2 "
-                                         "CPUOffloadPolicy: all three)")
+                                         "CPUOffloadPolicy: all three)", resumable=True)
     offload_ref_policy: bool = option(False, "the reference's parameter shards in CPU memory (copied to the GPU "
-                                             "layer by layer for its forward)")
+                                             "layer by layer for its forward)", resumable=True)
     single_gpu_mode: bool = option(False, "trainer and our vLLM server share one GPU; the server sleeps while "
                                           "training (untested here)")
     sequence_parallel_size: int = option(1, "ranks that split each packed row (DeepSpeed-Ulysses: all-to-all around "
-                                            "attention, sequence_parallel.py); 1 = off")
-    backend_timeout: int = option(30, "minutes before a stuck collective fails the process group")
+                                            "attention, sequence_parallel.py); 1 = off",
+                                            low=1, note=" (1: every rank holds whole sequences)")
+    backend_timeout: int = option(30, "minutes before a stuck collective fails the process group",
+                                  above=0, resumable=True)
     weight_sync_timeout: float = option(600.0, "seconds one weight sync into vLLM may take (the reload request, or "
-                                               "the NCCL transfer)")
+                                               "the NCCL transfer)", above=0, resumable=True)
     # --- checkpoints, output, logging
-    output_dir: str = option("output", "metrics.jsonl, exported models and plots go here")
+    output_dir: str = option("output", "metrics.jsonl, exported models and plots go here", resumable=True)
     checkpoint_state_dir: Optional[str] = option(None, "resumable sharded checkpoints (needs checkpoint_state_freq > "
-                                                       "0)")
+                                                       "0)", resumable=True)
     checkpoint_state_freq: int = option(-1, "steps between resumable checkpoints; -1 = none (also written at the end "
-                                            "and on SIGTERM)")
+                                            "and on SIGTERM)", resumable=True)
     keep_last_n_checkpoints: int = option(3, "complete checkpoints kept; older ones are removed once a newer one is "
-                                             "complete")
+                                             "complete", low=1, resumable=True)
     save_freq: int = option(-1, "steps between Hugging Face model exports (output_dir/step_N); -1 = only the final "
-                                "one (output_dir/final)")
+                                "one (output_dir/final)", resumable=True)
     max_consecutive_skipped_steps: int = option(3, "stop when this many steps in a row skip an update for a "
-                                                   "non-finite loss or gradient norm")
-    with_tracking: bool = option(False, "also log to Weights & Biases or TensorBoard (offline modes work)")
+                                                   "non-finite loss or gradient norm", low=1, resumable=True)
+    with_tracking: bool = option(False, "also log to Weights & Biases or TensorBoard (offline modes work)",
+                                 resumable=True)
     log_samples_freq: int = option(10, "every N steps print a few (prompt, completion, reward) and append them to "
-                                       "output_dir/samples.jsonl; 0 = never")
+                                       "output_dir/samples.jsonl; 0 = never", low=0)
     seed: int = option(1, "seeds data order, sampling and initialisation; 0 to about 2**31 - 1 (max_seed: vLLM takes "
                           "64-bit seeds)")
 
@@ -218,34 +238,14 @@ class Config:
         values its Literal lists, lower bounds), then each section's _check_, which returns a message or None."""
         self.loss_denominator = str(self.loss_denominator)
         for f in fields(self):
-            if f.type is float and not math.isfinite(getattr(self, f.name)):  # nan passes every < and > below
-                raise ValueError(f"{f.name}={getattr(self, f.name)} must be a finite number")
-            if get_origin(f.type) is Literal and getattr(self, f.name) not in get_args(f.type):
-                raise ValueError(f"{f.name}={getattr(self, f.name)!r} is not one of {', '.join(get_args(f.type))}")
-        # lower bounds that many fields share; a note after the bound says what the edge value means
-        notes = {"async_steps": " (0: generate each batch after the last sync)",
-                 "vllm_max_restarts": " (0: never restart the server)",
-                 "truncated_importance_sampling_ratio_cap": " (0 disables it)",
-                 "vllm_logp_tolerance": " (1e-2 catches a sync that did not take)",
-                 "temperature": " for training rollouts (greedy is used for evaluation)",
-                 "num_samples_per_prompt_rollout": ": GRPO's advantage compares samples of one prompt",
-                 "sequence_parallel_size": " (1: every rank holds whole sequences)"}
-        at_least = {0: ("reward_workers", "tool_workers", "log_samples_freq", "num_eval_prompts", "eval_freq", "async_steps",
-                        "vllm_max_restarts", "vllm_max_retries", "learning_rate", "warm_up_steps", "weight_decay",
-                        "max_grad_norm", "beta", "truncated_importance_sampling_ratio_cap"),
-                    1: ("max_prompt_length", "response_length", "vllm_kv_cache_space_gb", "num_unique_prompts_rollout",
-                        "num_mini_batches", "num_epochs", "num_training_steps",
-                        "active_sampling_max_rounds", "keep_last_n_checkpoints", "max_consecutive_skipped_steps",
-                        "sequence_parallel_size", "max_turns", "tool_output_max_tokens"),
-                    2: ("num_samples_per_prompt_rollout",)}
-        for low, names in at_least.items():
-            for name in names:
-                if getattr(self, name) < low:
-                    raise ValueError(f"{name}={getattr(self, name)} must be >= {low}{notes.get(name, '')}")
-        for name in ("reward_timeout", "tool_timeout", "temperature", "vllm_startup_timeout", "vllm_request_timeout",
-                     "vllm_logp_tolerance", "backend_timeout", "weight_sync_timeout"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be > 0{notes.get(name, '')}")
+            value, low, above, note = getattr(self, f.name), f.metadata["low"], f.metadata["above"], f.metadata["note"]
+            if f.type is float and not math.isfinite(value):  # nan passes every < and > below
+                raise ValueError(f"{f.name}={value} must be a finite number")
+            if get_origin(f.type) is Literal and value not in get_args(f.type):
+                raise ValueError(f"{f.name}={value!r} is not one of {', '.join(get_args(f.type))}")
+            if low is not None and value < low or above is not None and value <= above:  # the field's bound (option)
+                raise ValueError(f"{f.name}={value} must be {'>=' if low is not None else '>'} "
+                                 f"{low if low is not None else above}{note}")
         if problem := (self._check_data() or self._check_rollouts() or self._check_batch() or self._check_objective()
                        or self._check_reference() or self._check_lora() or self._check_distributed()
                        or self._check_output()):
@@ -261,8 +261,8 @@ class Config:
                     "there, or use packed_sdpa (the default)")
 
     def _check_rollouts(self):
-        idle = [f for f in ("max_turns", "tool_workers", "tool_timeout", "tool_output_max_tokens", "tool_call_parser")
-                if not self.environment and getattr(self, f) != Config.__dataclass_fields__[f].default]
+        idle = [f.name for f in fields(self) if f.metadata["only_with"] == "environment" and not self.environment
+                and getattr(self, f.name) != default(f.name)]
         if idle:
             return f"{', '.join(idle)} act only on multi-turn episodes: set --environment, or leave them at their defaults"
         if self.top_p != 1.0:
@@ -443,7 +443,7 @@ class Config:
 
     @property
     def max_seed(self) -> int:
-        """The largest seed whose every rollout request seed fits vLLM's int64: episodes.rollout_batch seeds a
+        """The largest seed whose every rollout request seed fits vLLM's int64: rollout.rollout_batch seeds a
         request seed * 2**32 + (step * (rounds + 1) + round) * turns * prompts * n + offset within the round
         (below turns * prompts * n), and vLLM seeds its sample j with that + j
         (vllm/v1/engine/parallel_sampling.py), so the largest offset is (steps+1)(rounds+1)TPN - 1."""

@@ -21,14 +21,12 @@ GSM8K rows (question; answer ending in "#### 72") and MATH rows (problem; soluti
 \\boxed{}) train with `--reward_fn rewards:math_reward`, which reads the gold answer there.
 """
 
-import ast
 import functools
 import json
 import os
 import random
 import zlib
 
-from environments import arithmetic
 from rewards import copy_reward, exact_match, load_reward_fn, math_reward, number_reward
 
 # --- built-in tasks
@@ -79,12 +77,17 @@ def calc_task(rng, digits=1, operations="+-", steps=1):
     """Arithmetic for the calculator environment: "What is 214 + 659?", `steps` operations from
     `operations` on numbers of `digits` digits (a factor of * has 2 digits), the usual precedence."""
     low, top = 10 ** (digits - 1), 10 ** digits - 1
-    expression = str(rng.randint(low, top))
+    terms = [rng.randint(low, top)]  # the value's terms: * binds to the last one, + and - start a new one
+    expression = str(terms[0])
     for _ in range(steps):
         op = rng.choice(operations)
-        expression += f" {op} {rng.randint(10, 99) if op == '*' else rng.randint(low, top)}"
-    value = arithmetic(ast.parse(expression, mode="eval"))
-    return {"prompt": [{"role": "user", "content": f"What is {expression}?"}], "answer": str(value)}
+        n = rng.randint(10, 99) if op == "*" else rng.randint(low, top)
+        expression += f" {op} {n}"
+        if op == "*":
+            terms[-1] *= n
+        else:
+            terms.append(n if op == "+" else -n)
+    return {"prompt": [{"role": "user", "content": f"What is {expression}?"}], "answer": str(sum(terms))}
 
 
 TASKS = {"copy": (copy_task, copy_reward), "add": (add_task, exact_match), "math": (math_task, math_reward),
@@ -188,7 +191,7 @@ def tokenize_rows(rows, tokenizer, cfg, env=None):
             skipped["empty"] += 1
             continue
         # an environment's conversation, over any dataset column of that name; without one a "messages"
-        # column stays the dataset's own, for the reward (episodes.Episode reads it only with an environment)
+        # column stays the dataset's own, for the reward (rollout.Episode reads it only with an environment)
         extra = {"messages": env.reset(row)} if env else {}
         text = prompt_text(extra["messages"], tokenizer, True, env.tools) if env else \
             prompt_text(p, tokenizer, cfg.apply_chat_template)

@@ -259,7 +259,7 @@ class Environment:
         self.chat = ChatTokens(tokenizer, self.tools)
         self.parser = tool_calls.Parser(cfg.tool_call_parser, tokenizer, self.tools) if cfg.tool_call_parser else None
         self.spec, self.cfg, self.tokenizer, self.pool = spec, cfg, tokenizer, None
-        self.keys = itertools.count()
+        self.keys, self.started = itertools.count(), set()  # episode keys; those whose instance exists (factory)
         # no token spans more characters than the vocabulary's longest string: a reply is cut to
         # that many characters per token it may keep before it is tokenized (bounded work per reply)
         self.max_chars = cfg.tool_output_max_tokens * max(map(len, tokenizer.get_vocab()))
@@ -275,8 +275,9 @@ class Environment:
             return check_messages(self.probe.reset(row))
         return default_reset(row)
 
-    def begin(self, episode):
-        episode.key, episode.started = next(self.keys), False
+    def new_key(self):
+        """A key for a new episode: its calls go to one worker, where its instance lives (per episode)."""
+        return next(self.keys)
 
     def message(self, text, turn):
         """The policy's turn as an assistant message: its text, and with a tool_call_parser its calls."""
@@ -285,10 +286,12 @@ class Environment:
     def call(self, episodes, what):
         """Calls(what) for each episode, each in its own worker; returns the values and the
         failures as (index, kind, why)."""
-        tasks = [(e.key, not e.started, what, e.row, e.messages) for e in episodes]
+        tasks = [(e.key, e.key not in self.started, what, e.row, e.messages) for e in episodes]
         values, failures = self.pool.map(tasks, pin=[e.key for e in episodes] if self.factory else None)
-        for e in episodes:
-            e.started = True
+        if self.factory and what == "step":  # their instances exist now
+            self.started.update(e.key for e in episodes)
+        elif self.factory:  # "finish" closed them
+            self.started.difference_update(e.key for e in episodes)
         return values, failures
 
     def truncate(self, message):
@@ -299,14 +302,15 @@ class Environment:
         return dict(message, content=self.tokenizer.decode(ids[:self.cfg.tool_output_max_tokens]) + " [cut]")
 
     def answer(self, episodes):
-        """The environment's answer to each episode's last turn, appended with mask 0. Returns the
-        episodes still going and the calls that failed, as (kind, why).
+        """The environment's answer to each episode's last turn: for each, its reply messages (each cut
+        to tool_output_max_tokens) and their token ids as the chat template renders them, or None
+        when the episode ends there; and the calls that failed, as (kind, why). The rollout appends
+        them (rollout.take_answers).
 
         An exception of step, a timeout or a crash is told to the policy as an "error: ..." tool
         message (its input may have caused it, as a tool's error is in TRL), except that with a
         per-episode environment a timeout or a crash took the episode's instance with its worker,
-        and the episode ends there. A reply that leaves no room for another turn ends the episode
-        before it (the conversation, and the sample, end with the policy's turn)."""
+        and the episode ends there."""
         replies, asked = [None] * len(episodes), []
         for i, e in enumerate(episodes):  # a call the parser could not read is answered here
             unread = self.parser.unread(e.messages[-1]) if self.parser else None
@@ -322,25 +326,15 @@ class Environment:
         for i, what, why in failures:
             lost = self.factory and what != "errors"  # the episode's instance went with its worker
             replies[i] = ([], "lost") if lost else ([{"role": "tool", "content": f"error: {why}"}], None)
-        going = []
+        answers = []
         for e, (reply, kind) in zip(episodes, replies):
             if kind == "bad_calls":
                 failed.append((kind, f"episode {e.k}: the policy's call was answered {reply[0]['content']!r}"))
             if kind == "lost" and not any(e is episodes[i] for i, _, _ in failures):
                 failed.append((kind, f"episode {e.k}: its environment was lost with its worker; the episode ends"))
-            if not reply:
-                e.done = True
-                continue
             reply = [self.truncate(m) for m in reply]
-            ids = self.chat.ids(reply, e.sample.token_ids[-1] if e.eos else None)
-            if len(ids) >= e.budget:  # no room left for another turn: the episode ends on the policy's turn
-                e.done, e.cut = True, True
-                continue
-            e.messages += reply
-            e.tool_calls += 1
-            e.add(ids, None, sampled=False)
-            going.append(e)
-        return going, failed
+            answers.append((reply, self.chat.ids(reply, e.sample.token_ids[-1] if e.eos else None)) if reply else None)
+        return answers, failed
 
     def finish(self, episodes):
         """At the episodes' end: each one's reward from the environment (None when it has no reward

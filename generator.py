@@ -19,7 +19,7 @@ from tqdm import tqdm
 import vllm_client
 import vllm_server
 from data import stop_token_ids
-from episodes import Rollouts, drop_stale, evaluate, rollout_batch
+from rollout import Rollouts, drop_stale, evaluate, rollout_batch
 from weight_sync import AdapterSync, launch_state_dict, make_weight_sync, write_serving_dir
 
 

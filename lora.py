@@ -46,8 +46,12 @@ def add_adapters(model, cfg):
     """Inject the trained adapter (and, for the EMA reference, its copy) into `model` in place and
     freeze everything else. Every rank draws the same lora_A (train.py seeds torch first), so the
     shards FSDP2 keeps of each rank's full tensor agree. A target module the model lacks, or one
-    outside the decoder layers' linear modules (check_targets), is a ValueError naming it."""
+    outside the decoder layers' linear modules (check_targets), is a ValueError naming it. Without
+    lora_rank, nothing."""
     from peft import inject_adapter_in_model
+
+    if not cfg.lora_rank:
+        return
 
     config = peft_config(cfg)
     names = [n for n, _ in model.named_modules()]
@@ -132,8 +136,9 @@ def active(model, adapter):
         set_active(model, ADAPTER)
 
 
-class Reference:
-    """The reference's forward: the policy's module with the reference adapter, or with none."""
+class WithAdapter:
+    """The policy's module with another adapter active (the reference adapter, or None: the base),
+    as a model the reference's logprobs come from."""
 
     def __init__(self, policy, adapter):
         self.policy, self.adapter = policy, adapter
@@ -205,7 +210,9 @@ def base(state_dict):
 def merge(state_dict, cfg):
     """The base model's state dict with the trained adapter folded in, W + (lora_alpha / lora_rank)
     B A, under the base's own names; every adapter tensor dropped. The input is a full state dict
-    (weight_sync.full_state_dict), not the live parameters."""
+    (weight_sync.full_state_dict), not the live parameters. Without lora_rank, the input."""
+    if not cfg.lora_rank:
+        return state_dict
     scale = cfg.lora_alpha / cfg.lora_rank
     out = base(state_dict)
     for key, a in state_dict.items():
@@ -214,3 +221,49 @@ def merge(state_dict, cfg):
             w, b = out[f"{layer}.weight"], state_dict[f"{layer}.lora_B.{ADAPTER}.weight"]
             out[f"{layer}.weight"] = (w.double() + scale * (b.double() @ a.double())).to(w.dtype)
     return out
+
+
+# --- what the rest of the trainer asks of LoRA (nothing there tests lora_rank)
+
+
+def serves_adapter(cfg):
+    """Whether the servers get the adapter itself (lora_weight_sync='adapter', weight_sync.AdapterSync)
+    rather than full weights."""
+    return bool(cfg.lora_rank) and cfg.lora_weight_sync == "adapter"
+
+
+def server_flags(cfg):
+    """vllm serve's flags for a server we launch: LoRA on when each sync loads the new adapter by name."""
+    if not serves_adapter(cfg):
+        return []
+    rank = next(r for r in VLLM_MAX_LORA_RANKS if r >= cfg.lora_rank)
+    return ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "1"]
+
+
+def describe(policy, cfg):
+    """The start-up line on the trained adapter's size (the EMA reference's adapter apart); None without LoRA."""
+    if not cfg.lora_rank:
+        return None
+    total = sum(p.numel() for n, p in policy.named_parameters() if not is_adapter(n, REFERENCE))
+    trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    return f"lora: rank {cfg.lora_rank}, {trainable:,} trainable parameters of {total:,} ({trainable / total:.2%})"
+
+
+def export(full, cfg, adapter_dir):
+    """An export's weights (a full state dict): with LoRA, PEFT's adapter directory written to
+    adapter_dir and the adapter merged in; without, `full` as it is."""
+    if not cfg.lora_rank:
+        return full
+    write_adapter({peft_key(k): v for k, v in full.items() if is_adapter(k, ADAPTER)}, cfg, adapter_dir)
+    return merge(full, cfg)
+
+
+def checkpoint_part(state_dict):
+    """The policy's part of a checkpoint: with LoRA its adapters alone (the trained one and the EMA
+    reference's; the frozen base is read from model_name_or_path again on resume), else all of it."""
+    return {k: v for k, v in state_dict.items() if ".lora_" in k} or state_dict
+
+
+def is_adapter_state(state_dict):
+    return any(".lora_" in k for k in state_dict)
+

@@ -4,8 +4,8 @@
       mini_batches    whole groups per optimizer step
       balance         sequences onto ranks (or micro-batches), longest first onto the lightest
       collate         one packed row (1, L) per micro-batch, position_ids restarting at 0
-    packed_sdpa       attention within each sequence of a packed row (attn_implementation="packed_sdpa")
     collate_padded    the right-padded (B, T) twin the tests and benchmarks compare against
+    piece             this rank's contiguous part of a packed row under sequence parallelism
 
 Padding-free packing: a micro-batch is one row of sequences laid end to end, with no attention
 mask and position_ids that restart at 0 at every sequence. transformers (masking_utils,
@@ -18,7 +18,7 @@ position_ids silently lets every token attend to the sequences before it
 
 transformers' sdpa then attends over the whole row under that L x L mask: a cost in L^2, which
 at 4,096 tokens made a packed step slower than a padded one on the CPU (0.68x at the 24 M
-shape). packed_sdpa runs sdpa on each sequence's slice instead (the sum of squared lengths).
+shape). policy.packed_sdpa runs sdpa on each sequence's slice instead (the sum of squared lengths).
 
 Why balance tokens, not sequences: the cost of a forward is its tokens, and FSDP makes every
 rank wait for the slowest at each layer's all-gather. RL completions spread from a few tokens
@@ -26,11 +26,8 @@ to the response length, so equal sequence counts leave ranks and micro-batches u
 """
 
 import torch
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from episodes import Sample
+from sample import Sample
 
 
 def length(s):
@@ -115,37 +112,6 @@ def collate(samples):
                 mask=torch.tensor([mask[:-1]], dtype=torch.bool), **per_token(per))
 
 
-def packed_sdpa(module, query, key, value, attention_mask, position_ids=None, sliding_window=None, **kwargs):
-    """transformers' sdpa run on each sequence of a packed row (position_ids restart at 0),
-    causal within it and, on a layer with a sliding window (Mistral, Qwen2's and Gemma-3's local
-    layers: transformers passes the layer's sliding_window), within the window too: the mask
-    transformers built for the row is not needed. Any other input (padded rows with their mask,
-    one sequence under the mask transformers built) goes to transformers' sdpa as it is.
-    query (1, heads, L, head_dim); returns (1, L, heads, head_dim) as the sdpa it stands for."""
-    starts = (position_ids[0] == 0).nonzero()[:, 0].tolist() if position_ids is not None and len(query) == 1 else []
-    # one sequence and no mask (ulysses_attention builds none) still needs its window here
-    if len(starts) < 2 and (attention_mask is not None or not sliding_window or not starts):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    bounds = starts + [query.shape[2]]
-    return torch.cat([sdpa_attention_forward(module, query[:, :, lo:hi], key[:, :, lo:hi], value[:, :, lo:hi],
-                                             window_mask(hi - lo, sliding_window, query.device), **kwargs)[0]
-                      for lo, hi in zip(bounds, bounds[1:])], dim=1), None
-
-
-def window_mask(n, sliding_window, device):
-    """Causal attention over the last sliding_window tokens (the query's own included), as
-    transformers' sliding_window_overlay: (1, 1, n, n) bool, True where attended. None (sdpa's
-    plain causal) without a window or when the sequence fits in it."""
-    if not sliding_window or n <= sliding_window:
-        return None
-    back = torch.arange(n, device=device)[:, None] - torch.arange(n, device=device)  # (n, n): query - key
-    return ((back >= 0) & (back < sliding_window))[None, None]
-
-
-AttentionInterface.register("packed_sdpa", packed_sdpa)
-AttentionMaskInterface.register("packed_sdpa", sdpa_mask)  # padded rows keep their mask
-
-
 def per_token(lists):
     return {k: torch.tensor(lists[k], dtype=dtype) for k, dtype in PER_TOKEN.items()}
 
@@ -178,3 +144,26 @@ def collate_padded(samples, pad_id):
             for k, values in loss_tokens(s, i).items():
                 per[k] += values
     return dict(input_ids=input_ids, attention_mask=attention_mask, mask=mask, **per_token(per))
+
+
+def piece(b, sp_rank, size):
+    """This rank's piece of one packed micro-batch of packing.collate. The row (1, L) is padded to
+    a multiple of `size` by a tail that is its own sequence (position_ids from 0, out of the
+    loss) and cut into `size` contiguous pieces. Position j predicts token j+1, so the last
+    position of a piece predicts the first token of the next: the piece carries its targets
+    (1, L/size) and its mask over them, and the per-token tensors of the completion tokens
+    it predicts (those of the whole row, in order, fall into consecutive runs by piece).
+    row_position_ids (1, L) go to the attention, which sees the whole row."""
+    ids, positions, mask = b["input_ids"], b["position_ids"], b["mask"]
+    length = -(-ids.shape[1] // size) * size
+    tail = length - ids.shape[1]
+    ids = torch.cat([ids, ids.new_zeros(1, tail)], 1)
+    positions = torch.cat([positions, torch.arange(tail, dtype=positions.dtype)[None]], 1)
+    targets = torch.cat([ids[:, 1:], ids.new_zeros(1, 1)], 1)  # (1, L): the last position predicts nothing
+    mask = torch.cat([mask, mask.new_zeros(1, length - mask.shape[1])], 1)  # (1, L)
+    lo, hi = sp_rank * length // size, (sp_rank + 1) * length // size
+    first, n = int(mask[:, :lo].sum()), int(mask[:, lo:hi].sum())
+    out = dict(input_ids=ids[:, lo:hi], position_ids=positions[:, lo:hi], targets=targets[:, lo:hi],
+               mask=mask[:, lo:hi], row_position_ids=positions)
+    out.update({k: b[k][first:first + n] for k in PER_TOKEN})
+    return out

@@ -43,8 +43,7 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, Offl
                                     register_fsdp_forward_method)
 
 import lora
-import packing  # noqa: F401 - registers attn_implementation="packed_sdpa" with transformers
-import sequence_parallel  # registers attn_implementation="ulysses"
+import sequence_parallel
 from policy import check_architecture, sequence_logprobs
 
 
@@ -110,7 +109,7 @@ def load_model(cfg, device, mesh, reference=False):
                                                  attn_implementation="ulysses" if sp else cfg.attn_implementation)
     check_architecture(model)
     sequence_parallel.check_heads(model.config, cfg.sequence_parallel_size)  # train.py checked it already
-    if cfg.lora_rank and not reference:  # before the wrappers and the sharding: each adapter is sharded with its layer
+    if not reference:  # before the wrappers and the sharding: each adapter is sharded with its layer
         lora.add_adapters(model, cfg)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" \
         else MixedPrecisionPolicy()

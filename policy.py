@@ -9,11 +9,24 @@ hidden states of the completion tokens the mask selects, and hands them to token
 logits of a chunk of tokens at a time in float32, with an autograd kernel that rebuilds them in
 backward, so (N, V) logits never exist. The LM heads whose logits vLLM scales (Cohere, Granite)
 are scaled the same way; the heads it cannot follow are refused at start-up (check_architecture).
+
+The attention kernels the forward runs are here too, registered with transformers on import:
+packed_sdpa (attn_implementation="packed_sdpa": sdpa on each sequence of a packed row, see
+packing.py) and ulysses_attention ("ulysses": the same over a whole row split over ranks, see
+sequence_parallel.py).
 """
 
+import math
+import types
+
 import torch
+import torch.distributed as dist
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import lora
+import sequence_parallel
 
 
 def sequence_logprobs(self, input_ids, mask, temperature, position_ids=None, attention_mask=None, head_ids=None,
@@ -21,7 +34,7 @@ def sequence_logprobs(self, input_ids, mask, temperature, position_ids=None, att
     """logp and entropy (N,) of the completion tokens selected by mask (B, T-1), and logp at
     head_ids (or this policy's top-k) (N, k). Packed rows (packing.py) pass position_ids that
     restart at 0 per sequence and no attention_mask; padded rows pass attention_mask. A piece of
-    a row under sequence parallelism (sequence_parallel.piece) passes its targets (B, T), the
+    a row under sequence parallelism (packing.piece) passes its targets (B, T), the
     mask (B, T) over them and the whole row's position ids. A forward method of the model, so
     FSDP2 gathers the LM head for it as for forward()."""
     if position_ids is not None and attention_mask is not None:
@@ -79,7 +92,7 @@ def check_model_config(model_config, cfg=None):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
         check_architecture(model)
-        if cfg is not None and cfg.lora_rank:
+        if cfg is not None:
             lora.add_adapters(model, cfg)
 
 
@@ -185,3 +198,62 @@ def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=256, hea
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _ChunkedLogprobs.apply(hidden, weight, targets, temperature, head_ids, head_size, chunk_size)
     return _all_chunks(hidden, _float32_at_least(weight), targets, temperature, head_ids, head_size, chunk_size)[:4]
+
+
+# --- attention kernels (transformers' AttentionInterface)
+
+
+def packed_sdpa(module, query, key, value, attention_mask, position_ids=None, sliding_window=None, **kwargs):
+    """transformers' sdpa run on each sequence of a packed row (position_ids restart at 0),
+    causal within it and, on a layer with a sliding window (Mistral, Qwen2's and Gemma-3's local
+    layers: transformers passes the layer's sliding_window), within the window too: the mask
+    transformers built for the row is not needed. Any other input (padded rows with their mask,
+    one sequence under the mask transformers built) goes to transformers' sdpa as it is.
+    query (1, heads, L, head_dim); returns (1, L, heads, head_dim) as the sdpa it stands for."""
+    starts = (position_ids[0] == 0).nonzero()[:, 0].tolist() if position_ids is not None and len(query) == 1 else []
+    # one sequence and no mask (ulysses_attention builds none) still needs its window here
+    if len(starts) < 2 and (attention_mask is not None or not sliding_window or not starts):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    bounds = starts + [query.shape[2]]
+    return torch.cat([sdpa_attention_forward(module, query[:, :, lo:hi], key[:, :, lo:hi], value[:, :, lo:hi],
+                                             window_mask(hi - lo, sliding_window, query.device), **kwargs)[0]
+                      for lo, hi in zip(bounds, bounds[1:])], dim=1), None
+
+
+def window_mask(n, sliding_window, device):
+    """Causal attention over the last sliding_window tokens (the query's own included), as
+    transformers' sliding_window_overlay: (1, 1, n, n) bool, True where attended. None (sdpa's
+    plain causal) without a window or when the sequence fits in it."""
+    if not sliding_window or n <= sliding_window:
+        return None
+    back = torch.arange(n, device=device)[:, None] - torch.arange(n, device=device)  # (n, n): query - key
+    return ((back >= 0) & (back < sliding_window))[None, None]
+
+
+def ulysses_attention(module, query, key, value, attention_mask, position_ids=None, row_position_ids=None, **kwargs):
+    """packed_sdpa over the whole row with heads/S heads per rank. query (1, heads, L/S, d) and
+    key, value (1, KV heads, L/S, d) are this rank's piece after RoPE; returns (1, L/S, heads, d)
+    as transformers' attention functions do. attention_mask is ignored (ulysses_mask builds none:
+    packed_sdpa cuts the row at row_position_ids == 0)."""
+    size = dist.get_world_size(sequence_parallel.GROUP)
+    kv_heads = key.shape[1]
+    repeats = math.lcm(kv_heads, size) // kv_heads
+    key, value = repeat_kv(key, repeats), repeat_kv(value, repeats)
+    query, key, value = (sequence_parallel.heads_to_sequence(x, size) for x in (query, key, value))
+    # the local heads: query head i uses KV head i // groups, as in the model's own grouping
+    local = types.SimpleNamespace(num_key_value_groups=query.shape[1] // key.shape[1], training=module.training,
+                                  is_causal=True, layer_idx=getattr(module, "layer_idx", None))
+    out, _ = packed_sdpa(local, query, key, value, None, position_ids=row_position_ids, **kwargs)  # (1, L, h/S, d)
+    return sequence_parallel.sequence_to_heads(out.transpose(1, 2), size).transpose(1, 2).contiguous(), None
+
+
+def ulysses_mask(*args, **kwargs):
+    """No mask: the attention cuts the whole row into sequences itself (a mask built for one
+    piece would not fit the row)."""
+    return None
+
+
+AttentionInterface.register("packed_sdpa", packed_sdpa)
+AttentionMaskInterface.register("packed_sdpa", sdpa_mask)  # padded rows keep their mask
+AttentionInterface.register("ulysses", ulysses_attention)
+AttentionMaskInterface.register("ulysses", ulysses_mask)

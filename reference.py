@@ -1,4 +1,15 @@
-"""The reference (anchor) policy: a sharded exponential moving average of the policy.
+"""The reference (anchor) policy: every kind behind one seam, and the sharded exponential moving average.
+
+    ref = make_reference(cfg, policy, load_copy)   # None without a KL term
+    ref.logprobs(forward, micro_batch, ...)        # its logprobs (update.py)
+    ref.step(step)                                 # after step's update: moves when due (train.py)
+    ref.state_dict(), ref.load_state_dict(state)   # what a checkpoint holds of it (checkpoint.py)
+
+The kinds: a fixed copy of the initial policy (Reference), an EMA of the policy (EMAReference),
+and with LoRA the base (the policy's module, adapters off) or an EMA adapter. A new kind is a
+class here with those methods, and a line in make_reference.
+
+The EMA:
 
     ref <- lerp(ref, policy, alpha) = (1 - alpha) * ref + alpha * policy
 
@@ -30,6 +41,10 @@ are copied from it (tests/test_reference.py, on the sharded tiny model).
 """
 
 import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor
+
+import lora
 
 
 def local(t):
@@ -37,19 +52,53 @@ def local(t):
     return t._local_tensor if hasattr(t, "_local_tensor") else t.data
 
 
-class EMAReference:
-    """ref_model computes the reference's logprobs (its sequence_logprobs). Its parameters follow
-    policy_model's, or with params=(ref_params, policy_params) those two lists: with LoRA the
-    reference adapter follows the trained one inside the policy's own module (lora.py)."""
+class Reference:
+    """A reference that does not move. `model` computes its logprobs (its sequence_logprobs): a
+    sharded copy of the initial policy, whose weights a checkpoint holds, or a view of the
+    policy's own module (LoRA's), which the policy's checkpoint holds."""
 
-    def __init__(self, ref_model, policy_model, alpha, params=None):
+    def __init__(self, model, every=None):
+        self.model, self.every = model, every
+        self.owns_weights = isinstance(model, torch.nn.Module)
+        if self.owns_weights:
+            model.requires_grad_(False)
+
+    def logprobs(self, forward, b, **kwargs):
+        """forward(model, micro-batch, ...) of update.py, run on this reference."""
+        return forward(self.model, b, **kwargs)
+
+    def step(self, step):
+        """After the policy's update of `step`: move when due (every `every` steps)."""
+        if self.every and step % self.every == 0:
+            self.update()
+
+    def update(self):
+        pass
+
+    def state_dict(self):
+        """Its part of a checkpoint: {"ref": its sharded weights}, or {} when the policy's holds it."""
+        return {"ref": get_model_state_dict(self.model)} if self.owns_weights else {}
+
+    def load_state_dict(self, state):
+        """After DCP loaded `state` (a state_dict() it wrote into) in place."""
+        if "ref" in state:
+            set_model_state_dict(self.model, state["ref"])
+
+
+class EMAReference(Reference):
+    """A reference whose parameters follow policy_model's, or with params=(ref_params, policy_params)
+    those two lists: with LoRA the reference adapter follows the trained one inside the policy's
+    own module (lora.py). Moves every `every` steps (step), or at each update()."""
+
+    def __init__(self, ref_model, policy_model, alpha, params=None, every=None):
         ref_params, pol_params = params or (list(ref_model.parameters()), list(policy_model.parameters()))
         assert len(ref_params) == len(pol_params), "reference and policy must have the same parameters"
         for r, p in zip(ref_params, pol_params):
             assert r.shape == p.shape and getattr(r, "placements", None) == getattr(p, "placements", None), \
                 "reference and policy must be sharded the same way"
             r.requires_grad_(False)
-        self.model, self.policy, self.alpha, self.updates = ref_model, policy_model, alpha, 0
+        super().__init__(ref_model, every)
+        self.policy, self.alpha, self.updates = policy_model, alpha, 0
         self.ref_params, self.policy_params = ref_params, pol_params
         low = any(local(r).dtype != torch.float32 for r in ref_params)
         self.master = [local(r).float().clone() for r in ref_params] if low else None
@@ -69,3 +118,35 @@ class EMAReference:
             torch._foreach_lerp_(self.master, policy, self.alpha)
             torch._foreach_copy_(ref, self.master)
         self.updates += 1
+
+    def state_dict(self):
+        """Also the fp32 master shards, wrapped with their parameter's sharding."""
+        state = super().state_dict()
+        if state and self.master is not None:
+            state["ref_master"] = {
+                name: DTensor.from_local(m, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                if isinstance(p, DTensor) else m
+                for (name, p), m in zip(self.model.named_parameters(), self.master)}
+        return state
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        if "ref_master" in state:  # DCP loaded into the wrappers; a no-op where they alias the master
+            for m, t in zip(self.master, state["ref_master"].values()):
+                m.copy_(t.to_local() if isinstance(t, DTensor) else t)
+
+
+def make_reference(cfg, policy, load_copy):
+    """The reference the config asks for; None without a KL term. load_copy() builds a sharded
+    copy of the initial policy (parallel.load_model(..., reference=True)); with LoRA the
+    reference is the policy's own module: the base (adapters off) when fixed, else the EMA
+    adapter."""
+    if not cfg.uses_reference:
+        return None
+    every = cfg.ref_policy_update_freq
+    if not cfg.lora_rank:
+        return EMAReference(load_copy(), policy, cfg.alpha, every=every) if every else Reference(load_copy())
+    if not every:
+        return Reference(lora.WithAdapter(policy, None))
+    pairs = [[p for _, p in lora.adapter_parameters(policy, a)] for a in (lora.REFERENCE, lora.ADAPTER)]
+    return EMAReference(lora.WithAdapter(policy, lora.REFERENCE), policy, cfg.alpha, params=pairs, every=every)

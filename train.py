@@ -10,7 +10,7 @@
     python train.py --help                                       # every config field
 
 One step: rank 0 asks vLLM for completions, scores them and computes group advantages
-(generator.py, episodes.py); every rank gets the batch, computes old/reference logprobs,
+(generator.py, rollout.py); every rank gets the batch, computes old/reference logprobs,
 and trains on its share (update.py; FSDP2, one fully_shard per decoder layer then the
 root); the reference moves toward the policy (one foreach lerp on local shards); the
 weights go back into vLLM; every checkpoint_state_freq steps each rank writes its shards
@@ -56,9 +56,9 @@ from environments import Environment
 from generator import Generator
 from parallel import close_distributed, load_model, setup_distributed
 from policy import check_model_config
-from reference import EMAReference
+from reference import make_reference
 from reward_pool import RewardPool
-from update import TrainState, make_optimizer, train_on_batch
+from update import SyncError, TrainState, make_optimizer, train_on_batch
 from weight_sync import full_state_dict
 
 
@@ -86,19 +86,6 @@ def check_outside(cfg):
         except (urllib.error.URLError, OSError) as e:
             raise ValueError(f"vllm_server_urls: {url} does not answer /health ({getattr(e, 'reason', e)}); "
                              "start the server first or fix the URL") from None
-
-
-def make_reference(cfg, policy, device, mesh):
-    """The reference: None without a KL term; an EMA (or fixed) copy of the policy, sharded like it;
-    with LoRA an adapter of the policy's own module (the EMA's) or none at all (fixed: the base)."""
-    if not cfg.uses_reference:
-        return None
-    if not cfg.lora_rank:
-        return EMAReference(load_model(cfg, device, mesh, reference=True), policy, cfg.alpha)
-    if not cfg.ref_policy_update_freq:
-        return EMAReference(lora.Reference(policy, None), policy, cfg.alpha, params=([], []))
-    pairs = [[p for _, p in lora.adapter_parameters(policy, a)] for a in (lora.REFERENCE, lora.ADAPTER)]
-    return EMAReference(lora.Reference(policy, lora.REFERENCE), policy, cfg.alpha, params=pairs)
 
 
 def load_inputs(cfg):
@@ -144,7 +131,7 @@ class Sigterm:
 def build_state(cfg, device, mesh, plan):
     """The TrainState train.py starts from: the sharded policy, its reference, AdamW and the schedule."""
     policy = load_model(cfg, device, mesh)
-    ref = make_reference(cfg, policy, device, mesh)
+    ref = make_reference(cfg, policy, lambda: load_model(cfg, device, mesh, reference=True))
     optimizer, scheduler = make_optimizer(cfg, policy, cfg.num_training_steps * plan["optimizer_steps"], device)
     return TrainState(policy, ref, optimizer, scheduler)
 
@@ -182,10 +169,8 @@ def announce(cfg, plan, world_size, device, data, resumed_from, start, policy):
           f"its full length); {plan['optimizer_steps']} optimizer step(s) per rollout")
     print(f"data: {len(train_rows)} train / {len(eval_rows)} eval prompts from {cfg.dataset!r}, skipped {skipped}; "
           f"reward {reward_fn.__name__}")
-    if cfg.lora_rank:  # the model's parameters and the trained adapter's (the EMA reference's adapter apart)
-        total = sum(p.numel() for n, p in policy.named_parameters() if not lora.is_adapter(n, lora.REFERENCE))
-        trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
-        print(f"lora: rank {cfg.lora_rank}, {trainable:,} trainable parameters of {total:,} ({trainable / total:.2%})")
+    if line := lora.describe(policy, cfg):
+        print(line)
     if resumed_from:
         print(f"resumed from {resumed_from} (step {start})")
 
@@ -219,11 +204,8 @@ def export(cfg, policy, tokenizer, rank, name):
     """A Hugging Face directory of the full policy in output_dir/name (gathered on every rank, written by
     rank 0); with LoRA the adapter merged in, and PEFT's adapter directory in output_dir/name_adapter."""
     full = full_state_dict(policy)
-    if rank == 0 and cfg.lora_rank:
-        adapter = {lora.peft_key(k): v for k, v in full.items() if lora.is_adapter(k, lora.ADAPTER)}
-        lora.write_adapter(adapter, cfg, os.path.join(cfg.output_dir, f"{name}_adapter"))
-        full = lora.merge(full, cfg)
     if rank == 0:
+        full = lora.export(full, cfg, os.path.join(cfg.output_dir, f"{name}_adapter"))
         checkpoint.export(full, policy.config, tokenizer, os.path.join(cfg.output_dir, name))
 
 
@@ -291,13 +273,13 @@ def main(cfg: Config):
                 trained, m["lr"] = step, state.scheduler.get_last_lr()[0]
                 # --- EMA reference. Part of the step, so before the sync: a failed sync checkpoints this
                 # step (trained == step), and a run resumed from there must find the reference moved
-                if state.ref is not None and cfg.ref_policy_update_freq and step % cfg.ref_policy_update_freq == 0:
-                    state.ref.update()
+                if state.ref is not None:
+                    state.ref.step(step)
                 # --- weight sync into vLLM
                 with timed(m, "time_sync"):
                     if samples:
                         gen.sync(state.policy)
-            except vllm_client.VLLMError:  # a server we cannot repair, or a sync that did not take (found before
+            except (vllm_client.VLLMError, SyncError):  # a server we cannot repair, or a sync that did not take (found before
                 # the step's update: vLLM would go on sampling from other weights than these, and training on
                 # its samples would be off-policy unseen): log and checkpoint what was trained, then stop
                 if rank == 0 and trained == step:

@@ -5,7 +5,7 @@
       for epoch, mini-batch:
         mini_batch_backward    each micro-batch: micro_batch_loss (the objective, loss.py, with the
                                trainer/vLLM corrections), then backward
-        check_sync             first mini-batch: trainer vs vLLM logprobs, before any update (VLLMError)
+        check_sync             first mini-batch: trainer vs vLLM logprobs, before any update (SyncError)
       optimizer_step           clip, then step unless the loss or gradient is non-finite somewhere
     StepMetrics                per-token sums of this rank, reduced over ranks once (the sync check apart)
 
@@ -26,17 +26,20 @@ import torch.distributed as dist
 
 import lora
 from loss import OBJECTIVES, ess_from_sums, ess_sums, grpo_loss, mismatch_mask, step_denominator
-from packing import PER_TOKEN, micro_batches
-from reference import EMAReference
-from sequence_parallel import piece
-from vllm_client import VLLMError
+from packing import PER_TOKEN, micro_batches, piece
+from reference import Reference
+
+
+class SyncError(RuntimeError):
+    """The trainer's logprobs and vLLM's disagree on tokens the current weights sampled: the
+    last weight sync did not take (check_sync)."""
 
 
 @dataclass
 class TrainState:
     """What training changes, and a checkpoint holds (with the step and the prompt sampler's position)."""
     policy: torch.nn.Module  # FSDP2-sharded; with LoRA, the base frozen and the adapters in it
-    ref: Optional[EMAReference]  # None without a KL term (beta = 0)
+    ref: Optional[Reference]  # None without a KL term (beta = 0); reference.py has every kind
     optimizer: torch.optim.Optimizer  # AdamW over the trained parameters
     scheduler: torch.optim.lr_scheduler.LRScheduler  # warm-up and decay, stepped once per update
 
@@ -64,7 +67,7 @@ class FrozenLogprobs:
     in_head: Optional[torch.Tensor] = None  # (N,) bool: the sampled token is one of head_ids
 
 
-def frozen_logprobs(cfg, policy, ref_model, micro, forward, reuse_old, device):
+def frozen_logprobs(cfg, policy, ref, micro, forward, reuse_old, device):
     """One FrozenLogprobs per micro-batch: old_logp (recomputed, or vLLM's with use_vllm_logprobs), the
     reference's logp and, for the top-k KL, the sampling policy's top-k ids with the reference's
     logp there (O(k) per token)."""
@@ -80,7 +83,7 @@ def frozen_logprobs(cfg, policy, ref_model, micro, forward, reuse_old, device):
             if not kl_heads:
                 frozen.head_ids = None
             if cfg.beta > 0:
-                frozen.ref_logp, _, frozen.ref_head_logp, _ = forward(ref_model, b, head_ids=frozen.head_ids)
+                frozen.ref_logp, _, frozen.ref_head_logp, _ = ref.logprobs(forward, b, head_ids=frozen.head_ids)
             if kl_heads:
                 targets = (b["targets"] if "targets" in b else b["input_ids"][:, 1:])[b["mask"]].to(device)
                 frozen.in_head = (frozen.head_ids == targets[:, None]).any(-1)
@@ -149,7 +152,7 @@ class StepMetrics:
             self.vllm_logp_diff_max = torch.maximum(self.vllm_logp_diff_max, diff.max())
 
     def check_sync(self, cfg):
-        """Reduce the sync check over ranks and raise VLLMError on every rank when the last weight
+        """Reduce the sync check over ranks and raise SyncError on every rank when the last weight
         sync did not take: called before the step's first optimizer step, so the policy, its
         optimizer and the reference stay those of the last good step (train.py checkpoints them)."""
         dist.all_reduce(self.vllm_diff)
@@ -157,7 +160,7 @@ class StepMetrics:
         total, tokens = self.vllm_diff.tolist()
         self.vllm_logp_diff_mean = total / max(tokens, 1.0)
         if self.vllm_logp_diff_mean > cfg.vllm_logp_tolerance:
-            raise VLLMError(f"trainer and vLLM logprobs differ by {self.vllm_logp_diff_mean:.3g} on average "
+            raise SyncError(f"trainer and vLLM logprobs differ by {self.vllm_logp_diff_mean:.3g} on average "
                             f"(> vllm_logp_tolerance={cfg.vllm_logp_tolerance}) before this step's update: the "
                             f"last weight sync did not take, or the server runs another dtype (vllm_dtype)")
 
@@ -183,7 +186,6 @@ class StepMetrics:
 def train_on_batch(cfg, state, samples, rank, world_size, device):
     """Mini-batches x epochs of GRPO updates of `state` (a TrainState) on one rollout batch; the step's metrics."""
     policy, scheduler = state.policy, state.scheduler
-    ref_model = state.ref.model if state.ref is not None else None
     # Each mini-batch's sequences, tokens balanced over ranks and packed into micro-batches of at most
     # max_tokens_per_micro_batch tokens; every rank runs as many as the others (packing.py). Under
     # sequence parallelism the S ranks of a group share their rows, each keeping a piece of every row.
@@ -205,7 +207,7 @@ def train_on_batch(cfg, state, samples, rank, world_size, device):
     # lora_dropout: the ratio compares the dropout forward with the dropout-free one that sampled
     reuse_old = (cfg.num_mini_batches == 1 and cfg.num_epochs == 1 and not cfg.use_vllm_logprobs and not kl_heads
                  and not cfg.lora_dropout)
-    frozen_per_mini = [frozen_logprobs(cfg, policy, ref_model, mbs, forward, reuse_old, device) for mbs in micro]
+    frozen_per_mini = [frozen_logprobs(cfg, policy, state.ref, mbs, forward, reuse_old, device) for mbs in micro]
     # Dr GRPO's constant denominator counts the configured sequences of a mini-batch, not those
     # left after filtering: a token weighs the same at every step
     configured = cfg.num_unique_prompts_rollout * cfg.num_samples_per_prompt_rollout // cfg.num_mini_batches

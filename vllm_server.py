@@ -61,9 +61,7 @@ def server_command(model_dir, cfg, port):
         cmd += ["--hf-overrides", json.dumps({"head_dtype": "float32"})]
     if cfg.weight_sync_transport == "nccl":
         cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
-    if cfg.lora_rank and cfg.lora_weight_sync == "adapter":  # each sync loads the new adapter by name
-        rank = next(r for r in lora.VLLM_MAX_LORA_RANKS if r >= cfg.lora_rank)
-        cmd += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "1"]
+    cmd += lora.server_flags(cfg)  # with the adapter synced: LoRA on, each sync loads the new one by name
     if cfg.single_gpu_mode:
         if not torch.cuda.is_available():
             raise VLLMError("single_gpu_mode=True needs a GPU (vLLM's sleep mode frees GPU memory); "

@@ -56,7 +56,7 @@ def serving_state_dict(model, cfg=None):
     """full_state_dict, with a LoRA policy's adapter folded into its base weights (lora.merge):
     what a server without LoRA serves. Every rank must call it."""
     sd = full_state_dict(model)
-    return lora.merge(sd, cfg) if cfg is not None and cfg.lora_rank and sd else sd
+    return lora.merge(sd, cfg) if cfg is not None and sd else sd
 
 
 def launch_state_dict(model, cfg):
@@ -64,7 +64,7 @@ def launch_state_dict(model, cfg):
     the base alone, since AdapterSync loads the adapter on top of it; merged weights there would hold
     it twice (vLLM computing W + 2 s B A once lora_B has moved, as after a resume). Otherwise
     serving_state_dict."""
-    if cfg.lora_rank and cfg.lora_weight_sync == "adapter":
+    if lora.serves_adapter(cfg):
         return lora.base(full_state_dict(model))
     return serving_state_dict(model, cfg)
 
@@ -294,7 +294,7 @@ def make_weight_sync(cfg, client, rank, device):
     if cfg.weight_sync_transport == "nccl":
         return NCCLSync(client, rank, cfg.weight_sync_master_address, cfg.weight_sync_master_port, device,
                         cfg.weight_sync_timeout, getattr(torch, server_dtype(cfg)))
-    sync = AdapterSync if cfg.lora_rank and cfg.lora_weight_sync == "adapter" else FilesystemSync
+    sync = AdapterSync if lora.serves_adapter(cfg) else FilesystemSync
     return sync(client, rank, cfg.output_dir, cfg.weight_sync_timeout, cfg.weight_sync_dir, cfg)
 
 

@@ -36,7 +36,7 @@ import vllm_client  # noqa: E402
 import vllm_server  # noqa: E402
 import weight_sync  # noqa: E402
 from config import Config  # noqa: E402
-from reference import local  # noqa: E402
+from reference import local, make_reference  # noqa: E402
 
 MODEL = os.path.join(ROOT, "models", "smollm2-135m-instruct")
 LORA = dict(lora_rank=16, lora_alpha=32.0)
@@ -49,7 +49,7 @@ def nbytes(tensors):
 def memory(cfg, device, mesh):
     """Trainable parameters, gradient, AdamW state and reference bytes of one run's models."""
     policy = train.load_model(cfg, device, mesh)
-    ref = train.make_reference(cfg, policy, device, mesh)
+    ref = make_reference(cfg, policy, lambda: train.load_model(cfg, device, mesh, reference=True))
     optimizer, _ = train.make_optimizer(cfg, policy, 10, device)
     ids = torch.arange(1, 65)[None]
     logp = policy.sequence_logprobs(ids, torch.ones(1, 63, dtype=torch.bool), 1.0, position_ids=torch.arange(64)[None])

@@ -4,7 +4,7 @@ vLLM CPU server (what train.py launches) in one invocation.
     .venv/bin/python benchmarks/bench_multiturn.py                   # SmolLM2, 2 repeats of each
     .venv/bin/python benchmarks/bench_multiturn.py --repeats 3
 
-Both play the tools demo's batch through episodes.play: 4 prompts x 8 samples of the `calc`
+Both play the tools demo's batch through rollout.play: 4 prompts x 8 samples of the `calc`
 task (3 digits, + - *) with the calculator's first messages, at most 96 tokens after the
 prompt, T 0.7. "multi-turn": the calculator answers, at most 3 assistant turns; "single-turn":
 no environment, one turn on the same prompts. tokens/s counts the policy's sampled tokens
@@ -25,7 +25,7 @@ from bench_generation import cpu_name  # noqa: E402
 from config import Config  # noqa: E402
 from data import load_prompts, load_tokenizer, stop_token_ids  # noqa: E402
 from environments import Environment  # noqa: E402
-from episodes import play  # noqa: E402
+from rollout import play  # noqa: E402
 
 
 def main(argv=None):

@@ -20,8 +20,8 @@ import update
 from config import Config
 from data import PromptSampler
 from reference import EMAReference
+from sample import Sample
 from weight_sync import full_state_dict
-from episodes import Sample
 
 mode, model_dir, out = sys.argv[1:4]
 root = os.path.join(out, "ckpt")

@@ -23,9 +23,9 @@ import train
 import update
 from cli import convert
 from config import Config
-from reference import local
+from reference import local, make_reference
+from sample import Sample
 from weight_sync import full_state_dict
-from episodes import Sample
 
 mode, model_dir, out = sys.argv[1:4]
 positional = [a for a in sys.argv[4:] if "=" not in a]
@@ -44,7 +44,7 @@ cfg = Config(**{**dict(model_name_or_path=model_dir, num_unique_prompts_rollout=
 rank, world_size, device, mesh = train.setup_distributed(cfg)
 torch.manual_seed(0)
 policy = train.load_model(cfg, device, mesh)
-ref = train.make_reference(cfg, policy, device, mesh)  # with lora_rank: the reference adapter
+ref = make_reference(cfg, policy, lambda: train.load_model(cfg, device, mesh, reference=True))  # LoRA: an adapter
 mesh_info = dict(shape=tuple(mesh.shape), placements=[str(p) for p in next(policy.parameters()).placements],
                  shard_device=str(local(next(policy.parameters())).device))
 
@@ -140,8 +140,8 @@ elif mode == "grads":
 elif mode == "attention":
     import types
 
-    from packing import packed_sdpa
-    from sequence_parallel import GROUP, ulysses_attention
+    from policy import packed_sdpa, ulysses_attention
+    from sequence_parallel import GROUP
 
     size, sp_rank = dist.get_world_size(GROUP), dist.get_rank(GROUP)
     g = torch.Generator().manual_seed(0)

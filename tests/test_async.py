@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from episodes import Rollouts, Sample, drop_stale
+from rollout import Rollouts, drop_stale
+from sample import Sample
 
 
 def test_batches_come_in_order_and_at_most_k_steps_ahead():

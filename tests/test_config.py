@@ -245,13 +245,13 @@ def test_flash_attention_without_a_gpu_or_flash_attn_is_one_line():
 
 
 def test_max_seed_keeps_every_request_seed_in_int64(tiny_model_dir):
-    """Enumerate the seeds of the last step's every round (episodes.rollout_batch, every group
+    """Enumerate the seeds of the last step's every round (rollout.rollout_batch, every group
     filtered so all rounds run) at seed=max_seed: the largest sample seed fits vLLM's int64,
     and one more seed would not."""
     from transformers import AutoTokenizer
 
     from data import PromptSampler
-    from episodes import rollout_batch
+    from rollout import rollout_batch
     from reward_pool import RewardPool
 
     T, R, P, N = 3, 2, 2, 4

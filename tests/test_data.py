@@ -161,7 +161,7 @@ def test_completion_text_strips_any_stop_id(llama_like_dir):
     limit keeps its last token, whatever it is."""
     from transformers import AutoTokenizer
 
-    from episodes import completion_text
+    from rollout import completion_text
 
     tok = AutoTokenizer.from_pretrained(llama_like_dir)
     a, b = tok.convert_tokens_to_ids(["a", "b"])
@@ -182,8 +182,8 @@ class KeepExamples:
 def test_messages_column_in_a_single_turn_dataset(tmp_path, tokenizer):
     """Without an environment a dataset's own "messages" column is no episode's conversation: it
     reaches the reward as written, a list, a missing value (None) or a string. (Before: the None row
-    crashed episodes.Episode with a TypeError, and the string reached the reward as characters.)"""
-    from episodes import Episode, score
+    crashed rollout.Episode with a TypeError, and the string reached the reward as characters.)"""
+    from rollout import Episode, score
 
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "2"}]
     path = tmp_path / "d.jsonl"

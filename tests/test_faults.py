@@ -178,7 +178,7 @@ def test_a_sync_that_did_not_take_stops_the_run_before_the_step_trains(server, t
     out = run(command("tests/fault_worker.py", 1) + ["lost_sync=3"] +
               flags(tiny_model_dir, lost, 6, "--checkpoint_state_freq", "100", url=url))
     assert out.returncode != 0
-    errors = [line for line in out.stderr.splitlines() if "VLLMError: " in line]
+    errors = [line for line in out.stderr.splitlines() if "SyncError: " in line]
     assert len(errors) == 1 and "before this step's update: the last weight sync did not take" in errors[0], \
         out.stderr[-3000:]
     assert stable(metrics(lost)) == stable(metrics(good)[:3])  # step 4 is not logged: it did not train

@@ -73,22 +73,22 @@ def test_the_fixed_reference_is_the_base_model_bit_for_bit(tiny_model_dir):
     base.sequence_logprobs = types.MethodType(sequence_logprobs, base)
     with torch.no_grad():
         expected, adapted = logprobs(base, IDS), logprobs(model, IDS)
-        reference = logprobs(lora.Reference(model, None), IDS)
+        reference = logprobs(lora.WithAdapter(model, None), IDS)
         after = logprobs(model, IDS)
-        ema = logprobs(lora.Reference(model, lora.REFERENCE), IDS)
+        ema = logprobs(lora.WithAdapter(model, lora.REFERENCE), IDS)
     assert torch.equal(reference, expected)
     assert (adapted - expected).abs().max() > 1e-3 and torch.equal(after, adapted)
     assert (ema - adapted).abs().max() > 1e-3  # the reference adapter is another adapter
 
 
 def test_train_builds_the_reference_from_the_adapters(tiny_model_dir):
-    """train.make_reference with LoRA: the EMA reference's forward is the reference adapter's, its
+    """reference.make_reference with LoRA: the EMA reference's forward is the reference adapter's, its
     update moves that adapter alpha of the way to the trained one (and nothing else), and the
     fixed reference is the base."""
-    import train
+    from reference import make_reference
 
     cfg, model = lora_model(tiny_model_dir)  # lora_B of the trained adapter away from 0, the reference's at 0
-    ref = train.make_reference(cfg, model, None, None)
+    ref = make_reference(cfg, model, None)
     with torch.no_grad():
         with lora.active(model, lora.REFERENCE):
             want = logprobs(model, IDS)
@@ -101,7 +101,7 @@ def test_train_builds_the_reference_from_the_adapters(tiny_model_dir):
             target = pol[name.replace(f".{lora.REFERENCE}.", f".{lora.ADAPTER}.")]
             assert torch.allclose(p, before[name] + cfg.alpha * (target - before[name]), atol=1e-7), name
         assert all(torch.equal(p, pol[n]) for n, p in lora.adapter_parameters(model, lora.ADAPTER))
-        fixed = train.make_reference(dataclasses.replace(cfg, ref_policy_update_freq=None), model, None, None)
+        fixed = make_reference(dataclasses.replace(cfg, ref_policy_update_freq=None), model, None)
         with lora.active(model, None):
             base = logprobs(model, IDS)
         assert torch.equal(logprobs(fixed.model, IDS), base)

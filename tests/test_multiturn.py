@@ -1,4 +1,4 @@
-"""Multi-turn episodes (episodes.play, environments.py) against a scripted server: the tokens
+"""Multi-turn episodes (rollout.play, environments.py) against a scripted server: the tokens
 appended turn by turn are the chat template's rendering of the final conversation, only the
 policy's tokens reach the loss, tools that hang, crash or raise become error messages, and
 budgets cut episodes with ids, mask and logprobs aligned. test_smollm2.py runs the calculator
@@ -15,9 +15,10 @@ import torch
 import packing
 from config import Config
 from environments import ChatTokens, Environment
-from episodes import Sample, play
 from loss import grpo_loss
 from policy import sequence_logprobs
+from rollout import play
+from sample import Sample
 
 IM_END = 4  # the tiny tokenizer's <|im_end|>, a stop id of the model like SmolLM2's (llama_like_dir)
 
@@ -338,7 +339,7 @@ def test_the_documented_environment_runs(tiny_model_dir, tmp_path):
     and its reward of the last guess over the turns taken."""
     from transformers import AutoTokenizer
 
-    from episodes import score
+    from rollout import score
     from reward_pool import RewardPool
 
     (tmp_path / "guess.py").write_text(documented("Guess"))
@@ -390,7 +391,7 @@ def test_the_documented_guess_pays_a_right_last_guess_for_every_max_turns(tiny_m
     ends with the policy's final turn also when max_turns ended the episode."""
     from transformers import AutoTokenizer
 
-    from episodes import score
+    from rollout import score
     from reward_pool import RewardPool
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -409,7 +410,7 @@ def test_a_stateful_environment_keeps_its_state_per_episode(tiny_model_dir, tmp_
     shared board would mix the episodes' letters and misses."""
     from transformers import AutoTokenizer
 
-    from episodes import score
+    from rollout import score
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     rows = [dict(prompt="w", answer="ab"), dict(prompt="w", answer="abc"), dict(prompt="w", answer="xa")]
@@ -464,7 +465,7 @@ def test_the_first_environment_failure_of_a_step_is_printed(tiny_model_dir, caps
     counted apart and not printed."""
     from transformers import AutoTokenizer
 
-    from episodes import sample_groups
+    from rollout import sample_groups
     from reward_pool import RewardPool
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import packing
+import policy
 from config import Config, flash_attention_available
 from loss import grpo_loss
-from policy import sequence_logprobs
-from episodes import Sample
+from sample import Sample
 
 
 def rollouts(n, seed, prompt=(2, 12), completion=(1, 30)):
@@ -90,7 +90,7 @@ def mini_batch_loss(model, batches, cfg, denom, key):
     key: position_ids (packed rows) or attention_mask (padded rows)."""
     logps, total = {}, 0.0
     for samples, b in batches:
-        logp, _, _, _ = sequence_logprobs(model, b["input_ids"], b["mask"], 1.0, **{key: b[key]})
+        logp, _, _, _ = policy.sequence_logprobs(model, b["input_ids"], b["mask"], 1.0, **{key: b[key]})
         loss, _ = grpo_loss(logp, b["vllm_logp"], b["adv"], b["seq_ids"], denom, cfg)
         loss.backward()
         total += loss.item()
@@ -134,7 +134,7 @@ def test_packed_matches_padded_logprobs_loss_and_gradients(models, loss_fn, impl
 def test_a_2d_mask_beside_packed_position_ids_is_refused(models):
     b = packing.collate(rollouts(2, seed=3))
     with pytest.raises(ValueError, match="not both"):
-        sequence_logprobs(models["qwen2"], b["input_ids"], b["mask"], 1.0, position_ids=b["position_ids"],
+        policy.sequence_logprobs(models["qwen2"], b["input_ids"], b["mask"], 1.0, position_ids=b["position_ids"],
                           attention_mask=torch.ones_like(b["input_ids"]))
 
 
@@ -211,16 +211,16 @@ def test_packed_rows_keep_the_sliding_window(arch):
     b = packing.collate(samples)
     model.config._attn_implementation = "packed_sdpa"
     with torch.no_grad():
-        packed, _, _, _ = sequence_logprobs(model, b["input_ids"], b["mask"], 1.0, position_ids=b["position_ids"])
-        alone = [sequence_logprobs(model, c["input_ids"], c["mask"], 1.0, position_ids=c["position_ids"])[0]
+        packed, _, _, _ = policy.sequence_logprobs(model, b["input_ids"], b["mask"], 1.0, position_ids=b["position_ids"])
+        alone = [policy.sequence_logprobs(model, c["input_ids"], c["mask"], 1.0, position_ids=c["position_ids"])[0]
                  for c in map(packing.collate, ([s] for s in samples))]
         model.config._attn_implementation = "eager"
-        own = [sequence_logprobs(model, c["input_ids"], c["mask"], 1.0)[0]
+        own = [policy.sequence_logprobs(model, c["input_ids"], c["mask"], 1.0)[0]
                for c in map(packing.collate, ([s] for s in samples))]
         model.config.sliding_window = 1000  # read by the mask at each forward
         for layer in model.model.layers:
             layer.self_attn.sliding_window = None if arch != "mistral" else 1000
-        full = [sequence_logprobs(model, c["input_ids"], c["mask"], 1.0)[0]
+        full = [policy.sequence_logprobs(model, c["input_ids"], c["mask"], 1.0)[0]
                 for c in map(packing.collate, ([s] for s in samples))]
     assert all(packing.length(s) > 8 for s in samples)
     assert (torch.cat(own) - torch.cat(full)).abs().max() > 1e-3
@@ -231,5 +231,5 @@ def test_packed_rows_keep_the_sliding_window(arch):
 def test_window_mask_by_hand():
     """Row i attends to columns i-2..i with a window of 3; none when the sequence fits."""
     expected = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 1, 1, 1]], dtype=torch.bool)
-    assert torch.equal(packing.window_mask(4, 3, "cpu")[0, 0], expected)
-    assert packing.window_mask(3, 3, "cpu") is None and packing.window_mask(9, None, "cpu") is None
+    assert torch.equal(policy.window_mask(4, 3, "cpu")[0, 0], expected)
+    assert policy.window_mask(3, 3, "cpu") is None and policy.window_mask(9, None, "cpu") is None

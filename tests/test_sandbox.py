@@ -12,7 +12,7 @@ import pytest
 import sandbox
 from config import Config
 from environments import Environment
-from episodes import play
+from rollout import play
 from sandbox import Interpreter, Limits
 from test_multiturn import ScriptedClient, with_prompts
 
@@ -167,7 +167,7 @@ def test_a_socket_cannot_reach_a_port_the_trainer_listens_on(py):
 
 
 def test_the_python_tool_keeps_each_episodes_variables_and_counts_its_errors(tiny_model_dir):
-    """Two rows of two episodes through episodes.play with two tool workers: each episode counts
+    """Two rows of two episodes through rollout.play with two tool workers: each episode counts
     in its own interpreter and directory, its failing cell is told and counted as tool_bad_calls,
     and every episode plays to its end, leaving nothing behind."""
     from transformers import AutoTokenizer

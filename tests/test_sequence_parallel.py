@@ -5,7 +5,7 @@ and the sizes that must divide (the Config's other refusals: tests/test_config.p
 import pytest
 import torch
 
-from episodes import Sample
+from sample import Sample
 from test_distributed import run
 
 
@@ -28,7 +28,7 @@ def test_pieces_cover_the_row_once(size):
     own sequence; each completion token's target, mask and per-token values sit in exactly one
     piece, in the row's order (position j predicts token j+1, across a piece's end too)."""
     from packing import collate
-    from sequence_parallel import piece
+    from packing import piece
 
     b = collate(rollouts())
     L = b["input_ids"].shape[1]

@@ -8,7 +8,7 @@ import pytest
 
 from config import Config
 from environments import Environment
-from episodes import play
+from rollout import play
 from test_multiturn import ScriptedClient, documented, with_prompts
 from test_templates import family_tokenizer
 from tool_calls import Parser, answer_calls, schemas

@@ -1,4 +1,4 @@
-"""Episodes: the scored, grouped samples the trainer learns from, made on rank 0.
+"""The rollout: the scored, grouped samples the trainer learns from, made on rank 0.
 
 `rollout_batch` is one step's batch: prompts -> episodes (vLLM completions, and with an
 --environment its answers, turn after turn) -> rewards -> group advantages. `Rollouts` hands
@@ -16,7 +16,6 @@ turn: a prompt and its completion.
 """
 
 import concurrent.futures
-import dataclasses
 import threading
 import time
 from typing import Optional
@@ -27,43 +26,13 @@ from tqdm import tqdm
 from data import stop_token_ids
 from loss import group_advantages
 from rewards import has_answer_format
+from sample import Sample
 
 SAMPLES_SHOWN = 4  # episodes a step logs every log_samples_freq steps
 FAILURES = ("errors", "timeouts", "crashes")  # how a call in a worker fails (reward_pool.CallPool)
 # an environment's calls: its own failures, the policy's bad calls (environments.ToolError), and
 # episodes whose per-episode environment was lost with its worker
 TOOL_FAILURES = (*FAILURES, "bad_calls", "lost")
-
-
-@dataclasses.dataclass
-class Sample:
-    """One episode as the trainer sees it. token_ids are every token after the prompt: the
-    policy's (mask 1) and the environment's or the template's (mask 0, in the forward pass as
-    context, out of every loss term). logprobs are the sampler's, 0.0 where mask is 0."""
-    prompt_ids: list
-    token_ids: list
-    logprobs: list
-    mask: Optional[list] = None  # None: every token sampled (a one-turn episode)
-    adv: float = 0.0
-    reward: float = 0.0
-    versions: tuple = (0,)  # weight version of each turn's request
-    staleness: int = 0  # weight updates since the oldest of them (drop_stale)
-    valid: bool = True  # False: packing's filler, no tokens in the loss
-
-    def __post_init__(self):
-        if self.mask is None:
-            self.mask = [1] * len(self.token_ids)
-        if not len(self.mask) == len(self.logprobs) == len(self.token_ids):
-            raise ValueError(f"a sample has {len(self.token_ids)} tokens, {len(self.mask)} mask entries and "
-                             f"{len(self.logprobs)} logprobs; they must align")
-
-    @property
-    def version(self):  # the oldest weights that sampled any of it
-        return min(self.versions)
-
-    @property
-    def policy_tokens(self):
-        return sum(self.mask)
 
 
 def completion_text(tokenizer, out):
@@ -89,7 +58,7 @@ class Episode:
         self.sample = Sample(list(row["prompt_ids"]), [], [], [], versions=())
         self.messages = []  # with an environment, the conversation so far (play)
         self.answer, self.turns, self.tool_calls = "", 0, 0
-        self.key, self.started, self.env_reward = None, False, None  # the environment's (Environment.begin)
+        self.key, self.env_reward = None, None  # the environment's key for its calls, and its reward
 
     def add(self, ids, logprobs, sampled, version=None):
         if sampled and len(logprobs) != len(ids):
@@ -117,7 +86,7 @@ def play(cfg, client, rows, n, seed, tokenizer, env=None, temperature=None):
     episodes = [Episode(k, row, cfg.response_length) for k, row in enumerate(r for r in rows for _ in range(n))]
     for e in episodes if env else ():
         e.messages = list(e.row["messages"])  # the environment's first messages (data.tokenize_rows)
-        env.begin(e)
+        e.key = env.new_key()
     temperature = cfg.temperature if temperature is None else temperature
     turns, stop, failures, tools = cfg.episode_turns if env else 1, env.stop if env else (), [], 0.0
 
@@ -137,7 +106,8 @@ def play(cfg, client, rows, n, seed, tokenizer, env=None, temperature=None):
             going = [e for e, _ in back if not e.done and e.turns < turns]
             if going:
                 t = time.perf_counter()
-                going, lost = env.answer(going)
+                answers, lost = env.answer(going)
+                going = take_answers(going, answers)
                 failures, tools = failures + lost, tools + time.perf_counter() - t
                 for e in going:
                     pending[send(e.ids, 1, e.budget, e.turns * len(episodes) + e.k)] = [e]
@@ -160,6 +130,23 @@ def take_turn(e, out, tokenizer, env):
     e.done = e.cut = out["finish_reason"] == "length" or e.budget <= 0  # cut by the token budget
     if env:
         e.messages.append(env.message(e.answer, e.turns - 1))
+
+
+def take_answers(episodes, answers):
+    """Append each episode's answer (environments.Environment.answer: messages and their token ids)
+    with mask 0; returns the episodes still going. No answer ends an episode, and so does one
+    that leaves no room for another turn (the conversation, and the sample, end with the
+    policy's turn)."""
+    going = []
+    for e, answer in zip(episodes, answers):
+        if answer is None or len(answer[1]) >= e.budget:
+            e.done, e.cut = True, answer is not None
+            continue
+        e.messages += answer[0]
+        e.tool_calls += 1
+        e.add(answer[1], None, sampled=False)
+        going.append(e)
+    return going
 
 
 def evaluate(cfg, client, eval_rows, pool, tokenizer, env=None):

@@ -1,4 +1,4 @@
-"""A step's batch (episodes.rollout_batch): disjoint sampling seeds, whole groups, and DAPO's
+"""A step's batch (rollout.rollout_batch): disjoint sampling seeds, whole groups, and DAPO's
 dynamic sampling (active_sampling) refilling the groups the zero-std filter drops. The
 server is replaced by a scripted one here so that which groups survive is known exactly;
 test_vllm.py checks the seeds against a real vLLM server."""
@@ -9,7 +9,7 @@ import pytest
 
 from config import Config
 from data import PromptSampler
-from episodes import rollout_batch
+from rollout import rollout_batch
 from reward_pool import RewardPool
 
 
