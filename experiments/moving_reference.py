@@ -2,46 +2,52 @@
 
     .venv/bin/python experiments/moving_reference.py --probe             # the probes that fix BETA and the lr
     .venv/bin/python experiments/moving_reference.py --max_new_runs 4    # four more runs, then the report so far
-    .venv/bin/python experiments/moving_reference.py                     # every run (2 regimes x 4 arms x 3 seeds)
+    .venv/bin/python experiments/moving_reference.py                     # every run (21: 7 arms x 3 seeds)
     .venv/bin/python experiments/moving_reference.py --tiny              # checks the script (random model, minutes)
 
 Pre-registered design (written before the reported runs; the probes below fixed BETA and LARGE_LR)
 
 Question. The EMA anchor is claimed to be a trust region that moves: it should hold the policy
-at step sizes that wreck an unanchored run, without a fixed anchor's brake on how far the policy
-can go. The math experiment (reference_experiment.py) was a null in a regime where neither
-matters. Two regimes where each can:
-  tools     the calculator over several turns (`--dataset calc --environment environments:calculator`),
-            two operations per problem (`--math_steps 2`), 3 digits, + - *: the policy must move far
-            (learn the tag format and when to call), lr 5e-6 after 5 warm-up steps, 20 steps.
-  large lr  the same task at LARGE_LR with no warm-up, 20 steps: Adam's first steps move every weight
-            by about lr, and the unanchored run degrades within the horizon.
+at step sizes that wreck an unanchored run, without a fixed anchor's brake on how far and how fast
+the policy can go. The math experiment (reference_experiment.py) was a null in a regime where
+neither matters. Two regimes where each can:
+  tools     the tools demo's task (`--dataset calc --environment environments:calculator`, 3 digits,
+            + - *, at most 3 turns): the policy must move far, from 0.34 to about 1.0 held-out
+            accuracy in 20 steps (calling the tool, in its format, and boxing its answer); lr 5e-6
+            after 5 warm-up steps, 20 steps. The end is near the ceiling, so the measure is how
+            fast the policy gets there: its mean accuracy over the evaluations after step 0.
+  large lr  the math demo's task (`--dataset math`, rewards:math_reward_last_number) at LARGE_LR
+            with no warm-up, 10 steps: Adam's first steps move every weight by about lr, and
+            the unanchored run collapses (measured in the demo: 0.30 -> 0.09 in 3 steps at 2e-5).
 Arms (k3 KL at BETA where there is a KL term; 4 prompts x 8 samples at T 0.7 a step):
   no KL             beta 0, no reference
   fixed             the initial policy
   EMA 0.05/step     ref <- 0.05 policy + 0.95 ref every step: EMA-PG's eta 0.95 at every step, so
                     the reference differs from the fixed one from step 1
-  EMA-PG 0.05/10    the same every 10 steps, EMA-PG's setting as published (eta 0.9 to 0.95, 10 steps)
+  EMA-PG 0.05/10    the same every 10 steps, EMA-PG's setting as published (eta 0.9 to 0.95 every
+                    10 steps); tools only (inside 10 steps it is the fixed arm)
 Metric. Greedy accuracy on the same 64 held-out prompts for every arm and seed (the built-in tasks'
-eval prompts do not depend on the seed), at steps 0, 5, 10, 15, 20; 3 seeds an arm (seeds 1-3).
-Per run: the gain (accuracy at step 20 minus step 0) and the worst accuracy over the evaluations
-after step 0. Also logged: training reward, tool-call rate, KL to the reference (the trainer's
-k3), and KL to the initial policy (exact over the vocabulary, at T 0.7, on 32 sampled first turns
-of the held-out prompts, from the exports every 5 steps).
+eval prompts do not depend on the seed), every 5 steps; 3 seeds an arm (seeds 1-3). Per run: the
+mean accuracy after step 0 ("speed"), the gain (last minus step 0) and the worst accuracy after
+step 0. Also logged: training reward, tool-call rate, KL to the reference (the trainer's k3), and
+KL to the initial policy (exact over the vocabulary, at T 0.7, on 32 sampled first turns of the
+held-out prompts, from the exports every 5 steps).
 Criterion, with s the pooled std over seeds of the two arms compared (sqrt of the mean variance):
-  tools     support if the gain of "EMA 0.05/step" exceeds the fixed arm's by more than s, and is no
-            more than s below the no-KL arm's (no brake); against if it is more than s below the
-            fixed arm's; else null.
+  tools     support if the speed of "EMA 0.05/step" exceeds the fixed arm's by more than s, and is
+            no more than s below the no-KL arm's (no brake); against if it is more than s below
+            the fixed arm's; else null.
   large lr  support if the worst accuracy of "EMA 0.05/step" exceeds the no-KL arm's by more than s
-            and its gain is not more than s below the fixed arm's; against if its worst accuracy is
-            more than s below the no-KL arm's; else null.
-The EMA-PG 0.05/10 arm is reported but not judged: inside 20 steps it takes one update.
-Probes (seed 0, not reported runs; `--probe`):
-  1. large lr at 2e-5, no KL, 10 steps: must degrade (an evaluation 10 points or more below
-     step 0), else 5e-5.
-  2. BETA: the smallest of 0.05, 0.2, 1.0 at which the fixed arm holds the large-lr run over 10
-     steps (no evaluation more than 10 points below step 0); 1.0 if none does.
-  3. tools, no KL: the task must not saturate (accuracy at step 20 below 0.9).
+            and is no more than s below the fixed arm's; against if it is more than s below the
+            no-KL arm's; else null.
+Probes (seed 0, not reported runs; `--probe`), on the large-lr regime for 5 steps:
+  1. LARGE_LR: the smallest of 2e-5, 5e-5 and 1e-4 at which no KL degrades (accuracy at step 5
+     10 points or more below step 0).
+  2. BETA: the smallest of 0.05, 0.2, 1.0 at which the fixed arm holds at LARGE_LR (accuracy at
+     step 5 no more than 10 points below step 0); 1.0 if none does.
+A first design used a harder tools task and was dropped after one probe run each, before any
+reported run: with two operations per problem the built-in calculator (a whole expression per
+call) went 0.50 -> 0.98 in 5 steps at 2e-5 (saturated), and a calculator that takes one operation
+per call gave reward 0 on all 32 samples of each of 5 steps at 2e-5 (no signal).
 
 One vLLM CPU server serves every run (each run pushes its initial weights into it first); each
 run is `torchrun --nproc_per_node NPROC train.py`. Finished runs in OUT are read back, not run
@@ -64,19 +70,23 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 from reference_experiment import curves, tail_mean  # noqa: E402
 
 BETA, LARGE_LR = "0.2", "2e-5"  # from the probes (see the docstring and docs/algorithm.md)
-TASK = ["--dataset", "calc", "--environment", "environments:calculator", "--math_digits", "3",
-        "--math_operations", "+-*", "--math_steps", "2", "--max_prompt_length", "192", "--response_length", "128",
-        "--max_turns", "3", "--temperature", "0.7", "--num_eval_prompts", "64", "--num_unique_prompts_rollout", "4",
-        "--num_samples_per_prompt_rollout", "8", "--log_samples_freq", "0", "--eval_freq", "5", "--save_freq", "5"]
-REGIMES = {"tools": ["--learning_rate", "5e-6", "--warm_up_steps", "5"],
-           "large lr": ["--learning_rate", "LR", "--warm_up_steps", "0"]}
+COMMON = ["--temperature", "0.7", "--num_eval_prompts", "64", "--num_unique_prompts_rollout", "4",
+          "--num_samples_per_prompt_rollout", "8", "--log_samples_freq", "0", "--eval_freq", "5", "--save_freq", "5"]
+REGIMES = {  # name -> (train.py's flags, steps, arms)
+    "tools": (["--dataset", "calc", "--environment", "environments:calculator", "--math_digits", "3",
+               "--math_operations", "+-*", "--max_prompt_length", "160", "--response_length", "96", "--max_turns", "3",
+               "--learning_rate", "5e-6", "--warm_up_steps", "5"], 20,
+              ("no KL", "fixed", "EMA 0.05/step", "EMA-PG 0.05/10")),
+    "large lr": (["--dataset", "math", "--reward_fn", "rewards:math_reward_last_number", "--max_prompt_length", "128",
+                  "--response_length", "128", "--learning_rate", "LR", "--warm_up_steps", "0"], 10,
+                 ("no KL", "fixed", "EMA 0.05/step")),
+}
 ARMS = {"no KL": ["--beta", "0", "--load_ref_policy", "false"],
         "fixed": ["--beta", "BETA"],
         "EMA 0.05/step": ["--beta", "BETA", "--alpha", "0.05", "--ref_policy_update_freq", "1"],
         "EMA-PG 0.05/10": ["--beta", "BETA", "--alpha", "0.05", "--ref_policy_update_freq", "10"]}
-PROBES = [("large lr", "no KL", {"LR": "2e-5", "STEPS": "10"}),  # the large-lr probes need only 10 steps
-          *[("large lr", "fixed", {"BETA": b, "STEPS": "10"}) for b in ("0.05", "0.2", "1.0")],
-          ("tools", "no KL", {})]
+PROBES = [*[("large lr", "no KL", {"LR": lr, "STEPS": "5"}) for lr in ("2e-5", "5e-5", "1e-4")],
+          *[("large lr", "fixed", {"BETA": b, "STEPS": "5"}) for b in ("0.05", "0.2", "1.0")]]
 TINY = ["--max_prompt_length", "1024", "--response_length", "16", "--num_eval_prompts", "8",
         "--num_unique_prompts_rollout", "2", "--num_samples_per_prompt_rollout", "4", "--eval_freq", "1",
         "--save_freq", "1"]
@@ -92,25 +102,32 @@ def flags(args, regime, arm, seed, values=None):
     """train.py's flags for one run; `values` overrides BETA, LR and the steps (the probes)."""
     subst = {"BETA": BETA, "LR": LARGE_LR, **(values or {})}
     out = ["--model_name_or_path", args.model, "--output_dir", run_dir(args, regime, arm, seed, values),
-           "--num_training_steps", str(steps_of(args, values)), "--seed", str(seed)]
-    out += TASK + REGIMES[regime] + ARMS[arm]
+           "--num_training_steps", str(steps_of(args, regime, values)), "--seed", str(seed)]
+    out += COMMON + REGIMES[regime][0] + ARMS[arm]
     return [subst.get(f, f) for f in out] + (TINY if args.tiny else [])
 
 
-def steps_of(args, values):
-    return int((values or {}).get("STEPS", args.steps))
+def steps_of(args, regime, values=None):
+    """A run's steps: the regime's, 2 with --tiny, or a probe's."""
+    return int((values or {}).get("STEPS", 2 if args.tiny else REGIMES[regime][1]))
 
 
-def finished(path, steps):
-    """(metrics rows, {step: KL to the initial policy}) of a run measured to its last step, else None."""
-    kl_path = os.path.join(path, "kl_to_initial.json")
-    if not os.path.isfile(kl_path):
+def trained(path, steps):
+    """The metrics rows of a run trained and evaluated to its last step, else None."""
+    if not os.path.isfile(os.path.join(path, "metrics.jsonl")):
         return None
     with open(os.path.join(path, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
+    return rows if any(r["step"] == steps and r.get("eval_accuracy") is not None for r in rows) else None
+
+
+def finished(path, steps):
+    """(metrics rows, {step: KL to the initial policy}) of a run trained and measured, else None."""
+    kl_path = os.path.join(path, "kl_to_initial.json")
+    if not os.path.isfile(kl_path) or not (rows := trained(path, steps)):
+        return None
     with open(kl_path) as f:
-        kl = {int(k): v for k, v in json.load(f).items()}
-    return (rows, kl) if any(r["step"] == steps and r.get("eval_accuracy") is not None for r in rows) else None
+        return rows, {int(k): v for k, v in json.load(f).items()}
 
 
 def train(args, cmd_flags, url):
@@ -140,7 +157,7 @@ class InitialPolicy:
 
         cfg = cli.parse_args(cmd_flags)
         self.tokenizer = data.load_tokenizer(cfg)
-        env = Environment(cfg.environment, self.tokenizer, cfg)
+        env = Environment(cfg.environment, self.tokenizer, cfg) if cfg.environment else None
         evals = data.load_prompts(cfg, self.tokenizer, env)[1]
         self.prompts = [r["prompt_ids"] for r in evals[:KL_PROMPTS]]
         self.temperature, self.max_new = cfg.temperature, min(cfg.response_length, 96)
@@ -207,7 +224,7 @@ def mean_std(xs):
 
 
 def summary(runs):
-    """Per-seed figures of one arm: accuracy at step 0, at the end, gain, worst after step 0,
+    """Per-seed figures of one arm: accuracy at step 0, at the end, gain, worst and mean after step 0,
     training reward and KL to the reference (last 5 steps), KL to the initial policy at the end."""
     out = []
     for rows, kl in runs:
@@ -215,6 +232,7 @@ def summary(runs):
         kl_ref = tail_mean(rows, "kl", 5) if any(r.get("kl") for r in rows) else None
         tools = curves(rows, "eval_tool_calls")
         out.append(dict(first=acc[0], last=acc[-1], gain=acc[-1] - acc[0], worst=min(acc[1:]),
+                        speed=statistics.mean(acc[1:]),
                         reward=tail_mean(rows, "reward_mean", 5), kl_ref=kl_ref, kl_init=kl[max(kl)],
                         tool_calls=tools[-1][1] if tools else None))
     return out
@@ -231,31 +249,31 @@ def verdict(regime, s):
         return statistics.mean(xa) - statistics.mean(xb), math.sqrt((statistics.variance(xa) +
                                                                       statistics.variance(xb)) / 2)
     if regime == "tools":
-        (d_fixed, s_fixed), (d_free, s_free) = diff(ema, fixed, "gain"), diff(ema, free, "gain")
+        (d_fixed, s_fixed), (d_free, s_free) = diff(ema, fixed, "speed"), diff(ema, free, "speed")
         word = "support" if d_fixed > s_fixed and d_free >= -s_free else "against" if d_fixed < -s_fixed else "null"
-        return f"{word}: gain EMA - fixed {d_fixed:+.3f} (s {s_fixed:.3f}), EMA - no KL {d_free:+.3f} (s {s_free:.3f})"
-    (d_free, s_free), (d_fixed, s_fixed) = diff(ema, free, "worst"), diff(ema, fixed, "gain")
+        return f"{word}: speed EMA - fixed {d_fixed:+.3f} (s {s_fixed:.3f}), EMA - no KL {d_free:+.3f} (s {s_free:.3f})"
+    (d_free, s_free), (d_fixed, s_fixed) = diff(ema, free, "worst"), diff(ema, fixed, "worst")
     word = "support" if d_free > s_free and d_fixed >= -s_fixed else "against" if d_free < -s_free else "null"
-    return f"{word}: worst EMA - no KL {d_free:+.3f} (s {s_free:.3f}), gain EMA - fixed {d_fixed:+.3f} (s {s_fixed:.3f})"
+    return f"{word}: worst EMA - no KL {d_free:+.3f} (s {s_free:.3f}), EMA - fixed {d_fixed:+.3f} (s {s_fixed:.3f})"
 
 
 def table(args, results):
-    fmt = lambda xs: "-" if None in xs else "%.3f +- %.3f" % mean_std(xs)  # noqa: E731
+    fmt = lambda xs, f="%.3f": "-" if None in xs else f"{f} +- {f}" % mean_std(xs)  # noqa: E731
     lines = []
     for regime, arms in results.items():
         s = {arm: summary(runs) for arm, runs in arms.items()}
-        lines += [f"\n**{regime}** ({args.steps} steps; reward and KL to the reference: mean of the last 5 steps; "
-                  f"verdict: {verdict(regime, s) or 'not yet (2 seeds an arm needed)'})\n",
-                  "| arm | seeds | accuracy at step 0 | final (per seed) | gain | worst after step 0 | reward | "
-                  "KL to reference | KL to initial (end) | tool-call rate (end) | command (seed 1) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"\n**{regime}** ({steps_of(args, regime)} steps; reward and KL to the reference: mean of the "
+                  f"last 5 steps; verdict: {verdict(regime, s) or 'not yet (2 seeds an arm needed)'})\n",
+                  "| arm | seeds | accuracy at step 0 | final (per seed) | gain | mean after step 0 | worst after "
+                  "step 0 | reward | KL to reference | KL to initial (end) | tool-call rate (end) | command (seed 1) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for arm, rs in s.items():
             cmd = " ".join(["torchrun --nproc_per_node", str(args.nproc), "train.py"] + flags(args, regime, arm, 1))
             cmd = cmd.replace(args.out, "OUT").replace(ROOT + os.sep, "")
-            col = lambda k: fmt([r[k] for r in rs])  # noqa: E731
+            col = lambda k: fmt([r[k] for r in rs], "%.3g" if k.startswith("kl") else "%.3f")  # noqa: E731
             lines.append(f"| {arm} | {len(rs)} | {col('first')} | {', '.join('%.3f' % r['last'] for r in rs)} | "
-                         f"{col('gain')} | {col('worst')} | {col('reward')} | {col('kl_ref')} | {col('kl_init')} | "
-                         f"{col('tool_calls')} | `{cmd}` |")
+                         f"{col('gain')} | {col('speed')} | {col('worst')} | {col('reward')} | {col('kl_ref')} | "
+                         f"{col('kl_init')} | {col('tool_calls')} | `{cmd}` |")
     return "\n".join(lines)
 
 
@@ -294,16 +312,16 @@ def main():
     p.add_argument("--probe", action="store_true", help="the probes (seed 0) instead of the reported runs")
     p.add_argument("--out", default=os.path.join(ROOT, "output", "moving_reference"))
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--port", type=int, default=8062)
     p.add_argument("--master_port", type=int, default=29562)
     p.add_argument("--max_new_runs", type=int, default=None, help="run at most this many unfinished runs, then report")
     args = p.parse_args()
+    os.chdir(ROOT)  # the environment's file is named from the repository root
     if args.tiny:
         import make_tiny_model
 
-        args.model, args.seeds, args.steps = os.path.join(ROOT, "models", "tiny"), 1, 2
+        args.model, args.seeds = os.path.join(ROOT, "models", "tiny"), 1
         args.out = os.path.join(ROOT, "output", "moving_reference_tiny")
         if not os.path.isfile(os.path.join(args.model, "config.json")):
             make_tiny_model.main(["--out", args.model])
@@ -314,23 +332,27 @@ def main():
     import vllm_server
 
     runs = [(r, a, 0, v) for r, a, v in PROBES] if args.probe else \
-        [(r, a, seed, None) for seed in range(1, args.seeds + 1) for r in REGIMES for a in ARMS]
-    todo = [x for x in runs if not finished(run_dir(args, *x), steps_of(args, x[3]))][:args.max_new_runs]
+        [(r, a, seed, None) for seed in range(1, args.seeds + 1) for r, (_, _, arms) in REGIMES.items() for a in arms]
+    todo = [x for x in runs if not finished(run_dir(args, *x), steps_of(args, x[0], x[3]))][:args.max_new_runs]
     server, url = start_server(args) if todo else (None, None)
-    initial = InitialPolicy(args, flags(args, *runs[0])) if todo else None
+    initial = {}  # per regime: its prompts
     try:
         for regime, arm, seed, values in todo:
-            train(args, flags(args, regime, arm, seed, values), url)
-            measure(run_dir(args, regime, arm, seed, values), initial)
-            rows, kl = finished(run_dir(args, regime, arm, seed, values), steps_of(args, values))
+            if not trained(run_dir(args, regime, arm, seed, values), steps_of(args, regime, values)):
+                train(args, flags(args, regime, arm, seed, values), url)
+            if regime not in initial:
+                initial[regime] = InitialPolicy(args, flags(args, regime, arm, seed, values))
+            measure(run_dir(args, regime, arm, seed, values), initial[regime])
+            rows, kl = finished(run_dir(args, regime, arm, seed, values), steps_of(args, regime, values))
             print(f"{regime} / {arm} seed {seed} {values or ''}: accuracy {curves(rows)}, KL to initial {kl}",
                   flush=True)
     finally:
         vllm_server.stop_server(server)
     if args.probe:
         return
-    results = {r: {a: [x for x in (finished(run_dir(args, r, a, s), args.steps) for s in range(1, args.seeds + 1))
-                       if x] for a in ARMS} for r in REGIMES}
+    seeds = range(1, args.seeds + 1)
+    results = {r: {a: [x for x in (finished(run_dir(args, r, a, s), steps_of(args, r)) for s in seeds) if x]
+                   for a in arms} for r, (_, _, arms) in REGIMES.items()}
     results = {r: {a: runs for a, runs in arms.items() if runs} for r, arms in results.items()}
     results = {r: arms for r, arms in results.items() if arms}
     png = os.path.join(args.out, "moving_reference.png")
