@@ -93,7 +93,8 @@ class Config:
     num_eval_prompts: int = option(64, "held-out prompts for greedy evaluation (never trained on)", low=0)
     eval_freq: int = option(10, "evaluate every this many steps; 0 disables", low=0, resumable=True)
     # --- rollouts (vLLM)
-    response_length: int = option(8, "max new tokens per completion", low=1)
+    response_length: int = option(8, "max tokens after the prompt: one completion's, or with an environment the "
+                                     "whole episode's (every turn and every answer of the environment)", low=1)
     temperature: float = option(1.0, "sampling temperature for training rollouts",
                                 above=0, note=" for training rollouts (greedy is used for evaluation)")
     top_p: float = option(1.0, "must stay 1: vLLM renormalises its logprobs over the nucleus, the trainer's ratios "

@@ -73,11 +73,11 @@ def test_an_answer_cut_short_is_retried_then_a_vllm_error():
             self.rfile.read(int(self.headers["Content-Length"]))
             self.send_response(200)
             whole = len(answers) % 2 == 1  # every second answer arrives whole
+            answers.append(whole)  # before the body: the client may return before this thread runs again
             body = b'{"ok": 1}'
             self.send_header("Content-Length", str(len(body) if whole else 100))
             self.end_headers()
             self.wfile.write(body)
-            answers.append(whole)
             self.close_connection = True
 
         def log_message(self, *args):
