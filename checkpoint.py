@@ -158,8 +158,9 @@ def load(path, train_state, cfg=None):
         cause = [line for line in str(e).splitlines() if line.strip()][-1].strip()
         raise ValueError(f"cannot resume from {path}: {cause[:300]}; it was written for another model or setup: "
                          "give a new checkpoint_state_dir, or the model it was made with") from None
-    strict = not lora.is_adapter_state(state["policy"])  # adapters alone: the base stays as loaded
-    set_model_state_dict(policy, state["policy"], options=StateDictOptions(strict=strict))
+    # Not strict: state["policy"] has the keys of policy_state, each one filled by dcp.load or refused
+    # there; what it leaves out (LoRA's frozen base) stays as loaded from model_name_or_path.
+    set_model_state_dict(policy, state["policy"], options=StateDictOptions(strict=False))
     set_optimizer_state_dict(policy, train_state.optimizer, state["optimizer"])
     if ref is not None:
         ref.load_state_dict(state)

@@ -17,12 +17,14 @@ def flash_attention_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
 
 
-def option(default, help, low=None, above=None, note="", only_with=None, resumable=False):
+def option(default, help, low=None, above=None, high=None, below=None, note="", only_with=None, resumable=False):
     """A Config field and its facts (field metadata): the default, the line `train.py --help` prints,
-    a lower bound (value >= low, or > above; `note` says what the edge means), the field that
-    must be set for it to act (only_with: left at its default otherwise), and whether a resumed
-    run may change it (resumable; checkpoint.check_resumable). Config.__post_init__ checks them."""
-    meta = dict(help=help, low=low, above=above, note=note, only_with=only_with, resumable=resumable)
+    its bounds (value >= low or > above, <= high or < below; None passes; `note` says what an edge
+    means), the field that must be set for it to act (only_with: left at its default otherwise),
+    and whether a resumed run may change it (resumable; checkpoint.check_resumable).
+    Config.__post_init__ checks them."""
+    meta = dict(help=help, low=low, above=above, high=high, below=below, note=note, only_with=only_with,
+                resumable=resumable)
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -33,6 +35,22 @@ def objectives():
     from loss import OBJECTIVES
 
     return OBJECTIVES
+
+
+def bounds(meta):
+    """A field's bounds as a reader writes them: ">= 1", "> 0", "in [0, 1)", ...; None without any."""
+    lo = f"[{meta['low']}" if meta["low"] is not None else f"({meta['above']}" if meta["above"] is not None else ""
+    hi = f"{meta['high']}]" if meta["high"] is not None else f"{meta['below']})" if meta["below"] is not None else ""
+    if lo and hi:
+        return f"in {lo}, {hi}"
+    return (f"{'>=' if lo[0] == '[' else '>'} {lo[1:]}" if lo
+            else f"{'<=' if hi[-1] == ']' else '<'} {hi[:-1]}" if hi else None)
+
+
+def in_bounds(value, meta):
+    low, above, high, below = (meta[k] for k in ("low", "above", "high", "below"))
+    return value is None or ((low is None or value >= low) and (above is None or value > above)
+                             and (high is None or value <= high) and (below is None or value < below))
 
 
 def default(name):
@@ -52,9 +70,10 @@ class Config:
         "flash-attn, untested here)")
     dataset: str = option("copy", "a built-in task (copy, add, math, calc), a hub dataset name, or a local "
                                   ".jsonl/.json/.parquet/.csv file")
-    math_digits: int = option(1, "math and calc tasks: numbers of up to (calc: exactly) this many digits")
+    math_digits: int = option(1, "math and calc tasks: numbers of up to (calc: exactly) this many digits",
+                              low=1, high=9)
     math_operations: str = option("+-", "math and calc tasks: operations a problem draws from, any of + - *")
-    math_steps: int = option(1, "math and calc tasks: operations per problem after the first number")
+    math_steps: int = option(1, "math and calc tasks: operations per problem after the first number", low=1)
     dataset_split: str = option("train", "split to read from a hub dataset")
     dataset_prompt_column: str = option("prompt", "column holding the prompt: a string, or a list of {role, content} "
                                                   "chat messages")
@@ -62,7 +81,7 @@ class Config:
                                                   "absent if the reward needs none)")
     reward_fn: Optional[str] = option(None, "\"module:function\" or \"path/to/file.py:function\"; None = the "
                                             "built-in task's reward, else exact_match")
-    reward_workers: int = option(2, "processes that score rewards (reward_pool.py); 0 = in the trainer, no timeout "
+    reward_workers: int = option(2, "processes that score rewards (worker_pool.py); 0 = in the trainer, no timeout "
                                     "(breakpoint() works)", low=0)
     reward_timeout: float = option(10.0, "seconds one sample's reward may take in a worker; past it the sample "
                                          "scores 0", above=0)
@@ -101,7 +120,7 @@ class Config:
                                "cannot follow")
     vllm_server_urls: list[str] = option([], "servers you run yourself (comma separated); empty = launch one",
                                          resumable=True)
-    vllm_port: int = option(8011, "port of the server we launch", resumable=True)
+    vllm_port: int = option(8011, "port of the server we launch", low=1, high=65535, resumable=True)
     vllm_dtype: str = option("auto", "dtype of the server we launch; auto = the trainer's (float32 on CPU, bfloat16 "
                                      "on GPU)")
     vllm_max_model_len: Optional[int] = option(None, "context of the server we launch; None = max_prompt_length + "
@@ -109,8 +128,9 @@ class Config:
     vllm_kv_cache_space_gb: int = option(1, "KV cache size of a CPU server we launch (VLLM_CPU_KVCACHE_SPACE)",
                                          low=1, resumable=True)
     vllm_cpu_threads: Optional[int] = option(None, "cores a CPU server we launch computes on; None = all with "
-                                                   "async_steps=0, half otherwise")
-    vllm_gpu_memory_utilization: float = option(0.9, "memory fraction of a GPU server we launch", resumable=True)
+                                                   "async_steps=0, half otherwise", low=1)
+    vllm_gpu_memory_utilization: float = option(0.9, "memory fraction of a GPU server we launch",
+                                                above=0, high=1, resumable=True)
     vllm_startup_timeout: float = option(600.0, "seconds to wait for a launched server's /health",
                                          above=0, resumable=True)
     vllm_request_timeout: float = option(120.0, "seconds for one HTTP request to a server", above=0, resumable=True)
@@ -127,7 +147,7 @@ class Config:
     weight_sync_master_address: str = option("127.0.0.1", "nccl: address of trainer rank 0 as the vLLM server sees it",
                                              resumable=True)
     weight_sync_master_port: int = option(29555, "nccl: port of the weight-transfer rendezvous on trainer rank 0",
-                                          resumable=True)
+                                          low=1, high=65535, resumable=True)
     weight_sync_dir: Optional[str] = option(None, "filesystem: where rank 0 writes weights for every server to read; "
                                                   "None = /dev/shm (servers on its node)", resumable=True)
     vllm_logp_tolerance: float = option(1e-2, "max |trainer - vLLM| logprob after a sync before it counts as failed",
@@ -153,12 +173,14 @@ class Config:
                                   "logp), ess (batch-adaptive, \"Trust the Batch\" by Fakoor et al.; no clip "
                                   "constants) or gspo (clipped sequence ratio, GSPO by Zheng et al.; the paper clips "
                                   "at 3e-4 / 4e-4)")
-    clip_lower: float = option(0.2, "dapo, gspo: ratio (gspo: the sequence ratio) clipped below at 1 - clip_lower")
+    clip_lower: float = option(0.2, "dapo, gspo: ratio (gspo: the sequence ratio) clipped below at 1 - clip_lower",
+                               low=0, below=1)
     clip_higher: float = option(0.28, "dapo, gspo: ratio clipped above at 1 + clip_higher; cispo: weight capped at 1 "
-                                      "+ clip_higher")
+                                      "+ clip_higher", low=0)
     beta: float = option(0.0, "KL coefficient toward the reference; 0 = no KL term", low=0)
     kl_estimator: Literal["k1", "k2", "k3", "k4", "topk"] = option("k3", "k1, k2, k3, k4 or topk")
-    kl_topk: int = option(0, "topk: tokens of the sampling policy summed exactly per position (0 = sampled k4)")
+    kl_topk: int = option(0, "topk: tokens of the sampling policy summed exactly per position (0 = sampled k4)",
+                          low=0)
     ess_scope: Literal["step", "micro_batch"] = option("step",
         "ess: ESS over the optimizer step's tokens (one extra forward) or per micro_batch")
     loss_denominator: str = option("token", "\"token\" (valid tokens of the whole optimizer step) or a positive "
@@ -177,27 +199,29 @@ class Config:
         "none, token (IcePop: drop tokens whose ratio pi_old/pi_vllm leaves the band) or sequence (drop sequences by "
         "geometric-mean ratio)")
     vllm_importance_sampling_mask_cap: float = option(2.0,
-        "the mask's band is [1/cap, cap]; the sequence mask wants a tighter one (1.1 say)")
+        "the mask's band is [1/cap, cap]; the sequence mask wants a tighter one (1.1 say)",
+        above=1, note=": the band is [1/cap, cap] (2 is IcePop's range)")
     # --- reference policy
     load_ref_policy: bool = option(True, "allow a reference policy; it is built only when beta > 0 (its only use)")
     ref_policy_update_freq: Optional[int] = option(None,
-        "Polyak-update the reference every N steps; None = fixed reference")
-    alpha: float = option(0.6, "Polyak weight: ref = alpha * policy + (1 - alpha) * ref")
+        "Polyak-update the reference every N steps; None = fixed reference", low=1, note=" steps, or None")
+    alpha: float = option(0.6, "Polyak weight: ref = alpha * policy + (1 - alpha) * ref", above=0, high=1)
     # --- LoRA (lora.py: PEFT adapters on a frozen base; the reference is an adapter, not a model)
     lora_rank: int = option(0, "rank of the LoRA adapters trained instead of the model's weights; 0 = train every "
-                               "weight")
-    lora_alpha: float = option(32.0, "the adapters' scale is lora_alpha / lora_rank")
+                               "weight", low=0, note=" (0: no LoRA)")
+    lora_alpha: float = option(32.0, "the adapters' scale is lora_alpha / lora_rank", above=0, only_with="lora_rank")
     lora_dropout: float = option(0.0, "dropout on the adapters' input in the forward that takes a gradient (old "
-                                      "logprobs then get a forward of their own)")
+                                      "logprobs then get a forward of their own)", low=0, below=1,
+                                 only_with="lora_rank")
     lora_target_modules: list[str] = option(["all-linear"],
         "the decoder layers' linear modules by PEFT's names (q_proj,v_proj,...) or all-linear (all of them); "
-        "the LM head and the embeddings take none")
+        "the LM head and the embeddings take none", only_with="lora_rank")
     lora_weight_sync: Literal["adapter", "merged"] = option("adapter",
         "adapter: the servers load each new adapter (vLLM --enable-lora); merged: full weights with the adapter "
-        "folded in (servers without LoRA)", resumable=True)
+        "folded in (servers without LoRA)", only_with="lora_rank", resumable=True)
     # --- distributed (parallel.py; the README maps open-instruct's DeepSpeed knobs to these)
     fsdp_shard_size: int = option(0, "ranks one weight copy is sharded over; 0 = all (FSDP), a divisor of the world "
-                                     "= hybrid (HSDP)", resumable=True)
+                                     "= hybrid (HSDP)", low=0, note=" (0: shard over all ranks)", resumable=True)
     reshard_after_forward: bool = option(True, "free a layer's gathered weights after forward (ZeRO-3); False keeps "
                                                "them until backward (fewer gathers)", resumable=True)
     activation_checkpointing: bool = option(False, "recompute each decoder layer's activations in backward instead "
@@ -239,22 +263,25 @@ class Config:
         values its Literal lists, lower bounds), then each section's _check_, which returns a message or None."""
         self.loss_denominator = str(self.loss_denominator)
         for f in fields(self):
-            value, low, above, note = getattr(self, f.name), f.metadata["low"], f.metadata["above"], f.metadata["note"]
+            value = getattr(self, f.name)
             if f.type is float and not math.isfinite(value):  # nan passes every < and > below
                 raise ValueError(f"{f.name}={value} must be a finite number")
             if get_origin(f.type) is Literal and value not in get_args(f.type):
                 raise ValueError(f"{f.name}={value!r} is not one of {', '.join(get_args(f.type))}")
-            if low is not None and value < low or above is not None and value <= above:  # the field's bound (option)
-                raise ValueError(f"{f.name}={value} must be {'>=' if low is not None else '>'} "
-                                 f"{low if low is not None else above}{note}")
+            if not in_bounds(value, f.metadata):  # the field's bounds (option)
+                raise ValueError(f"{f.name}={value} must be {bounds(f.metadata)}{f.metadata['note']}")
+        idle = {}  # fields set away from their default while the field they act with is not set
+        for f in fields(self):
+            if (w := f.metadata["only_with"]) and not getattr(self, w) and getattr(self, f.name) != default(f.name):
+                idle.setdefault(w, []).append(f.name)
+        for w, names in idle.items():
+            raise ValueError(f"{', '.join(names)} act only with {w} set: set {w}, or leave them at their defaults")
         if problem := (self._check_data() or self._check_rollouts() or self._check_batch() or self._check_objective()
                        or self._check_reference() or self._check_lora() or self._check_distributed()
                        or self._check_output()):
             raise ValueError(problem)
 
     def _check_data(self):
-        if not 1 <= self.math_digits <= 9 or self.math_steps < 1:
-            return f"math_digits={self.math_digits} must be in 1..9 and math_steps={self.math_steps} >= 1"
         if not self.math_operations or set(self.math_operations) - set("+-*"):
             return f"math_operations={self.math_operations!r} must be made of + - * (for example '+-' or '+-*')"
         if self.attn_implementation == "flash_attention_2" and not flash_attention_available():
@@ -262,25 +289,12 @@ class Config:
                     "there, or use packed_sdpa (the default)")
 
     def _check_rollouts(self):
-        idle = [f.name for f in fields(self) if f.metadata["only_with"] == "environment" and not self.environment
-                and getattr(self, f.name) != default(f.name)]
-        if idle:
-            return f"{', '.join(idle)} act only on multi-turn episodes: set --environment, or leave them at their defaults"
         if self.top_p != 1.0:
             return (f"top_p={self.top_p} is not supported: vLLM reports logprobs renormalised over the nucleus while "
                     "the trainer's cover the whole vocabulary, so every ratio and TIS weight would be biased; set top_p=1")
-        if not 0 < self.vllm_port < 65536:
-            return f"vllm_port={self.vllm_port} must be in 1..65535"
-        if self.vllm_cpu_threads is not None and self.vllm_cpu_threads < 1:
-            return (f"vllm_cpu_threads={self.vllm_cpu_threads} must be >= 1, or None to give the server every core "
-                    "(half of them with async_steps > 0)")
-        if not 0 < self.weight_sync_master_port < 65536:
-            return f"weight_sync_master_port={self.weight_sync_master_port} must be in 1..65535"
         if self.vllm_max_model_len is not None and self.vllm_max_model_len < self.max_prompt_length + self.response_length:
             return (f"vllm_max_model_len={self.vllm_max_model_len} is below max_prompt_length + response_length = "
                     f"{self.max_prompt_length + self.response_length}; raise it or leave it None")
-        if not 0 < self.vllm_gpu_memory_utilization <= 1:
-            return f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1]"
         if self.max_sample_staleness is not None and not 0 <= self.max_sample_staleness <= self.async_steps:
             return (f"max_sample_staleness={self.max_sample_staleness} must be between 0 and async_steps="
                     f"{self.async_steps} (samples are never older than async_steps); leave it None")
@@ -325,8 +339,6 @@ class Config:
         if not ok:
             return (f"loss_denominator={self.loss_denominator!r} must be 'token' or a finite positive number "
                     "such as 1024")
-        if not 0 <= self.clip_lower < 1 or self.clip_higher < 0:
-            return f"clip_lower={self.clip_lower} must be in [0, 1) and clip_higher={self.clip_higher} >= 0"
         if (idle := [f for f in ("clip_lower", "clip_higher") if f not in self.objective.clip
                      and getattr(self, f) != default(f)]):
             return (f"loss_fn={self.loss_fn!r} does not read {' or '.join(idle)} (loss.OBJECTIVES lists the clip "
@@ -338,8 +350,6 @@ class Config:
             return f"kl_topk={self.kl_topk} only applies to kl_estimator='topk' (got {self.kl_estimator!r})"
         if self.kl_topk > 0 and self.beta == 0:
             return f"kl_topk={self.kl_topk} has no effect with beta=0 (no KL term); set beta > 0 or kl_topk=0"
-        if self.kl_topk < 0:
-            return f"kl_topk={self.kl_topk} must be >= 0"
         if 0 < self.truncated_importance_sampling_ratio_cap < 1:  # min(w, cap) would shrink weights below 1 too
             return (f"truncated_importance_sampling_ratio_cap={self.truncated_importance_sampling_ratio_cap} is "
                     "below 1: it would scale down every token, not truncate the large weights; use a cap >= 1 "
@@ -350,9 +360,6 @@ class Config:
         if self.use_vllm_logprobs and self.vllm_importance_sampling_mask != "none":
             return ("use_vllm_logprobs=True makes old_logp vLLM's own, so the ratio the vllm_importance_sampling_mask "
                     "tests is 1; set vllm_importance_sampling_mask='none' or use_vllm_logprobs=False")
-        if self.vllm_importance_sampling_mask_cap <= 1:
-            return (f"vllm_importance_sampling_mask_cap={self.vllm_importance_sampling_mask_cap} must be > 1: the band "
-                    "is [1/cap, cap] (2 is IcePop's range)")
         if self.active_sampling and not self.filter_zero_std_samples:
             return ("active_sampling=True refills groups that filter_zero_std_samples drops; with "
                     "filter_zero_std_samples=False nothing is dropped: set it True or active_sampling=False")
@@ -365,26 +372,15 @@ class Config:
         if self.ref_policy_update_freq is not None and self.beta == 0:
             return (f"ref_policy_update_freq={self.ref_policy_update_freq} has no effect with beta=0: nothing uses "
                     "the reference (it is not built); set beta > 0 or leave ref_policy_update_freq None")
-        if self.ref_policy_update_freq is not None and self.ref_policy_update_freq <= 0:
-            return f"ref_policy_update_freq={self.ref_policy_update_freq} must be a positive number of steps, or None"
-        if not 0.0 < self.alpha <= 1.0:
-            return f"alpha={self.alpha} must be in (0, 1]: ref = alpha * policy + (1 - alpha) * ref"
         if self.offload_ref_policy and not self.load_ref_policy:
             return "offload_ref_policy=True but load_ref_policy=False: there is no reference to offload"
 
     def _check_lora(self):
-        lora = ("lora_alpha", "lora_dropout", "lora_target_modules", "lora_weight_sync")
-        if not self.lora_rank and (idle := [f for f in lora if getattr(self, f) != default(f)]):
-            return f"{', '.join(idle)} act only on LoRA adapters: set lora_rank > 0, or leave them at their defaults"
         if not self.lora_rank:
             return None
-        if self.lora_rank < 0 or self.lora_alpha <= 0:
-            return f"lora_rank={self.lora_rank} and lora_alpha={self.lora_alpha} must be > 0 (lora_rank=0: no LoRA)"
         if self.lora_rank > 512 and self.lora_weight_sync == "adapter":
             return (f"lora_rank={self.lora_rank} is above vLLM's largest max_lora_rank (512); pick a rank up to 512 "
                     "or lora_weight_sync='merged'")
-        if not 0 <= self.lora_dropout < 1:
-            return f"lora_dropout={self.lora_dropout} must be in [0, 1)"
         if self.lora_dropout and self.use_vllm_logprobs:
             return ("lora_dropout > 0 with use_vllm_logprobs=True: the sync check then has no dropout-free trainer "
                     "logprobs to compare with vLLM's; set lora_dropout=0 or use_vllm_logprobs=False")
@@ -400,9 +396,6 @@ class Config:
     def _check_distributed(self):
         if problem := self._check_sequence_parallel():
             return problem
-        if self.fsdp_shard_size < 0:
-            return (f"fsdp_shard_size={self.fsdp_shard_size} must be 0 (shard over all ranks) or a number of ranks "
-                    "that divides the world size")
         if self.single_gpu_mode and self.vllm_server_urls:
             return ("single_gpu_mode=True shares the trainer's GPU with a server we launch (in sleep mode); "
                     "remove vllm_server_urls or set single_gpu_mode=False")

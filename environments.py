@@ -33,7 +33,7 @@ Text in, messages out: the trainer owns tokenization. The reward (--reward_fn) s
 policy's final turn as the completion and the whole conversation, ending with that turn, as
 example["messages"].
 
-The calls run in worker processes (reward_pool.CallPool) under tool_timeout. What reaches
+The calls run in worker processes (worker_pool.CallPool) under tool_timeout. What reaches
 the policy, and how it is counted:
 - a ToolError: an "error: ..." tool message (tool_bad_calls): the policy's to learn from;
 - any other exception of step, a timeout, a crash: an "error: ..." tool message (tool_errors,
@@ -61,9 +61,9 @@ import operator
 import re
 
 import tool_calls
-from reward_pool import CallPool
 from rewards import load_object, to_float
 from tool_calls import ToolError
+from worker_pool import CallPool
 
 KEYS = ("role", "content", "name", "tool_call_id", "tool_calls")  # what a message keeps
 

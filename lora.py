@@ -80,6 +80,13 @@ def add_adapters(model, cfg):
     return model.eval()
 
 
+def check(meta_model, cfg):
+    """add_adapters on the model built on the meta device (policy.check_model_config): a target the
+    model lacks, or one outside its decoder layers, refused before any process group or server starts."""
+    with torch.device("meta"):
+        add_adapters(meta_model, cfg)
+
+
 def check_targets(model, cfg):
     """Refuse, in one line, an adapter outside the decoder layers' linear modules. The LM head's would
     get no gradient (sequence_logprobs reads lm_head.weight, the base's, into its own kernel) yet be
@@ -262,8 +269,3 @@ def checkpoint_part(state_dict):
     """The policy's part of a checkpoint: with LoRA its adapters alone (the trained one and the EMA
     reference's; the frozen base is read from model_name_or_path again on resume), else all of it."""
     return {k: v for k, v in state_dict.items() if ".lora_" in k} or state_dict
-
-
-def is_adapter_state(state_dict):
-    return any(".lora_" in k for k in state_dict)
-

@@ -25,7 +25,6 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-import lora
 import sequence_parallel
 
 
@@ -83,17 +82,16 @@ def check_architecture(model):
                          "by one); only models laid out as Llama, Qwen2 and Mistral are supported")
 
 
-def check_model_config(model_config, cfg=None):
+def check_model_config(model_config):
     """check_architecture on the model's config alone, built on the meta device (no weights
-    read, no memory), and with cfg.lora_rank the adapters' target modules: the refusal comes
-    before any process group or server starts."""
+    read, no memory): the refusal comes before any process group or server starts. Returns the
+    meta model, for further checks (lora.check)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
-        check_architecture(model)
-        if cfg is not None:
-            lora.add_adapters(model, cfg)
+    check_architecture(model)
+    return model
 
 
 # --- the chunked logprob kernel

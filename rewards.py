@@ -3,7 +3,7 @@
     reward(prompt: str, completion: str, example: dict) -> a number
 
 `example` is the dataset row (its "answer" is the gold answer). A reward may return a
-bool, int, float, numpy scalar or 0-d tensor (`to_float`); reward_pool.py runs it in
+bool, int, float, numpy scalar or 0-d tensor (`to_float`); worker_pool.py runs it in
 worker processes with a timeout, so a reward that hangs, crashes or raises scores 0.
 
 Math answers (the built-in `math` task, GSM8K and MATH style files):

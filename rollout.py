@@ -29,7 +29,7 @@ from rewards import has_answer_format
 from sample import Sample
 
 SAMPLES_SHOWN = 4  # episodes a step logs every log_samples_freq steps
-FAILURES = ("errors", "timeouts", "crashes")  # how a call in a worker fails (reward_pool.CallPool)
+FAILURES = ("errors", "timeouts", "crashes")  # how a call in a worker fails (worker_pool.CallPool)
 # an environment's calls: its own failures, the policy's bad calls (environments.ToolError), and
 # episodes whose per-episode environment was lost with its worker
 TOOL_FAILURES = (*FAILURES, "bad_calls", "lost")

@@ -57,9 +57,9 @@ from generator import Generator
 from parallel import close_distributed, load_model, setup_distributed
 from policy import check_model_config
 from reference import make_reference
-from reward_pool import RewardPool
 from update import SyncError, TrainState, make_optimizer, train_on_batch
 from weight_sync import full_state_dict
+from worker_pool import RewardPool
 
 
 def check_outside(cfg):
@@ -67,7 +67,7 @@ def check_outside(cfg):
     the run writes and the servers you run. ValueError with one line naming the fix."""
     model_config = load_model_config(cfg)
     cfg.check_model(model_config)
-    check_model_config(model_config, cfg)  # an LM head or layout the logprobs do not implement, LoRA targets
+    lora.check(check_model_config(model_config), cfg)  # an LM head or layout the logprobs do not implement, LoRA targets
     sequence_parallel.check_heads(model_config, cfg.sequence_parallel_size)
     for name in ("output_dir", "checkpoint_state_dir", "weight_sync_dir"):
         path = getattr(cfg, name)

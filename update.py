@@ -245,27 +245,21 @@ def mini_batch_backward(cfg, policy, mbs, frozens, forward, denom, world_size, m
     losses = []
     with lora.dropout(policy, cfg.lora_dropout > 0):  # on through backward: a checkpointed layer recomputes it
         for i, (b, frozen) in enumerate(zip(mbs, frozens)):
-            losses.append(micro_batch_backward(cfg, policy, b, frozen, forward, denom, world_size, metrics,
-                                               ess_value, i == len(mbs) - 1, sync_check))
+            policy.set_requires_gradient_sync(i == len(mbs) - 1)  # reduce-scatter once per step
+            logp, entropy, head_logp, _ = forward(policy, b, head_ids=frozen.head_ids)
+            if reads_ess and cfg.ess_scope == "micro_batch":  # over this micro-batch on every rank
+                old_logp = logp.detach() if frozen.old_logp is None else frozen.old_logp
+                ess_value = ess(torch.exp(logp.detach() - old_logp))
+                metrics.ess.append(ess_value)
+            loss, s, masked = micro_batch_loss(cfg, logp, head_logp, b, frozen, denom, ess_value)
+            # The loss is already divided by the step's global count; FSDP averages gradients over
+            # ranks, so scale by the world size to get their sum (gloo has no premul-sum).
+            (loss * world_size).backward()
+            metrics.add(loss=loss.detach().double() * denom, pg_loss=s["pg_loss"], kl=s["kl"], clipped=s["clipped"],
+                        entropy=entropy.sum(), ess_trust=s["ess_trust"], masked=masked, tokens=logp.numel())
+            if sync_check:  # trainer vs vLLM on the tokens the current weights sampled, before any update
+                # (with lora_dropout, the dropout-free old logprobs: the same weights, the forward vLLM runs)
+                trainer = frozen.old_logp if cfg.lora_dropout else logp.detach()
+                metrics.add_vllm_diff((trainer - b["vllm_logp"]).abs()[b["fresh"].to(logp.device)])
+            losses.append(loss.detach())
     return torch.stack(losses).sum()
-
-
-def micro_batch_backward(cfg, policy, b, frozen, forward, denom, world_size, metrics, ess_value, last, sync_check):
-    """Forward and backward of one micro-batch; its loss."""
-    policy.set_requires_gradient_sync(last)  # reduce-scatter once per step
-    logp, entropy, head_logp, _ = forward(policy, b, head_ids=frozen.head_ids)
-    if OBJECTIVES[cfg.loss_fn].ess and cfg.ess_scope == "micro_batch":  # over this micro-batch on every rank
-        old_logp = logp.detach() if frozen.old_logp is None else frozen.old_logp
-        ess_value = ess(torch.exp(logp.detach() - old_logp))
-        metrics.ess.append(ess_value)
-    loss, s, masked = micro_batch_loss(cfg, logp, head_logp, b, frozen, denom, ess_value)
-    # The loss is already divided by the step's global count; FSDP averages gradients over
-    # ranks, so scale by the world size to get their sum (gloo has no premul-sum).
-    (loss * world_size).backward()
-    metrics.add(loss=loss.detach().double() * denom, pg_loss=s["pg_loss"], kl=s["kl"], clipped=s["clipped"],
-                entropy=entropy.sum(), ess_trust=s["ess_trust"], masked=masked, tokens=logp.numel())
-    if sync_check:  # trainer vs vLLM on the tokens the current weights sampled, before any update
-        # (with lora_dropout, the dropout-free old logprobs: the same weights, the forward vLLM runs)
-        trainer = frozen.old_logp if cfg.lora_dropout else logp.detach()
-        metrics.add_vllm_diff((trainer - b["vllm_logp"]).abs()[b["fresh"].to(logp.device)])
-    return loss.detach()

@@ -201,18 +201,6 @@ class VLLMClient:
                             f"{timeout or self.timeout:g}s; raise it if the server is only slow to reload)") from None
         self.broadcast("/reset_prefix_cache")
 
-    def load_adapter(self, name, path, timeout=None):
-        """Each server loads the LoRA adapter directory `path` as model `name` (its requests then
-        name it). The server runs with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True."""
-        try:
-            self.broadcast("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, timeout=timeout)
-        except VLLMError as e:
-            raise VLLMError(f"weight sync: {e}\n(a server you run needs --enable-lora, --max-lora-rank >= "
-                            "lora_rank and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; or set lora_weight_sync=merged)") from None
-
-    def unload_adapter(self, name):
-        self.broadcast("/v1/unload_lora_adapter", {"lora_name": name})
-
     def sleep(self):
         """single_gpu_mode: free the GPU for training (level 1: weights to CPU memory, KV cache dropped)."""
         self.broadcast("/sleep", params="?level=1")

@@ -158,10 +158,10 @@ class AdapterSync(FilesystemSync):
                 path = os.path.join(self.dir, name)
                 nbytes = lora.write_adapter(tensors, self.cfg, path)
                 with self.client.updating():  # in-flight generations finish on the old adapter; new ones wait
-                    self.client.load_adapter(name, path, timeout=self.timeout)
+                    self.load(name, path)
                     self.client.model = name  # what every request names from now on
                     if self.loaded:
-                        self.client.unload_adapter(self.loaded)
+                        self.client.broadcast("/v1/unload_lora_adapter", {"lora_name": self.loaded})
                         shutil.rmtree(os.path.join(self.dir, self.loaded), ignore_errors=True)
                     self.loaded = name
                     self.client.broadcast("/reset_prefix_cache")
@@ -169,6 +169,15 @@ class AdapterSync(FilesystemSync):
                 error = failure(self.client, e)
         raise_on_every_rank(error)
         return nbytes
+
+    def load(self, name, path):
+        """Each server loads the adapter directory `path` as model `name` (vLLM's runtime LoRA
+        routes: the server runs with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)."""
+        try:
+            self.client.broadcast("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, timeout=self.timeout)
+        except VLLMError as e:
+            raise VLLMError(f"weight sync: {e}\n(a server you run needs --enable-lora, --max-lora-rank >= "
+                            "lora_rank and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; or set lora_weight_sync=merged)") from None
 
 
 class NCCLSync:

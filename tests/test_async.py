@@ -9,6 +9,7 @@ import pytest
 
 from rollout import Rollouts, drop_stale
 from sample import Sample
+from helpers import train
 
 
 def test_batches_come_in_order_and_at_most_k_steps_ahead():
@@ -56,8 +57,6 @@ def test_stale_samples_are_labelled_and_dropped():
 
 @pytest.mark.slow
 def test_two_ranks_learn_with_generation_one_step_ahead(tiny_model_dir, tmp_path):
-    from test_train import train
-
     out = train(["--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path), "--num_training_steps", "40",
                  "--eval_freq", "0", "--seed", "3", "--vllm_port", "8043", "--async_steps", "1",
                  "--truncated_importance_sampling_ratio_cap", "2.0"], nproc=2, timeout=1200)

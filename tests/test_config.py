@@ -35,7 +35,7 @@ RULES = [
      dict(async_steps=0, single_gpu_mode=True, vllm_gpu_memory_utilization=0.3)),
     (dict(load_ref_policy=False, beta=0.1), "beta", dict(load_ref_policy=False, beta=0.0)),
     (dict(load_ref_policy=False, ref_policy_update_freq=5), "no reference", dict(ref_policy_update_freq=5, beta=0.1)),
-    (dict(ref_policy_update_freq=0, beta=0.1), "positive", dict(ref_policy_update_freq=1, beta=0.1)),
+    (dict(ref_policy_update_freq=0, beta=0.1), "ref_policy_update_freq=0 must be >= 1 steps, or None", dict(ref_policy_update_freq=1, beta=0.1)),
     (dict(ref_policy_update_freq=5), "nothing uses the reference", dict(ref_policy_update_freq=5, beta=0.1)),
     (dict(top_p=0.9), "nucleus", dict(top_p=1.0)),
     (dict(truncated_importance_sampling_ratio_cap=0.5), "below 1",
@@ -50,8 +50,8 @@ RULES = [
     (dict(eval_freq=-1), "eval_freq", dict(eval_freq=0)),
     (dict(vllm_logp_tolerance=0.0), "vllm_logp_tolerance", dict(vllm_logp_tolerance=1e-3)),
     (dict(vllm_port=70000), "vllm_port", dict(vllm_port=8000)),
-    (dict(max_turns=3), "max_turns act only on multi-turn episodes", dict(max_turns=3, environment="environments:calculator")),
-    (dict(tool_call_parser="hermes"), "tool_call_parser act only on multi-turn episodes",
+    (dict(max_turns=3), "max_turns act only with environment set", dict(max_turns=3, environment="environments:calculator")),
+    (dict(tool_call_parser="hermes"), "tool_call_parser act only with environment set",
      dict(tool_call_parser="hermes", environment="environments:calculator_tool")),
     (dict(vllm_importance_sampling_mask="seq"), "vllm_importance_sampling_mask",
      dict(vllm_importance_sampling_mask="sequence")),
@@ -252,7 +252,7 @@ def test_max_seed_keeps_every_request_seed_in_int64(tiny_model_dir):
 
     from data import PromptSampler
     from rollout import rollout_batch
-    from reward_pool import RewardPool
+    from worker_pool import RewardPool
 
     T, R, P, N = 3, 2, 2, 4
     cfg = Config(num_training_steps=T, active_sampling=True, active_sampling_max_rounds=R,
@@ -285,3 +285,25 @@ def test_a_gpu_run_launches_no_server_on_a_training_gpu():
     Config().check_launch(cuda=False)  # CPU: the server we launch takes the CPU's cores
     Config(vllm_server_urls=["http://gpu-node:8000"]).check_launch(cuda=True)
     Config(single_gpu_mode=True, vllm_gpu_memory_utilization=0.3).check_launch(cuda=True)
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(vllm_port=0), "vllm_port=0 must be in [1, 65535]"),
+    (dict(weight_sync_master_port=65536), "weight_sync_master_port=65536 must be in [1, 65535]"),
+    (dict(vllm_gpu_memory_utilization=0.0), "vllm_gpu_memory_utilization=0.0 must be in (0, 1]"),
+    (dict(clip_lower=1.0), "clip_lower=1.0 must be in [0, 1)"),
+    (dict(alpha=1.5), "alpha=1.5 must be in (0, 1]"),
+    (dict(kl_topk=-1), "kl_topk=-1 must be >= 0"),
+    (dict(vllm_cpu_threads=0), "vllm_cpu_threads=0 must be >= 1"),
+    (dict(math_digits=10), "math_digits=10 must be in [1, 9]"),
+    (dict(fsdp_shard_size=-2), "fsdp_shard_size=-2 must be >= 0 (0: shard over all ranks)"),
+])
+def test_a_fields_bounds_are_in_its_metadata_and_its_message(bad, message):
+    """Bounds written once, in the field's option(...), refused with the field, its value and the range."""
+    with pytest.raises(ValueError) as e:
+        Config(**bad)
+    assert str(e.value) == message
+    name = next(iter(bad))
+    meta = Config.__dataclass_fields__[name].metadata
+    Config(**{name: meta["low"] if meta["low"] is not None else meta["high"]})  # a closed edge is inside
+    Config(vllm_cpu_threads=None)  # None passes every bound

@@ -2,28 +2,14 @@
 checkpointing and offloading against plain runs, and the shard-local EMA."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from helpers import run_worker
 
 pytestmark = pytest.mark.subprocess  # every test here starts processes (ranks, workers)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests", "dist_worker.py")
-
-
-def run(mode, model_dir, out, nproc, port, *extra):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    cmd = [sys.executable, WORKER, mode, model_dir, str(out), *extra] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port),
-         WORKER, mode, model_dir, str(out), *extra]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return torch.load(out)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +21,7 @@ def train_run(tiny_model_dir, tmp_path_factory):
     def get(nproc, *args):
         key = (nproc, *args)
         if key not in cache:
-            cache[key] = run("train", tiny_model_dir, tmp / f"{len(cache)}.pt", nproc, 29650 + len(cache), *args)
+            cache[key] = run_worker("train", tiny_model_dir, tmp / f"{len(cache)}.pt", nproc, 29650 + len(cache), *args)
         return cache[key]
     return get
 
@@ -102,8 +88,8 @@ def test_constant_denominator_counts_the_configured_batch(tiny_model_dir, tmp_pa
     configured for 4 groups as in one configured for 2 (on-policy, so the gradient is linear
     in 1/denominator and grad_norm shows it)."""
     common = ("loss_denominator=4", "num_mini_batches=1", "max_grad_norm=0", "groups=0,2")
-    four = run("filtered", tiny_model_dir, tmp_path / "four.pt", 1, 0, "num_unique_prompts_rollout=4", *common)
-    two = run("filtered", tiny_model_dir, tmp_path / "two.pt", 1, 0, "num_unique_prompts_rollout=2", *common)
+    four = run_worker("filtered", tiny_model_dir, tmp_path / "four.pt", 1, 0, "num_unique_prompts_rollout=4", *common)
+    two = run_worker("filtered", tiny_model_dir, tmp_path / "two.pt", 1, 0, "num_unique_prompts_rollout=2", *common)
     assert four["m"]["trained_tokens"] == two["m"]["trained_tokens"] > 0
     assert four["m"]["grad_norm"] == pytest.approx(two["m"]["grad_norm"] / 2, rel=1e-5)
 
@@ -115,9 +101,9 @@ def test_fewer_groups_than_mini_batches_on_two_ranks(tiny_model_dir, tmp_path, n
     and the one that is not trains the same on 2 ranks (one sample each) as in one process."""
     args = ("ess", "k3", "num_samples_per_prompt_rollout=2", "num_unique_prompts_rollout=8", "num_mini_batches=4",
             "groups=3")
-    got = run("filtered", tiny_model_dir, tmp_path / f"{nproc}.pt", nproc, 29700 + nproc, *args)
+    got = run_worker("filtered", tiny_model_dir, tmp_path / f"{nproc}.pt", nproc, 29700 + nproc, *args)
     assert got["scheduler_steps"] == 4 and got["m"]["skipped_updates"] == 0
-    one = run("filtered", tiny_model_dir, tmp_path / "one.pt", 1, 0, *args) if nproc == 2 else got
+    one = run_worker("filtered", tiny_model_dir, tmp_path / "one.pt", 1, 0, *args) if nproc == 2 else got
     assert got["m"]["trained_tokens"] == one["m"]["trained_tokens"] > 0
     assert got["m"]["loss"] == pytest.approx(one["m"]["loss"], rel=1e-5, abs=1e-6)
     # One AdamW step from the same gradients up to float32 rounding (one packed row of both
@@ -147,8 +133,8 @@ def test_activation_checkpointing_same_loss_and_gradients(tiny_model_dir, tmp_pa
     """One micro-batch through sequence_logprobs (chunked, checkpointed LM head) and the
     loss, with and without per-layer checkpointing: the recompute gives the same loss and
     gradients, and autograd kept far fewer bytes outside the checkpointed layers."""
-    plain = run("grads", tiny_model_dir, tmp_path / "plain.pt", 1, 0)
-    ac = run("grads", tiny_model_dir, tmp_path / "ac.pt", 1, 0, "activation_checkpointing=true")
+    plain = run_worker("grads", tiny_model_dir, tmp_path / "plain.pt", 1, 0)
+    ac = run_worker("grads", tiny_model_dir, tmp_path / "ac.pt", 1, 0, "activation_checkpointing=true")
     assert ac["loss"] == pytest.approx(plain["loss"], abs=1e-7)
     assert plain["grads"].keys() == ac["grads"].keys()
     for k, g in plain["grads"].items():
@@ -159,8 +145,8 @@ def test_activation_checkpointing_same_loss_and_gradients(tiny_model_dir, tmp_pa
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CPU offload moves shards off a GPU; there is none here")
 def test_offload_on_gpu_matches_and_keeps_shards_on_cpu(tiny_model_dir, tmp_path):
-    plain = run("train", tiny_model_dir, tmp_path / "plain.pt", 1, 0)
-    off = run("train", tiny_model_dir, tmp_path / "off.pt", 1, 0, "offload_params=true", "offload_ref_policy=true")
+    plain = run_worker("train", tiny_model_dir, tmp_path / "plain.pt", 1, 0)
+    off = run_worker("train", tiny_model_dir, tmp_path / "off.pt", 1, 0, "offload_params=true", "offload_ref_policy=true")
     assert plain["mesh"]["shard_device"].startswith("cuda") and off["mesh"]["shard_device"] == "cpu"
     assert torch.allclose(torch.tensor(plain["losses"]), torch.tensor(off["losses"]), rtol=1e-3, atol=1e-4)
 
@@ -172,13 +158,13 @@ def test_ess_is_the_same_on_two_ranks_and_one_process(tiny_model_dir, tmp_path, 
     rho = torch.exp(torch.randn(1001, generator=torch.Generator().manual_seed(0)))
     expected = (rho.double().sum() ** 2 / (1001 * (rho.double() ** 2).sum())).item()
     assert ess_from_sums(ess_sums(rho)) == pytest.approx(expected, rel=1e-12)
-    assert run("ess", tiny_model_dir, tmp_path / "ess.pt", nproc, 29666)["ess"] == pytest.approx(expected, rel=1e-12)
+    assert run_worker("ess", tiny_model_dir, tmp_path / "ess.pt", nproc, 29666)["ess"] == pytest.approx(expected, rel=1e-12)
 
 
 @pytest.mark.parametrize("nproc,extra", [(1, ()), (2, ()), (4, ("fsdp_shard_size=2",)), (2, ("lora_rank=4",))],
                          ids=["1-process", "2-ranks", "hybrid-2x2", "2-ranks-lora-adapters"])
 def test_ema_equals_closed_form_without_collectives(tiny_model_dir, tmp_path, nproc, extra):
-    r = run("ema", tiny_model_dir, tmp_path / "ema.pt", nproc, 29667, *extra)
+    r = run_worker("ema", tiny_model_dir, tmp_path / "ema.pt", nproc, 29667, *extra)
     if extra == ("lora_rank=4",):  # the reference adapter followed the trained one, nothing else moved
         assert r["ref0"] and all(".lora_" in k for k in r["ref0"]) and r["ref0"].keys() == r["pol0"].keys()
     assert r["calls"] == [] and r["comm"] == 0, f"the EMA update issued collectives: {r['calls']} {r['comm']}"

@@ -2,54 +2,26 @@
 a vLLM server that dies, a rank that dies. Real runs of train.py on 1 and 2 gloo ranks
 with a real vLLM CPU server."""
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 import vllm_server
+from helpers import command, flags, full, metrics, run, serve, stable, start, wait_for_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONPATH=ROOT)
-VOLATILE = ("time_", "tokens_per_s", "peak_memory_gb")  # wall-clock figures differ between any two runs
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     """A server "the user runs": the trainer pushes its weights into it at start."""
-    from test_vllm import serve
-
     _, client = serve(tiny_model_dir, str(tmp_path_factory.mktemp("server")), 8051)
     yield client
     vllm_server.stop_server(client.proc)
-
-
-def command(script, nproc, port=29641):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-                str(port)] if nproc > 1 else [sys.executable]
-    return launcher + [os.path.join(ROOT, script)]
-
-
-def flags(tiny_model_dir, run_dir, steps, *extra, url=None):
-    return ["--model_name_or_path", tiny_model_dir, "--output_dir", str(run_dir / "out"), "--checkpoint_state_dir",
-            str(run_dir / "ckpt"), "--num_training_steps", str(steps), "--eval_freq", "0", "--beta", "0.1",
-            "--ref_policy_update_freq", "1", "--seed", "5"] + (["--vllm_server_urls", url] if url else []) + list(extra)
-
-
-def run(cmd, timeout=600):
-    out = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    return out
-
-
-def start(cmd):
-    """A run we will interrupt: its own session, so the whole job can be killed at once."""
-    return subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
 
 
 def kill_job(proc):
@@ -73,32 +45,6 @@ def server_pid(served):
 
 def group_alive(pgid):
     return subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True).returncode == 0
-
-
-def metrics(run_dir):
-    path = run_dir / "out" / "metrics.jsonl"
-    return [json.loads(line) for line in open(path)] if path.exists() else []
-
-
-def wait_for_step(proc, run_dir, step, timeout=600):
-    deadline = time.monotonic() + timeout
-    while not any(r["step"] >= step for r in metrics(run_dir)):
-        assert proc.poll() is None, f"the run ended early:\n{proc.stdout.read()[-3000:]}"
-        assert time.monotonic() < deadline, "the run did not reach step {step}"
-        time.sleep(0.2)
-
-
-def stable(rows):
-    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
-
-
-def full(ckpt):
-    """A DCP checkpoint read back as one plain state dict."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = str(ckpt) + ".pt"
-    dcp_to_torch_save(str(ckpt), out)
-    return torch.load(out, weights_only=False)
 
 
 @pytest.mark.slow

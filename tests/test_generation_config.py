@@ -20,7 +20,7 @@ import vllm_server
 import weight_sync
 from data import stop_token_ids
 from rollout import completion_text
-from test_vllm import CFG
+from helpers import VLLM_CFG
 
 # Far from neutral, each of them: every one left to the server moves the sampling logprobs.
 DEFAULTS = dict(top_k=3, min_p=0.1, repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.5)
@@ -65,7 +65,7 @@ def users_server(served, tmp_path_factory):
 def our_server(served, tmp_path_factory):
     model, tokenizer, out = served
     log = str(tmp_path_factory.mktemp("ours") / "vllm.log")
-    proc, url = vllm_server.launch_server(out, CFG, log, port=8027)
+    proc, url = vllm_server.launch_server(out, VLLM_CFG, log, port=8027)
     yield model, tokenizer, url, proc
     vllm_server.stop_server(proc)
 

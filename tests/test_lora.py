@@ -17,25 +17,9 @@ import vllm_server
 from config import Config
 from policy import sequence_logprobs
 from update import make_optimizer
+from helpers import command, flags, full, lora_model, metrics, run, serve, stable, start, wait_for_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def lora_model(model_dir, **overrides):
-    """The tiny model with adapters (rank 4, every linear layer), lora_B drawn away from 0 so that the
-    adapter changes the output; sequence_logprobs bound as parallel.load_model binds it."""
-    from transformers import AutoModelForCausalLM
-
-    cfg = Config(model_name_or_path=model_dir, lora_rank=4, lora_alpha=8, beta=0.1, ref_policy_update_freq=1,
-                 **overrides)
-    torch.manual_seed(0)
-    model = lora.add_adapters(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), cfg)
-    with torch.no_grad():
-        for _, p in lora.adapter_parameters(model, lora.ADAPTER):
-            if p.abs().max() == 0:
-                p.normal_(0, 0.2)
-    model.sequence_logprobs = types.MethodType(sequence_logprobs, model)
-    return cfg, model
 
 
 def logprobs(model, ids):
@@ -140,8 +124,8 @@ def test_lora_dropout_acts_only_inside_the_gradient_forward(tiny_model_dir):
 
 
 @pytest.mark.parametrize("overrides,fragment", [
-    (dict(lora_alpha=8.0), "act only on LoRA adapters"),
-    (dict(lora_rank=-1), "must be > 0"),
+    (dict(lora_alpha=8.0), "lora_alpha act only with lora_rank set"),
+    (dict(lora_rank=-1), "lora_rank=-1 must be >= 0 (0: no LoRA)"),
     (dict(lora_rank=1024), "above vLLM's largest max_lora_rank"),
     (dict(lora_rank=8, lora_dropout=1.0), "lora_dropout=1.0 must be in [0, 1)"),
     (dict(lora_rank=8, lora_dropout=0.1, use_vllm_logprobs=True), "no dropout-free trainer"),
@@ -162,9 +146,10 @@ def test_a_target_module_the_model_lacks_is_refused_before_anything_starts(tiny_
 
     cfg = Config(model_name_or_path=tiny_model_dir, lora_rank=4, lora_target_modules=["q_proj", "qkv_proj"])
     with pytest.raises(ValueError, match="has no module named qkv_proj") as e:
-        check_model_config(AutoConfig.from_pretrained(tiny_model_dir), cfg)
+        lora.check(check_model_config(AutoConfig.from_pretrained(tiny_model_dir)), cfg)
     assert "\n" not in str(e.value)
-    check_model_config(AutoConfig.from_pretrained(tiny_model_dir), dataclasses.replace(cfg, lora_target_modules=["q_proj"]))
+    lora.check(check_model_config(AutoConfig.from_pretrained(tiny_model_dir)),
+               dataclasses.replace(cfg, lora_target_modules=["q_proj"]))
 
 
 def test_all_linear_adapts_the_decoder_layers_alone(tiny_model_dir, tied_model_dir):
@@ -192,7 +177,7 @@ def test_adapters_outside_the_decoder_layers_are_refused_before_anything_starts(
 
     cfg = Config(model_name_or_path=tiny_model_dir, lora_rank=4, lora_target_modules=targets)
     with pytest.raises(ValueError) as e:
-        check_model_config(AutoConfig.from_pretrained(tiny_model_dir), cfg)
+        lora.check(check_model_config(AutoConfig.from_pretrained(tiny_model_dir)), cfg)
     message = str(e.value)
     assert message.startswith("lora_target_modules=") and "decoder layers" in message and "\n" not in message
     assert "all-linear" in message  # the fix
@@ -234,8 +219,6 @@ def test_the_server_we_launch_starts_from_the_base_when_it_loads_the_adapter(tin
 @pytest.fixture(scope="module")
 def lora_server(tiny_model_dir, tmp_path_factory):
     """A server "the user runs", started with LoRA enabled (vllm_server.launch_server's flags)."""
-    from test_vllm import serve
-
     _, client = serve(tiny_model_dir, str(tmp_path_factory.mktemp("lora_server")), 8053,
                       cfg=Config(model_name_or_path=tiny_model_dir, lora_rank=8))
     yield client
@@ -248,8 +231,6 @@ def test_sigkill_then_resume_with_lora_equals_the_uninterrupted_run(lora_server,
     server's logprobs agree with the trainer's at every step; a run killed after its step-3
     checkpoint resumes to the same metrics and the same adapters, optimizer and reference adapter,
     bit for bit; the checkpoint holds the adapters alone; the exports load."""
-    from test_faults import command, flags, full, metrics, run, stable
-
     url, lora_flags = lora_server.urls[0], ["--lora_rank", "8", "--checkpoint_state_freq", "3", "--eval_freq", "0"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     out = run(command("train.py", 2) + flags(tiny_model_dir, whole, 6, *lora_flags, url=url))
@@ -281,8 +262,6 @@ def test_resume_with_the_server_we_launch_loads_the_adapter_once(tiny_model_dir,
     server starts from the base and loads the adapter once (a merged start would serve W + 2 s B A and
     the first step's sync check would stop the run): the check holds at every step, and the run equals
     the uninterrupted one, metrics and adapters bit for bit."""
-    from test_faults import command, flags, full, metrics, run, stable, start, wait_for_step
-
     lora_flags = ["--lora_rank", "8", "--learning_rate", "1e-2", "--checkpoint_state_freq", "100", "--vllm_port",
                   "8055"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
@@ -329,8 +308,6 @@ def test_a_server_we_launch_takes_the_adapter_or_the_merged_weights(extra, tiny_
     """One process and the server train.py launches: with LoRA enabled (and lora_dropout, whose
     sync check reads the dropout-free logprobs), or without LoRA, given merged weights. The sync
     check holds at every step, the run learns nothing wrong, and its exports load."""
-    from test_faults import metrics, run
-
     out = run([sys.executable, os.path.join(ROOT, "train.py"), "--model_name_or_path", tiny_model_dir, "--output_dir",
                str(tmp_path / "out"), "--num_training_steps", "4", "--eval_freq", "0", "--beta", "0.1",
                "--lora_rank", "8", "--learning_rate", "1e-2", "--vllm_port", "8054", *extra])

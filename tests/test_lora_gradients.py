@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM
 
 import lora
 from policy import sequence_logprobs
-from test_lora import lora_model
 from update import make_optimizer
+from helpers import lora_model
 
 IDS = torch.tensor([[5, 17, 30, 9, 44, 12, 3, 27, 51, 8, 14, 2], [40, 41, 7, 7, 23, 60, 31, 19, 11, 4, 6, 50]])
 

@@ -19,8 +19,8 @@ from loss import grpo_loss
 from policy import sequence_logprobs
 from rollout import play
 from sample import Sample
+from helpers import documented, IM_END, ScriptedClient, with_prompts
 
-IM_END = 4  # the tiny tokenizer's <|im_end|>, a stop id of the model like SmolLM2's (llama_like_dir)
 
 # Qwen2.5's way with tool results: user turns of <tool_response> blocks (consecutive ones merged)
 QWEN2_STYLE = (
@@ -62,32 +62,6 @@ class Adder:
 adder = Adder()
 
 
-class ScriptedClient:
-    """Answers like VLLMClient.submit, at once: turn t of every episode says script[t] (its tokens,
-    then <|im_end|> when the text does not end on a stop string); logprobs -0.1, -0.2, ...; cut at
-    the request's max_tokens. An episode's turn is read off its prompt: the prompt of an earlier
-    request and its answer, extended. Records each request as (turn, prompt)."""
-
-    def __init__(self, tokenizer, script, eos_id=IM_END):
-        self.tokenizer, self.script, self.eos_id, self.requests, self.answered = tokenizer, script, eos_id, [], {}
-
-    def submit(self, prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=()):
-        turn = max((t + 1 for sent, t in self.answered.items() if tuple(prompt_ids[:len(sent)]) == sent), default=0)
-        self.requests.append((turn, prompt_ids))
-        text = self.script[turn]
-        stopped = any(text.endswith(s) for s in stop)
-        ids = (self.tokenizer(text, add_special_tokens=False)["input_ids"] + ([] if stopped else [self.eos_id]))
-        cut = len(ids) > max_tokens
-        ids = ids[:max_tokens]
-        self.answered[tuple(prompt_ids) + tuple(ids)] = turn
-        out = [dict(token_ids=ids, logprobs=[-0.1 * (j + 1) for j in range(len(ids))],
-                    finish_reason="length" if cut else "stop", eos=not cut and not stopped, version=0, text="")
-               for _ in range(n)]
-        future = concurrent.futures.Future()
-        future.set_result(out)
-        return future
-
-
 @pytest.fixture(params=["chatml", "qwen2_style"])
 def tokenizer(request, tiny_model_dir):
     from transformers import AutoTokenizer
@@ -96,16 +70,6 @@ def tokenizer(request, tiny_model_dir):
     if request.param == "qwen2_style":
         tok.chat_template = QWEN2_STYLE
     return tok
-
-
-def with_prompts(env, tokenizer, rows):
-    """Give rows what data.tokenize_rows gives them: the environment's first messages, rendered."""
-    for row in rows:
-        row["messages"] = env.reset(row)
-        row["prompt_text"] = tokenizer.apply_chat_template(row["messages"], tools=env.tools, tokenize=False,
-                                                           add_generation_prompt=True)
-        row["prompt_ids"] = tokenizer(row["prompt_text"], add_special_tokens=False)["input_ids"]
-    return rows
 
 
 def episodes_of(tokenizer, script, rows, workers=0, **kw):
@@ -340,7 +304,7 @@ def test_the_documented_environment_runs(tiny_model_dir, tmp_path):
     from transformers import AutoTokenizer
 
     from rollout import score
-    from reward_pool import RewardPool
+    from worker_pool import RewardPool
 
     (tmp_path / "guess.py").write_text(documented("Guess"))
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -356,16 +320,6 @@ def test_the_documented_environment_runs(tiny_model_dir, tmp_path):
     assert [m["content"] for m in episodes[0].messages[1:]] == ["50", "lower", "25", "higher", "42"]
     rewards, _, _ = score(RewardPool(f"{tmp_path}/guess.py:reward", workers=0), episodes, env)
     assert rewards == [1 / 3, 1 / 3] and stats["tool_failures"] == []
-
-
-def documented(name):
-    """The code block of docs/data.md that defines `name`, as written."""
-    import os
-
-    from test_objectives import ROOT
-
-    text = open(os.path.join(ROOT, "docs", "data.md")).read().split("\n## Writing an environment\n", 1)[1]
-    return next(c for c in re.findall(r"```python\n(.*?)```", text, re.S) if f"class {name}" in c)
 
 
 def play_file(tmp_path, code, spec, tok, script, rows, workers=0, **kw):
@@ -392,7 +346,7 @@ def test_the_documented_guess_pays_a_right_last_guess_for_every_max_turns(tiny_m
     from transformers import AutoTokenizer
 
     from rollout import score
-    from reward_pool import RewardPool
+    from worker_pool import RewardPool
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     script = ["50"] * (max_turns - 1) + ["42"]
@@ -466,7 +420,7 @@ def test_the_first_environment_failure_of_a_step_is_printed(tiny_model_dir, caps
     from transformers import AutoTokenizer
 
     from rollout import sample_groups
-    from reward_pool import RewardPool
+    from worker_pool import RewardPool
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     cfg = Config(environment="environments:calculator", tool_workers=0, max_prompt_length=300, response_length=64,

@@ -11,6 +11,7 @@ import torch
 import loss
 from config import Config
 from loss import KL_ESTIMATORS, OBJECTIVES, dapo_loss, ess_from_sums, ess_loss, ess_sums, grpo_loss, gspo_loss, kl_topk
+from helpers import run_worker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -72,10 +73,9 @@ def test_gspo_trains_in_one_process(tiny_model_dir, tmp_path):
     """loss_fn=gspo through the trainer's step (3 rollout batches, 2 mini-batches each, so the
     second is off-policy) with the paper's clip range: finite, the sequence clip acts, the
     policy moves."""
-    from test_distributed import run
     from transformers import AutoModelForCausalLM
 
-    got = run("train", tiny_model_dir, tmp_path / "gspo.pt", 1, 0, "gspo", "k3", "clip_lower=0.0003",
+    got = run_worker("train", tiny_model_dir, tmp_path / "gspo.pt", 1, 0, "gspo", "k3", "clip_lower=0.0003",
               "clip_higher=0.0004")
     losses = torch.tensor(got["losses"])  # loss, kl, clip_frac, grad_norm, ess, grad_norm_max per step
     assert torch.isfinite(losses).all() and (losses[:, 2] <= 1).all() and (losses[:, 2] > 0).any()

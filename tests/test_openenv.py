@@ -8,8 +8,7 @@ import pytest
 from config import Config
 from environments import Environment
 from rollout import play
-from test_multiturn import ScriptedClient, documented, with_prompts
-from test_templates import family_tokenizer
+from helpers import documented, family_tokenizer, ScriptedClient, with_prompts
 
 pytest.importorskip("med_safety_gym", reason="openenv-dipg-safety is installed by scripts/install.sh")
 pytestmark = pytest.mark.subprocess  # tool workers

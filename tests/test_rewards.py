@@ -10,6 +10,7 @@ import pytest
 import data
 import rewards
 from config import Config
+from helpers import recompute
 
 GSM8K_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gsm8k_sample.jsonl")
 
@@ -49,19 +50,6 @@ def test_gold_and_format():
     assert rewards.gold_answer("so \\boxed{\\frac{1}{3}}.") == "\\frac{1}{3}"
     assert rewards.has_answer_format("\\boxed{3}") and rewards.has_answer_format("#### 3")
     assert not rewards.has_answer_format("3") and not rewards.has_answer_format("\\boxed{3")
-
-
-def recompute(question):
-    """The math task's answer, worked out again from its words."""
-    sentences = re.findall(r"[^.?]+[.?]", question)
-    total = int(re.search(r"has (\d+)", sentences[0]).group(1))
-    for s in sentences[1:]:
-        n = re.search(r"(\d+)", s)
-        if n is None:
-            break  # the question
-        n = int(n.group(1))
-        total = total + n if "more" in s else total * n if "times" in s else total - n
-    return total
 
 
 @pytest.mark.parametrize("digits,operations,steps", [(1, "+-", 1), (2, "+-*", 3), (3, "-", 4)])

@@ -10,7 +10,7 @@ import pytest
 from config import Config
 from data import PromptSampler
 from rollout import rollout_batch
-from reward_pool import RewardPool
+from worker_pool import RewardPool
 
 
 class ScriptedServer:

@@ -14,7 +14,7 @@ from config import Config
 from environments import Environment
 from rollout import play
 from sandbox import Interpreter, Limits
-from test_multiturn import ScriptedClient, with_prompts
+from helpers import ScriptedClient, with_prompts
 
 pytestmark = pytest.mark.subprocess  # every test here starts sandboxed processes
 

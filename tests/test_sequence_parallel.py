@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sample import Sample
-from test_distributed import run
+from helpers import run_worker
 
 
 def rollouts(n=5, seed=0):
@@ -53,7 +53,7 @@ def test_attention_on_two_ranks_matches_sdpa_on_the_whole_row(tiny_model_dir, tm
     the halves), against packed_sdpa on the whole row in one process: the output and the
     gradients of q, k and v of a loss over the output, with 4 query heads and 1 KV head
     (repeated to 2), 2 (split) and 4."""
-    results = run("attention", tiny_model_dir, tmp_path / "att.pt", 2, 29721, "sequence_parallel_size=2")
+    results = run_worker("attention", tiny_model_dir, tmp_path / "att.pt", 2, 29721, "sequence_parallel_size=2")
     assert sorted(results) == [1, 2, 4]
     for kv_heads, r in results.items():
         for name, expected, got in zip(("out", "dq", "dk", "dv"), r["expected"], r["got"]):
@@ -68,7 +68,7 @@ def one_process(tiny_model_dir, tmp_path_factory):
 
     def get(*loss):
         if loss not in cache:
-            cache[loss] = run("train", tiny_model_dir, tmp / f"{len(cache)}.pt", 1, 0, *loss)
+            cache[loss] = run_worker("train", tiny_model_dir, tmp / f"{len(cache)}.pt", 1, 0, *loss)
         return cache[loss]
     return get
 
@@ -98,7 +98,7 @@ def test_matches_one_process_after_three_steps(one_process, tiny_model_dir, tmp_
     stays under 2.2e-6. So 5e-5, as the filtered-batch twin in test_distributed.py uses for
     the same reason."""
     one = one_process(*loss)
-    sp = run("train", tiny_model_dir, tmp_path / "sp.pt", nproc, 29722 + TWINS.index((nproc, loss, extra)), *loss,
+    sp = run_worker("train", tiny_model_dir, tmp_path / "sp.pt", nproc, 29722 + TWINS.index((nproc, loss, extra)), *loss,
              "sequence_parallel_size=2", *extra)
     assert sp["mesh"]["shape"] == ((2, 2) if extra == ("fsdp_shard_size=2",) else (nproc,))
     assert torch.allclose(torch.tensor(one["losses"]), torch.tensor(sp["losses"]), rtol=1e-5, atol=1e-6)

@@ -9,8 +9,7 @@ import sys
 import pytest
 
 import rewards
-from test_rewards import recompute
-from test_train import ROOT, train
+from helpers import recompute, ROOT, train
 
 MODEL = os.path.join(ROOT, "models", "smollm2-135m-instruct")
 

@@ -3,45 +3,13 @@ environments.ChatTokens, with byte-level tokenizers built in code that carry eac
 special tokens: how a turn that ended on any of the model's end-of-sequence tokens is closed,
 and the one-line refusals of templates an episode cannot be appended to."""
 
-import os
 
 import pytest
 
 from environments import ChatTokens
+from helpers import family_tokenizer
 
-TEMPLATES = os.path.join(os.path.dirname(__file__), "data", "templates")
-QWEN = dict(specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], eos="<|im_end|>", bos=None)
-FAMILIES = {
-    "qwen2.5-instruct": QWEN,
-    "qwen3": QWEN,
-    "smollm2-instruct": QWEN,  # ChatML; a template that renders no tools
-    "llama-3.1-instruct": dict(specials=["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
-                                         "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"],
-                               eos="<|eot_id|>", bos="<|begin_of_text|>"),
-    "gemma-2-it": dict(specials=["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], eos="<eos>",
-                       bos="<bos>"),
-}
 TOOL = [{"role": "tool", "content": "873"}]
-
-
-def family_tokenizer(name):
-    """A byte-level tokenizer (every byte one token, no merges) with the family's special tokens,
-    EOS and BOS, and its real chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    f = FAMILIES[name]
-    vocab = {t: i for i, t in enumerate(f["specials"])}
-    for c in sorted(pre_tokenizers.ByteLevel.alphabet()):
-        vocab[c] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.add_special_tokens(f["specials"])
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    with open(os.path.join(TEMPLATES, f"{name}.jinja")) as fh:
-        template = fh.read()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f["eos"], bos_token=f["bos"],
-                                   chat_template=template, name_or_path=name)
 
 
 def after(tok, chat, ended):

@@ -9,9 +9,8 @@ import pytest
 from config import Config
 from environments import Environment
 from rollout import play
-from test_multiturn import ScriptedClient, documented, with_prompts
-from test_templates import family_tokenizer
 from tool_calls import Parser, answer_calls, schemas
+from helpers import documented, family_tokenizer, ScriptedClient, with_prompts
 
 # importing vLLM (its tool parsers) runs `file` on the interpreter (py-cpuinfo): outside the quick tier
 vllm_import = pytest.mark.subprocess

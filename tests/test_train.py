@@ -6,16 +6,9 @@ import subprocess
 import sys
 
 import pytest
+from helpers import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def train(args, nproc=1, timeout=120):
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-                "29621"] if nproc > 1 else [sys.executable]
-    return subprocess.run(launcher + [os.path.join(ROOT, "train.py")] + args, env=env, capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT)
 
 
 @pytest.mark.parametrize("args,fragment,nproc", [

@@ -9,27 +9,15 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 import vllm_client
 import vllm_server
 import weight_sync
 from config import Config
+from helpers import serve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CFG = Config(max_prompt_length=48, response_length=16, vllm_startup_timeout=400, vllm_request_timeout=60,
-             vllm_max_retries=1)
-
-
-def serve(model_dir, tmp, port, cfg=None):
-    """Launch a server on the untied serving copy of model_dir, as the trainer does (cfg: its flags)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    serving = os.path.join(tmp, "serving")
-    weight_sync.write_serving_dir(weight_sync.full_state_dict(model), model.config, AutoTokenizer.from_pretrained(model_dir),
-                              serving)
-    proc, url = vllm_server.launch_server(serving, cfg or CFG, os.path.join(tmp, "vllm.log"), port=port)
-    return model, vllm_client.VLLMClient([url], serving, timeout=60, max_retries=1, proc=proc,
-                                     log_path=os.path.join(tmp, "vllm.log"))
 
 
 @pytest.fixture(scope="module")

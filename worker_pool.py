@@ -120,7 +120,7 @@ class CallPool:
         self.workers = []
         if workers:
             self.ctx = multiprocessing.get_context("forkserver")
-            self.ctx.set_forkserver_preload(["__main__", "rewards", "reward_pool", "environments", "math_verify"])
+            self.ctx.set_forkserver_preload(["__main__", "rewards", "worker_pool", "environments", "math_verify"])
             # The forkserver and its workers ignore SIGTERM (an ignored signal stays ignored across
             # fork and exec): torchrun and schedulers signal the trainer's whole process group, and
             # the trainer finishes its step, scores included, before it stops. They still end with

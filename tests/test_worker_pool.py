@@ -9,7 +9,7 @@ import time
 import pytest
 
 import rewards
-from reward_pool import RewardPool
+from worker_pool import RewardPool
 
 pytestmark = pytest.mark.subprocess  # every test here starts processes (ranks, workers)
 
