@@ -18,7 +18,6 @@ turn: a prompt and its completion.
 import concurrent.futures
 import threading
 import time
-from typing import Optional
 
 import torch
 from tqdm import tqdm

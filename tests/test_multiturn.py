@@ -14,7 +14,8 @@ import torch
 
 import packing
 from config import Config
-from environments import ChatTokens, Environment
+from chat import ChatTokens
+from environments import Environment
 from loss import grpo_loss
 from policy import sequence_logprobs
 from rollout import play

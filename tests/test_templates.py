@@ -1,12 +1,12 @@
 """Real chat templates (tests/data/templates: Qwen2.5, Llama-3.1, Qwen3, Gemma) through
-environments.ChatTokens, with byte-level tokenizers built in code that carry each family's
+chat.ChatTokens, with byte-level tokenizers built in code that carry each family's
 special tokens: how a turn that ended on any of the model's end-of-sequence tokens is closed,
 and the one-line refusals of templates an episode cannot be appended to."""
 
 
 import pytest
 
-from environments import ChatTokens
+from chat import ChatTokens
 from helpers import family_tokenizer
 
 TOOL = [{"role": "tool", "content": "873"}]
