@@ -69,7 +69,8 @@ class Generator:
                         self.rollouts = Rollouts(self.make_batch, step, self.cfg.num_training_steps,
                                                  self.cfg.async_steps)
                     samples, m = self.rollouts.get(step)
-                    samples, stale = drop_stale(samples, self.client.version, self.max_staleness)
+                    samples, stale = drop_stale(samples, self.client.version, self.max_staleness,
+                                                self.cfg.num_samples_per_prompt_rollout)
                     payload = [(samples, dict(m, **stale, vllm_restarts=self.restarts))]
                 except vllm_client.VLLMError as e:
                     died = self.server is not None and self.server.poll() is not None

@@ -78,10 +78,12 @@ class Episode:
 def play(cfg, client, rows, n, seed, tokenizer, env=None, temperature=None):
     """n episodes of each row, played turn by turn, each at its own pace: an episode whose turn is
     back is answered by the environment (with the others back by then) and its next turn is sent,
-    while other episodes still generate. The first turns are one request of n samples per row,
-    seeded seed + i * n for row i; turn t of episode k (row k // n) is seeded
-    seed + t * len(rows) * n + k. Returns the episodes and the seconds spent waiting on generation
-    and in the environment."""
+    while other episodes still generate. With an environment every turn is a request of its own,
+    the first turns too (one request of n would hold all n episodes until the longest first turn
+    ends); without one, an episode's only turn is one of its row's n samples in one request. Turn t
+    of episode k (row k // n) is seeded seed + t * len(rows) * n + k: the same first-turn seeds
+    either way, as vLLM seeds sample j of a request seeded s with s + j. Returns the episodes and the
+    seconds spent waiting on generation and in the environment."""
     episodes = [Episode(k, row, cfg.response_length) for k, row in enumerate(r for r in rows for _ in range(n))]
     for e in episodes if env else ():
         e.messages = list(e.row["messages"])  # the environment's first messages (data.tokenize_rows)
@@ -93,8 +95,11 @@ def play(cfg, client, rows, n, seed, tokenizer, env=None, temperature=None):
         return client.submit(ids, k, budget, temperature, cfg.top_p, None if seed is None else seed + s, stop)
 
     started = time.perf_counter()
-    pending = {send(row["prompt_ids"], n, cfg.response_length, i * n): episodes[i * n:(i + 1) * n]
-               for i, row in enumerate(rows)}
+    if env:
+        pending = {send(e.row["prompt_ids"], 1, cfg.response_length, e.k): [e] for e in episodes}
+    else:
+        pending = {send(row["prompt_ids"], n, cfg.response_length, i * n): episodes[i * n:(i + 1) * n]
+                   for i, row in enumerate(rows)}
     try:
         while pending:
             done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
@@ -264,13 +269,15 @@ def rollout_batch(cfg, client, sampler, step, pool, tokenizer, env=None):
     return samples, m
 
 
-def drop_stale(samples, version, max_staleness):
+def drop_stale(samples, version, max_staleness, n):
     """Label each sample with its staleness (weight updates since the weights that sampled its
-    first turn; 0 in the synchronous loop) and drop those older than max_staleness. A group's
-    first turns are one request, so a group is kept or dropped together."""
+    first turn; 0 in the synchronous loop) and drop the groups (n samples in a row, as
+    rollout_batch returns them) whose oldest sample is older than max_staleness: a group is kept
+    or dropped whole, though a weight update may fall between the first turns of its episodes."""
     for s in samples:
         s.staleness = version - s.version
-    kept = [s for s in samples if s.staleness <= max_staleness]
+    groups = [samples[i:i + n] for i in range(0, len(samples), n)]
+    kept = [s for g in groups if max(s.staleness for s in g) <= max_staleness for s in g]
     return kept, dict(staleness_mean=sum(s.staleness for s in samples) / max(len(samples), 1),
                       stale_dropped=len(samples) - len(kept))
 

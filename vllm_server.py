@@ -51,12 +51,18 @@ def server_command(model_dir, cfg, port):
            "--host", "127.0.0.1", "--port", str(port), "--dtype", server_dtype(cfg), "--max-model-len", str(max_len),
            "--seed", str(cfg.seed), "--logprobs-mode", "processed_logprobs", "--disable-log-stats",
            "--generation-config", "vllm",  # vLLM's neutral defaults, not the model's (NEUTRAL_SAMPLING)
-           "--gpu-memory-utilization", str(cfg.vllm_gpu_memory_utilization)]
+           "--gpu-memory-utilization", str(cfg.vllm_gpu_memory_utilization),
+           "--enable-prompt-tokens-details"]  # usage says how much of a prompt the prefix cache served
     if not torch.cuda.is_available():
         # The CPU build crashes ("CPU Generator does not use offset") when a seeded request's
         # prompt is prefilled in chunks, i.e. when a step's prompt tokens pass the batch budget
         # (2048 on CPU): 4 prompts x 8 samples of 120 tokens did. Whole prompts only.
         cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(2048, max_len))]
+        # The prefix cache reuses whole blocks. With the CPU default of 128 tokens a block, each
+        # sample of a prompt, and each turn of an episode, prefilled again up to 127 tokens the
+        # cache already held; 32 (the CPU kernels want a multiple of 32) made generation faster,
+        # episodes most (benchmarks/bench_multiturn.py).
+        cmd += ["--block-size", "32"]
     else:  # the LM head in float32, as the trainer computes it (vLLM's head_dtype docs: required for RL)
         cmd += ["--hf-overrides", json.dumps({"head_dtype": "float32"})]
     if cfg.weight_sync_transport == "nccl":

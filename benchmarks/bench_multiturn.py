@@ -3,6 +3,7 @@ vLLM CPU server (what train.py launches) in one invocation.
 
     .venv/bin/python benchmarks/bench_multiturn.py                   # SmolLM2, 2 repeats of each
     .venv/bin/python benchmarks/bench_multiturn.py --repeats 3
+    .venv/bin/python benchmarks/bench_multiturn.py --server_args "--block-size 32"
 
 Both play the tools demo's batch through rollout.play: 4 prompts x 8 samples of the `calc`
 task (3 digits, + - *) with the calculator's first messages, at most 96 tokens after the
@@ -14,6 +15,7 @@ over the seconds spent generating (tool time apart); requests of a turn go out t
 import argparse
 import json
 import os
+import shlex
 import sys
 import tempfile
 
@@ -33,6 +35,7 @@ def main(argv=None):
     p.add_argument("--model", default=os.path.join(ROOT, "models", "smollm2-135m-instruct"))
     p.add_argument("--repeats", type=int, default=2, choices=range(1, 100), metavar="N")
     p.add_argument("--port", type=int, default=8032)
+    p.add_argument("--server_args", default="", help="more flags for the vLLM server, e.g. \"--block-size 32\"")
     args = p.parse_args(argv)
     cfg = Config(model_name_or_path=args.model, dataset="calc", environment="environments:calculator", math_digits=3,
                  math_operations="+-*", max_prompt_length=160, response_length=96, max_turns=3, temperature=0.7,
@@ -42,7 +45,7 @@ def main(argv=None):
     rows = load_prompts(cfg, tok, env)[0][:cfg.num_unique_prompts_rollout]
     env.start()
     log = os.path.join(tempfile.mkdtemp(prefix="bench_multiturn_"), "vllm.log")
-    proc, url = vllm_server.launch_server(args.model, cfg, log)
+    proc, url = vllm_server.launch_server(args.model, cfg, log, extra_args=shlex.split(args.server_args))
     try:
         client = vllm_client.VLLMClient([url], args.model, stop_token_ids=stop_token_ids(tok, args.model))
         play(cfg, client, rows, cfg.num_samples_per_prompt_rollout, 0, tok, env)  # warm-up

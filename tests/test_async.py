@@ -48,11 +48,15 @@ def test_an_error_while_making_a_batch_is_raised_for_that_step():
     r.close()
 
 
-def test_stale_samples_are_labelled_and_dropped():
+def test_stale_samples_are_labelled_and_dropped_by_whole_groups():
     samples = [Sample([1], [2], [-1.0], versions=(v, v + 1)) for v in (5, 5, 4, 4, 3, 3)]  # the first turn counts
-    kept, m = drop_stale(samples, 5, 1)
+    kept, m = drop_stale(samples, 5, 1, 2)
     assert [s.staleness for s in kept] == [0, 0, 1, 1]
     assert m == dict(staleness_mean=1.0, stale_dropped=2)
+    # each episode is its own request: an update between two first turns of a group drops it whole
+    samples = [Sample([1], [2], [-1.0], versions=(v,)) for v in (5, 4, 4, 3, 5, 5)]
+    kept, m = drop_stale(samples, 5, 1, 2)
+    assert [s.versions for s in kept] == [(5,), (4,), (5,), (5,)] and m["stale_dropped"] == 2
 
 
 @pytest.mark.slow

@@ -107,36 +107,37 @@ def test_episode_tokens_are_the_templates_rendering_of_the_conversation(tokenize
         assert all(lp == 0.0 for lp, m in zip(s.logprobs, s.mask) if not m) and all(
             lp < 0 for lp, m in zip(s.logprobs, s.mask) if m)
         assert [m["content"] for m in e.messages if m["role"] == "tool"] == ["5", "15"]
-    # one request of both samples for the first turn, then one request per live episode, extending it
-    assert [turn for turn, _ in client.requests] == [0, 1, 1, 2, 2]
+    # one request per episode from the first turn on, each later one extending the episode
+    assert [turn for turn, _ in client.requests] == [0, 0, 1, 1, 2, 2]
     assert stats["tool_failures"] == []
 
 
 class HeldBack(ScriptedClient):
-    """Holds the first turn of the last row back until another episode has sent its second turn
+    """Holds the first turns of the last row back until another episode has sent its second turn
     (or 10 s have passed: `late`)."""
 
     def __init__(self, tokenizer, script, last_prompt):
         super().__init__(tokenizer, script)
-        self.last_prompt, self.held, self.late = last_prompt, None, False
+        self.last_prompt, self.held, self.late, self.lock = last_prompt, [], False, threading.Lock()
 
     def submit(self, prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=()):
         answer = super().submit(prompt_ids, n, max_tokens, temperature, top_p, seed, stop)
         if list(prompt_ids) == self.last_prompt:
-            self.held = concurrent.futures.Future()
-            timer = threading.Timer(10.0, self.release, args=(answer, True))
+            self.held.append((concurrent.futures.Future(), answer))
+            timer = threading.Timer(10.0, self.release, args=(True,))
             timer.daemon = True
             timer.start()
-            self.answer = answer
-            return self.held
-        if self.requests[-1][0] == 1 and self.held is not None and not self.held.done():
-            self.release(self.answer, False)
+            return self.held[-1][0]
+        if self.requests[-1][0] == 1:
+            self.release(False)
         return answer
 
-    def release(self, answer, late):
-        if not self.held.done():
-            self.late = late
-            self.held.set_result(answer.result())
+    def release(self, late):
+        with self.lock:
+            for held, answer in self.held:
+                if not held.done():
+                    self.late = self.late or late
+                    held.set_result(answer.result())
 
 
 def test_an_episode_goes_on_while_others_still_generate(tokenizer):
@@ -151,7 +152,9 @@ def test_an_episode_goes_on_while_others_still_generate(tokenizer):
     client = HeldBack(tokenizer, ["<calc>2+3</calc>", "it is 5."], rows[1]["prompt_ids"])
     episodes, stats = play(cfg, client, rows, 2, 0, tokenizer, env)
     assert not client.late and [e.turns for e in episodes] == [2] * 4
-    assert [turn for turn, _ in client.requests][:4] == [0, 0, 1, 1]  # row 0's second turns before row 1 is back
+    first = rows[0]["prompt_ids"]  # row 0's second turns go out before row 1's first turns are back
+    assert [(t, p[:len(first)] == first) for t, p in client.requests][:6] == [(0, True)] * 2 + [(0, False)] * 2 + [
+        (1, True)] * 2
 
 
 def test_budgets_cut_episodes_with_ids_mask_and_logprobs_aligned(tiny_model_dir):

@@ -70,6 +70,21 @@ def test_samples_of_neighbouring_prompts_do_not_share_streams(untied):
 
 
 @pytest.mark.slow
+def test_a_turn_that_extends_an_episode_reuses_its_whole_cached_blocks(untied):
+    """A later turn of an episode sends the episode so far: the prefix cache serves its whole
+    32-token blocks (vllm_server.server_command), where the CPU default of 128 served none of
+    these 56 tokens and prefilled the whole episode again."""
+    _, client = untied
+    episode = [5 + i % 50 for i in range(40)]
+    usage = []
+    for prompt in (episode, episode + [9] * 16):
+        payload = dict(model=client.model, prompt=prompt, max_tokens=1, temperature=0.0)
+        usage.append(client.post(client.urls[0], "/v1/completions", payload)["usage"])
+    assert [u["prompt_tokens"] for u in usage] == [40, 56]
+    assert (usage[1].get("prompt_tokens_details") or {}).get("cached_tokens") == 32
+
+
+@pytest.mark.slow
 def test_sampling_logprobs_match_trainer(untied):
     model, client = untied
     s = client.generate([[7, 8, 9]], n=2, max_tokens=10, temperature=0.7, seed=1)[0][0]
