@@ -59,9 +59,9 @@ def server_command(model_dir, cfg, port):
         # (2048 on CPU): 4 prompts x 8 samples of 120 tokens did. Whole prompts only.
         cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(2048, max_len))]
         # The prefix cache reuses whole blocks. With the CPU default of 128 tokens a block, each
-        # sample of a prompt, and each turn of an episode, prefilled again up to 127 tokens the
-        # cache already held; 32 (the CPU kernels want a multiple of 32) made generation faster,
-        # episodes most (benchmarks/bench_multiturn.py).
+        # turn of an episode prefilled again up to 127 tokens the cache already held; with 32 (the
+        # CPU kernels want a multiple of 32) episodes generate 6% faster, single turns the same
+        # (benchmarks/bench_multiturn.py).
         cmd += ["--block-size", "32"]
     else:  # the LM head in float32, as the trainer computes it (vLLM's head_dtype docs: required for RL)
         cmd += ["--hf-overrides", json.dumps({"head_dtype": "float32"})]
