@@ -42,6 +42,8 @@ def main(argv=None):
     p.add_argument("--prompts", type=int, default=4, help="prompts a batch, 8 samples each (the tools demo: 4)")
     p.add_argument("--server_args", default="", help="more flags for the vLLM server, e.g. \"--block-size 128\"")
     args = p.parse_args(argv)
+    if args.prompts < 1:
+        p.error(f"--prompts {args.prompts}: give at least 1 prompt a batch")
     cfg = Config(model_name_or_path=args.model, dataset="calc", environment="environments:calculator", math_digits=3,
                  math_operations="+-*", max_prompt_length=160, response_length=96, max_turns=3, temperature=0.7,
                  num_unique_prompts_rollout=args.prompts, num_samples_per_prompt_rollout=8, vllm_port=args.port)
