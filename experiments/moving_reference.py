@@ -57,11 +57,16 @@ A first design used a harder tools task and was dropped after one probe run each
 reported run: with two operations per problem the built-in calculator (a whole expression per
 call) went 0.50 -> 0.98 in 5 steps at 2e-5 (saturated), and a calculator that takes one operation
 per call gave reward 0 on all 32 samples of each of 5 steps at 2e-5 (no signal).
+Outcome (the 21 runs, judged by the criterion above; docs/algorithm.md has the tables):
+  tools     support: speed EMA - fixed +0.073 (s 0.009), EMA - no KL +0.002 (s 0.002); the fixed
+            anchor falls from 1.0 to 0.61-0.72 at steps 14-15 in every seed, the EMA stays at 1.0
+  large lr  null: worst EMA - no KL -0.042 (s 0.050), EMA - fixed +0.005 (s 0.014); every arm
+            falls to 0.00-0.14
 
 One vLLM CPU server serves every run (each run pushes its initial weights into it first); each
 run is `torchrun --nproc_per_node NPROC train.py`. Finished runs in OUT are read back, not run
-again; runs go seed by seed. Writes OUT/moving_reference.png (copied to docs/) and a markdown
-table per regime with the command of each run.
+again; runs go seed by seed. Writes OUT/moving_reference.png (copied to docs/) and
+OUT/moving_reference.md (printed too): a markdown table per regime with the command of each arm.
 """
 
 import argparse
@@ -300,13 +305,16 @@ def plot(results, path):
             for arm, runs in arms.items():
                 per_seed = [dict(sorted(kl.items())) if key == "kl_init" else dict(curves(rows, key))
                             for rows, kl in runs]
-                steps = sorted(set.intersection(*(set(c) for c in per_seed)))
+                # every step some seed has: a step that trained nothing (all groups filtered) logs no KL
+                steps = sorted(set.union(*(set(c) for c in per_seed)))
                 if key == "kl" and "BETA" not in ARMS[arm] or not steps:
                     ax.plot([], [])  # keep each arm's colour across the panels
                     continue
-                stats = [mean_std([c[t] for c in per_seed]) for t in steps]
-                ax.plot(steps, [m for m, _ in stats], marker="o", markersize=3, label=f"{arm} ({len(runs)} seeds)")
-                ax.fill_between(steps, [m - s for m, s in stats], [m + s for m, s in stats], alpha=0.15)
+                values = [[c[t] for c in per_seed if t in c] for t in steps]
+                line, = ax.plot(steps, [statistics.mean(v) for v in values], marker="o", markersize=3,
+                                label=f"{arm} ({len(runs)} seeds)")
+                ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=line.get_color(),
+                                alpha=0.15)
             ax.set(title=f"{regime}: {title}", xlabel="step")
             ax.grid(alpha=0.3)
         row[0].legend()
@@ -368,7 +376,10 @@ def main():
     plot(results, png)
     if not args.tiny:
         shutil.copy(png, os.path.join(ROOT, "docs", "moving_reference.png"))
-    print(table(args, results))
+    text = table(args, results)
+    with open(os.path.join(args.out, "moving_reference.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
 
 
 if __name__ == "__main__":

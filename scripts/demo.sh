@@ -8,6 +8,7 @@
 #   bash scripts/demo.sh --num_training_steps 10  # extra arguments go to train.py
 #   bash scripts/demo.sh --tiny                   # smoke run: the random 0.3 M model, 5 steps (learns nothing)
 #   bash scripts/demo.sh --tools                  # SmolLM2 learns to use a calculator over several turns
+#   bash scripts/demo.sh --tools --ema            # the same with an EMA reference (k3 KL, beta 1.0, alpha 0.05 a step)
 #   bash scripts/demo.sh --tool-calls             # the same with native calls: hermes JSON, vLLM's parser
 #   bash scripts/demo.sh --lora_rank 16           # LoRA adapters (rank 16) at LoRA's learning rate
 #   OUT=output/run2 bash scripts/demo.sh          # another output directory (default output/demo)
@@ -34,6 +35,14 @@ if [ "${1:-}" = "--tools" ]; then
           --learning_rate 5e-6 --warm_up_steps 5
           --num_unique_prompts_rollout 4 --num_samples_per_prompt_rollout 8
           --beta 0 --load_ref_policy false)
+    if [ "${1:-}" = "--ema" ]; then
+        shift
+        out=${OUT:-output/demo-tools-ema}
+        # The moving reference at work: k3 KL at beta 1.0 to an EMA of the policy, 0.05 of the way
+        # to it every step (experiments/moving_reference.py: a fixed anchor at this beta pulls the
+        # policy back from 1.0 to 0.61-0.72 after it gets there; this one moves with it).
+        args+=(--beta 1.0 --load_ref_policy true --alpha 0.05 --ref_policy_update_freq 1)
+    fi
 elif [ "${1:-}" = "--tool-calls" ]; then
     shift
     out=${OUT:-output/demo-tool-calls}
@@ -81,10 +90,13 @@ start=$(date +%s)
 .venv/bin/python scripts/plot_metrics.py "$out/metrics.jsonl"
 .venv/bin/python - "$out/metrics.jsonl" "$(( $(date +%s) - start ))" <<'EOF'
 import json, sys
-evals = [r for r in map(json.loads, open(sys.argv[1])) if r.get("eval_accuracy") is not None]
+rows = list(map(json.loads, open(sys.argv[1])))
+evals = [r for r in rows if r.get("eval_accuracy") is not None]
 first, last = evals[0], evals[-1]
 tools = (f"; tool-call rate {first['eval_tool_calls']:.3f} -> {last['eval_tool_calls']:.3f}"
          if "eval_tool_calls" in first else "")
+kls = [r["kl"] for r in rows if r.get("kl") is not None][-5:]
+tools += f"; KL to the reference {sum(kls) / len(kls):.4f} (last 5 steps)" if kls else ""
 print(f"held-out greedy accuracy: {first['eval_accuracy']:.3f} at step {first['step']} -> {last['eval_accuracy']:.3f} "
       f"at step {last['step']} ({100 * (last['eval_accuracy'] - first['eval_accuracy']):+.1f} points){tools}; "
       f"the run took {int(sys.argv[2]) // 60} min {int(sys.argv[2]) % 60} s")
