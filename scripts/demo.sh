@@ -89,13 +89,14 @@ start=$(date +%s)
 .venv/bin/torchrun --nproc_per_node 2 train.py "${task[@]}" --log_samples_freq 10 --output_dir "$out" "${args[@]}" "$@"
 .venv/bin/python scripts/plot_metrics.py "$out/metrics.jsonl"
 .venv/bin/python - "$out/metrics.jsonl" "$(( $(date +%s) - start ))" <<'EOF'
-import json, sys
+import json, os, sys
 rows = list(map(json.loads, open(sys.argv[1])))
+beta = json.load(open(os.path.join(os.path.dirname(sys.argv[1]), "run_info.json")))["config"]["beta"]
 evals = [r for r in rows if r.get("eval_accuracy") is not None]
 first, last = evals[0], evals[-1]
 tools = (f"; tool-call rate {first['eval_tool_calls']:.3f} -> {last['eval_tool_calls']:.3f}"
          if "eval_tool_calls" in first else "")
-kls = [r["kl"] for r in rows if r.get("kl") is not None][-5:]
+kls = [r["kl"] for r in rows if r.get("kl") is not None][-5:] if beta > 0 else []  # logged as 0 without a KL term
 tools += f"; KL to the reference {sum(kls) / len(kls):.4f} (last 5 steps)" if kls else ""
 print(f"held-out greedy accuracy: {first['eval_accuracy']:.3f} at step {first['step']} -> {last['eval_accuracy']:.3f} "
       f"at step {last['step']} ({100 * (last['eval_accuracy'] - first['eval_accuracy']):+.1f} points){tools}; "
