@@ -17,6 +17,10 @@
 # untrained, the model boxes about one answer in five and is right about one time in five.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [[ " $* " == *" --ema "* && "${1:-} ${2:-}" != "--tools --ema" ]]; then
+    echo "demo.sh: --ema goes right after --tools: bash scripts/demo.sh --tools --ema [train.py flags]" >&2
+    exit 2
+fi
 bash scripts/install.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 out=${OUT:-output/demo}
