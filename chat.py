@@ -3,6 +3,9 @@ the environment's messages after a policy's turn, checked at start-up to be appe
 turn. environments.py builds one per run; tests/test_templates.py runs the families' real
 templates through it."""
 
+import re
+import uuid
+
 
 class ChatTokens:
     """The tokens an environment's messages add to an episode, from the chat template.
@@ -43,6 +46,10 @@ class ChatTokens:
         # the closing's first token (ChatML's <|im_end|>, Llama-3's <|eot_id|>), which a sampled end-of-sequence
         # token may stand for (ids)
         self.closing_token = tokenizer.decode(tokenizer(self.close, add_special_tokens=False)["input_ids"][:1])
+        # the control tokens (<|im_start|>, <|eot_id|>, ...): in an environment's text they stay text (ids)
+        specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len)
+        self.specials = re.compile("|".join(map(re.escape, reversed(specials)))) if specials else None
+        self.mark, self.roles = f"zq{uuid.uuid4().hex}zq", {}  # a string no text holds; role -> rendered?
 
     def drift(self):
         """Where the text after an assistant turn depends on more than the messages that follow it,
@@ -77,6 +84,24 @@ class ChatTokens:
         i = text.find(self.TURN)
         return None if i < 0 else text[i + len(self.TURN):]
 
+    def renders(self, role):
+        """Whether the template renders the content of a message with this role after an assistant
+        turn (Qwen's drop an "observation" or "environment" message without a word)."""
+        if role not in self.roles:
+            try:
+                self.roles[role] = self.mark in (self.after([{"role": role, "content": self.mark}]) or "")
+            except Exception:  # noqa: BLE001 - a template may raise on a role it does not know
+                self.roles[role] = False
+        return self.roles[role]
+
+    def check_roles(self, messages, spec):
+        """ValueError in one line for a message whose content the template would never show the policy."""
+        for m in messages:
+            if m["content"] and not self.renders(m["role"]):
+                raise ValueError(f"environment={spec!r} answers with a {m['role']!r} message, which the chat template "
+                                 f"of {self.tokenizer.name_or_path!r} does not render (the policy would never see it); "
+                                 "answer with a 'tool' or 'user' message")
+
     def ids(self, messages, eos_id=None):
         """Token ids of the environment's messages after an assistant turn, through the next
         generation prompt. The turn ended on eos_id, an end-of-sequence token it keeps (sampled,
@@ -87,10 +112,23 @@ class ChatTokens:
         eos_id the template never writes (Qwen2.5's <|endoftext|>, Llama-3.1's <|end_of_text|>)
         is text of the turn, and the whole closing follows it, as the template renders a turn
         that ends with that text."""
+        hidden = []  # the control-token strings the messages hold, each rendered as a mark
+
+        def hide(match):
+            hidden.append(match.group())
+            return f"{self.mark}{len(hidden) - 1}{self.mark}"
+        if self.specials:
+            messages = [dict(m, content=self.specials.sub(hide, m["content"])) for m in messages]
         text = self.after(messages)
         ended = self.tokenizer.decode([eos_id]) if eos_id is not None else ""
         if ended and text.startswith(ended):
             text = text[len(ended):]
         elif ended and ended in str(self.tokenizer.chat_template) and text.startswith(self.closing_token):
             text = text[len(self.closing_token):]  # the token that ended the turn in place of the closing's
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        # the template's text as it is (its own control tokens); a mark as the plain text of the string it
+        # hides: "<|im_start|>user" that a tool printed is characters to the policy, never a new turn
+        parts, ids = re.split(f"{self.mark}(\\d+){self.mark}", text), []
+        for i, part in enumerate(parts):
+            ids += self.tokenizer(hidden[int(part)] if i % 2 else part, add_special_tokens=False,
+                                  split_special_tokens=bool(i % 2))["input_ids"]
+        return ids

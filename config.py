@@ -84,7 +84,11 @@ class Config:
     reward_workers: int = option(2, "processes that score rewards (worker_pool.py); 0 = in the trainer, no timeout "
                                     "(breakpoint() works)", low=0)
     reward_timeout: float = option(10.0, "seconds one sample's reward may take in a worker; past it the sample "
-                                         "scores 0", above=0)
+                                         "is unscored: its group leaves the batch", above=0)
+    reward_failure_stop: float = option(1.0, "stop the run when at least this fraction of a step's samples could "
+                                              "not be scored (the reward raised, timed out or crashed); above 1 = "
+                                              "never stop (the failed samples' groups still leave the batch)",
+                                        above=0, resumable=True)
     environment: Optional[str] = option(None, "multi-turn episodes: \"module:name\" or \"file.py:name\" "
                                               "(environments.py; built-in: environments:calculator); None = one "
                                               "completion per prompt")
@@ -101,6 +105,11 @@ class Config:
                                                    "Qwen2.5/Qwen3, llama3_json for Llama-3.1, mistral, ...; the "
                                                    "names of vllm serve --tool-call-parser); None = the "
                                                    "environment reads its text", only_with="environment")
+    reasoning_parser: Optional[str] = option(None, "with an environment: split the policy's turn into reasoning and "
+                                                   "answer with this vLLM reasoning parser (qwen3, deepseek_r1, ...; "
+                                                   "the names of vllm serve --reasoning-parser): the reasoning is not "
+                                                   "read for tool calls; None = the whole turn is",
+                                             only_with="environment")
     format_reward: float = option(0.0, "added to the training reward (not to evaluation) of a completion that marks "
                                        "an answer with \\boxed{} or ####")
     apply_chat_template: bool = option(False, "wrap string prompts as one user message and apply the tokenizer's "
@@ -120,7 +129,9 @@ class Config:
                                "cannot follow")
     vllm_server_urls: list[str] = option([], "servers you run yourself (comma separated); empty = launch one",
                                          resumable=True)
-    vllm_port: int = option(8011, "port of the server we launch", low=1, high=65535, resumable=True)
+    vllm_port: int = option(8011, "port of a server `python vllm_server.py --serve` starts (scripts/launch_8gpu.sh); "
+                                  "the one train.py launches takes none (a private Unix socket)",
+                            low=1, high=65535, resumable=True)
     vllm_dtype: str = option("auto", "dtype of the server we launch; auto = the trainer's (float32 on CPU, bfloat16 "
                                      "on GPU)")
     vllm_max_model_len: Optional[int] = option(None, "context of the server we launch; None = max_prompt_length + "

@@ -58,6 +58,7 @@ what was sampled (docs/data.md says where that differs from the template's rende
 import ast
 import itertools
 import operator
+import os
 import re
 
 import tool_calls
@@ -101,10 +102,12 @@ class Calls:
     it is unpickled, at the worker's start (under the pool's start-up timeout, not a call's).
 
     A per-episode environment's instance is made, and reset(row), by the episode's first call, in
-    the worker pinned to the episode, and kept there until "finish". what="step" returns (messages,
-    kind): kind None, "bad_calls" (the policy's mistake, a ToolError) or "lost" (the instance died
-    with an earlier worker: the episode ends). what="finish" returns the episode's reward (None
-    without a reward method) and closes the instance."""
+    the worker pinned to the episode, and kept there until "finish" or "close". what="step" returns
+    (messages, kind): kind None, "bad_calls" (the policy's mistake, a ToolError) or "lost" (the
+    instance died with an earlier worker: the episode ends). what="finish" returns (the episode's
+    reward or None without a reward method, why close() failed or None): the reward is computed,
+    then the instance closed, and a close that raises costs the episode nothing. what="close" only
+    closes it (an episode that will not be scored)."""
 
     def __init__(self, spec):
         self.spec, self.obj = spec, load_object(spec, "environment", "environment")
@@ -118,13 +121,15 @@ class Calls:
     def __call__(self, key, first, what, row, messages):
         env = self.obj
         if per_episode(env):
-            if first:
+            if first and what != "close":  # an episode's first call; "close": it never had one
                 INSTANCES[key] = self.obj()
                 if callable(getattr(INSTANCES[key], "reset", None)):
                     INSTANCES[key].reset(row)  # its state starts here; the prompt was rendered at load time
-            env = INSTANCES.get(key)
+            env = INSTANCES.pop(key, None) if what != "step" else INSTANCES.get(key)
             if env is None and what == "step":
                 return [], "lost"
+            if env is None and what == "close":
+                return None
             if env is None:
                 raise LookupError("the episode's environment was lost with its worker")
         if what == "step":
@@ -135,11 +140,41 @@ class Calls:
                 return check_messages(env.step(row, messages)), None
             except ToolError as e:
                 return [{"role": "tool", "content": f"error: {e}"}], "bad_calls"
-        try:
-            return to_float(env.reward(row, messages)) if callable(getattr(env, "reward", None)) else None
+        if what == "close":  # an episode that will not be scored (its rollout failed): cleaned up only
+            return close(env) if per_episode(self.obj) else None
+        try:  # "finish": the reward, then close, however the reward went; a close that fails keeps the reward
+            reward = to_float(env.reward(row, messages)) if callable(getattr(env, "reward", None)) else None
         finally:
-            if INSTANCES.pop(key, None) is not None and callable(getattr(env, "close", None)):
-                env.close()
+            closed = close(env) if per_episode(self.obj) else None
+        return reward, closed
+
+
+def close(env):
+    """Close a per-episode instance: None, or why its close() failed (the episode's reward stands)."""
+    try:
+        if callable(getattr(env, "close", None)):
+            env.close()
+    except Exception as e:  # noqa: BLE001 - user code may raise anything
+        return f"close() raised {type(e).__name__}: {e}"
+    return None
+
+
+MAX_STOP_STRINGS = int(os.environ.get("VLLM_MAX_STOP_STRINGS", "4"))  # what a vLLM request takes (vLLM 0.32: 4)
+
+
+def check_needs(spec, probe, stop, cfg):
+    """What an environment asks of the run against its settings, before anything starts: its stop
+    strings (a request vLLM would refuse at the first turn) and the seconds one call may need
+    (`call_time`: a tool_timeout below it kills calls that were going to answer)."""
+    if not all(isinstance(s, str) and s for s in stop):
+        raise ValueError(f"environment={spec!r}: stop={stop!r} must be a list of non-empty strings")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"environment={spec!r} has {len(stop)} stop strings and vLLM takes at most "
+                         f"{MAX_STOP_STRINGS} a request (VLLM_MAX_STOP_STRINGS); keep the ones that end a call")
+    need = getattr(probe, "call_time", None)
+    if need is not None and cfg.tool_workers and cfg.tool_timeout < need:
+        raise ValueError(f"environment={spec!r} needs up to {need:g} s a call (its call_time) and tool_timeout="
+                         f"{cfg.tool_timeout:g} would cut its calls off; set --tool_timeout {need:g} or more")
 
 
 class Environment:
@@ -163,10 +198,12 @@ class Environment:
             self.tools = tool_calls.schemas(tools) or None
         except ValueError as e:
             raise ValueError(f"environment={spec!r}: {e}") from None
-        self.probe, self.stop = probe, list(getattr(probe, "stop", ()))
+        self.make, self.probe, self.stop = obj, probe, list(getattr(probe, "stop", ()))
+        check_needs(spec, probe, self.stop, cfg)
         self.scores = callable(getattr(probe, "reward", None))  # the environment scores its episodes
         self.chat = ChatTokens(tokenizer, self.tools)
         self.parser = tool_calls.Parser(cfg.tool_call_parser, tokenizer, self.tools) if cfg.tool_call_parser else None
+        self.reasoning = tool_calls.Reasoning(cfg.reasoning_parser, tokenizer) if cfg.reasoning_parser else None
         self.spec, self.cfg, self.tokenizer, self.pool = spec, cfg, tokenizer, None
         self.keys, self.started = itertools.count(), set()  # episode keys; those whose instance exists (factory)
         # no token spans more characters than the vocabulary's longest string: a reply is cut to
@@ -179,18 +216,31 @@ class Environment:
                              check=None, fallback=None)
 
     def reset(self, row):
-        """The first messages of the row's episodes (rendered into its prompt once, at load time)."""
-        if callable(getattr(self.probe, "reset", None)):
-            return check_messages(self.probe.reset(row))
-        return default_reset(row)
+        """The first messages of the row's episodes (rendered into its prompt once, at load time). A
+        per-episode environment resets an instance of its own for the row, closed at once: none
+        stays open in the trainer (an OpenEnv adapter's reset builds an environment)."""
+        if not callable(getattr(self.probe, "reset", None)):
+            return default_reset(row)
+        instance = self.make() if self.factory else self.probe
+        try:
+            messages = check_messages(instance.reset(row))
+        finally:
+            if self.factory:
+                close(instance)
+        self.chat.check_roles(messages, self.spec)
+        return messages
 
     def new_key(self):
         """A key for a new episode: its calls go to one worker, where its instance lives (per episode)."""
         return next(self.keys)
 
     def message(self, text, turn):
-        """The policy's turn as an assistant message: its text, and with a tool_call_parser its calls."""
-        return self.parser.message(text, turn) if self.parser else {"role": "assistant", "content": text}
+        """The policy's turn as an assistant message: its text, and with a tool_call_parser its calls.
+        With a reasoning_parser the reasoning is "reasoning_content", and only the text after it is
+        read for calls: a call the policy wrote while thinking is not made."""
+        reasoning, content = self.reasoning.split(text) if self.reasoning else (None, text)
+        message = self.parser.message(content, turn) if self.parser else {"role": "assistant", "content": content}
+        return dict(message, reasoning_content=reasoning) if reasoning is not None else message
 
     def call(self, episodes, what):
         """Calls(what) for each episode, each in its own worker; returns the values and the
@@ -199,7 +249,7 @@ class Environment:
         values, failures = self.pool.map(tasks, pin=[e.key for e in episodes] if self.factory else None)
         if self.factory and what == "step":  # their instances exist now
             self.started.update(e.key for e in episodes)
-        elif self.factory:  # "finish" closed them
+        elif self.factory:  # "finish" and "close" closed them
             self.started.difference_update(e.key for e in episodes)
         return values, failures
 
@@ -212,14 +262,14 @@ class Environment:
 
     def answer(self, episodes):
         """The environment's answer to each episode's last turn: for each, its reply messages (each cut
-        to tool_output_max_tokens) and their token ids as the chat template renders them, or None
-        when the episode ends there; and the calls that failed, as (kind, why). The rollout appends
-        them (rollout.take_answers).
+        to tool_output_max_tokens) and their token ids as the chat template renders them, None when
+        the episode ends there, or a str when the infrastructure lost it (why: it is not scored);
+        and the calls that failed, as (kind, why). The rollout appends them (rollout.take_answers).
 
         An exception of step, a timeout or a crash is told to the policy as an "error: ..." tool
         message (its input may have caused it, as a tool's error is in TRL), except that with a
         per-episode environment a timeout or a crash took the episode's instance with its worker,
-        and the episode ends there."""
+        and the episode ends there unscored, as do the others whose instances that worker held."""
         replies, asked = [None] * len(episodes), []
         for i, e in enumerate(episodes):  # a call the parser could not read is answered here
             unread = self.parser.unread(e.messages[-1]) if self.parser else None
@@ -234,24 +284,40 @@ class Environment:
         failed = [(what, f"episode {episodes[i].k}: {why}") for i, what, why in failures]
         for i, what, why in failures:
             lost = self.factory and what != "errors"  # the episode's instance went with its worker
-            replies[i] = ([], "lost") if lost else ([{"role": "tool", "content": f"error: {why}"}], None)
+            replies[i] = ([], f"its call failed ({what}: {why}), and its instance with the worker") if lost else \
+                ([{"role": "tool", "content": f"error: {why}"}], None)
         answers = []
         for e, (reply, kind) in zip(episodes, replies):
             if kind == "bad_calls":
                 failed.append((kind, f"episode {e.k}: the policy's call was answered {reply[0]['content']!r}"))
-            if kind == "lost" and not any(e is episodes[i] for i, _, _ in failures):
-                failed.append((kind, f"episode {e.k}: its environment was lost with its worker; the episode ends"))
+            if kind == "lost":
+                kind = "its environment was lost with its worker (another episode's call failed there)"
+                failed.append(("lost", f"episode {e.k}: {kind}"))
+            if kind not in (None, "bad_calls"):  # the infrastructure's failure, not the policy's
+                answers.append(kind)
+                continue
             reply = [self.truncate(m) for m in reply]
+            self.chat.check_roles(reply, self.spec)  # a role the template drops stops the run, in one line
             answers.append((reply, self.chat.ids(reply, e.sample.token_ids[-1] if e.eos else None)) if reply else None)
         return answers, failed
 
     def finish(self, episodes):
         """At the episodes' end: each one's reward from the environment (None when it has no reward
-        method) and its instance closed. Returns the rewards and the failures as (index, kind, why)."""
+        method) and its instance closed. Returns the rewards, the rewards that failed as (index,
+        kind, why), and the closes that failed as ("errors", why): a failed close keeps its reward."""
         if not (self.factory or self.scores):
-            return [None] * len(episodes), []
-        rewards, failures = self.call(episodes, "finish")
-        return rewards, failures if self.scores else []  # without a reward, finish only cleans up
+            return [None] * len(episodes), [], []
+        values, failures = self.call(episodes, "finish")
+        closes = [("errors", f"episode {e.k}: {v[1]}") for e, v in zip(episodes, values) if v and v[1]]
+        rewards = [v[0] if v else None for v in values]
+        if not self.scores:  # without a reward, finish only cleans up: its failures are the closes'
+            return rewards, [], closes + [(what, f"episode {episodes[i].k}: {why}") for i, what, why in failures]
+        return rewards, failures, closes
+
+    def discard(self, episodes):
+        """Close the instances of episodes that will not be scored (their rollout failed); quiet."""
+        if self.factory and episodes:
+            self.call([e for e in episodes if e.key in self.started], "close")
 
     def close(self):
         if self.pool:

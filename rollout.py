@@ -58,6 +58,7 @@ class Episode:
         self.messages = []  # with an environment, the conversation so far (play)
         self.answer, self.turns, self.tool_calls = "", 0, 0
         self.key, self.env_reward = None, None  # the environment's key for its calls, and its reward
+        self.failure = None  # why the infrastructure could not play or score it: then it is never trained on
 
     def add(self, ids, logprobs, sampled, version=None):
         if sampled and len(logprobs) != len(ids):
@@ -94,7 +95,7 @@ def play(cfg, client, rows, n, seed, tokenizer, env=None, temperature=None):
     def send(ids, k, budget, s):
         return client.submit(ids, k, budget, temperature, cfg.top_p, None if seed is None else seed + s, stop)
 
-    started = time.perf_counter()
+    started, finished = time.perf_counter(), False
     if env:
         pending = {send(e.row["prompt_ids"], 1, cfg.response_length, e.k): [e] for e in episodes}
     else:
@@ -115,15 +116,29 @@ def play(cfg, client, rows, n, seed, tokenizer, env=None, temperature=None):
                 failures, tools = failures + lost, tools + time.perf_counter() - t
                 for e in going:
                     pending[send(e.ids, 1, e.budget, e.turns * len(episodes) + e.k)] = [e]
-    finally:  # a request failed (a dead server): the others end before the error goes on, none left behind
-        concurrent.futures.wait(pending)
+        finished = True
+    finally:  # a request failed (a dead server): the others end before the error goes on, none left behind,
+        concurrent.futures.wait(pending)  # and the episodes' instances are closed
+        if env and not finished:
+            env.discard(episodes)
     timing = dict(time_generate=time.perf_counter() - started - tools)
-    t = time.perf_counter()  # the environment's reward of each episode, on its instance, which is then closed
-    rewards, lost = env.finish(episodes) if env else ([], [])
-    for e, r in zip(episodes, rewards):
+    t = time.perf_counter()
+    failures += finish(episodes, env) if env else []
+    return episodes, dict(timing, time_tools=tools + time.perf_counter() - t, tool_failures=failures)
+
+
+def finish(episodes, env):
+    """The environment's reward of each episode the infrastructure did not lose, on its instance,
+    which is then closed; a reward that fails leaves its episode unscored. Returns the failed closes."""
+    playing = [e for e in episodes if e.failure is None]
+    env.discard([e for e in episodes if e.failure is not None])
+    rewards, failed, closes = env.finish(playing)
+    for e, r in zip(playing, rewards):
         e.env_reward = r
-    return episodes, dict(timing, time_tools=tools + time.perf_counter() - t, tool_failures=failures,
-                          env_reward_failures=lost)
+    for i, what, why in failed:
+        playing[i].failure = f"the environment's reward: {why}" + (" (its instance was lost with its worker)"
+                                                                   if what != "errors" else "")
+    return closes
 
 
 def take_turn(e, out, tokenizer, env):
@@ -143,6 +158,9 @@ def take_answers(episodes, answers):
     policy's turn)."""
     going = []
     for e, answer in zip(episodes, answers):
+        if isinstance(answer, str):  # the infrastructure lost the episode: it ends unscored
+            e.done, e.failure = True, answer
+            continue
         if answer is None or len(answer[1]) >= e.budget:
             e.done, e.cut = True, answer is not None
             continue
@@ -154,48 +172,81 @@ def take_answers(episodes, answers):
 
 
 def evaluate(cfg, client, eval_rows, pool, tokenizer, env=None):
-    """Greedy episodes on held-out prompts: the task's mean reward (format_reward not included)
-    and, with an environment, the fraction of episodes that called a tool."""
+    """Greedy episodes on held-out prompts: the task's mean reward (format_reward not included) over
+    the episodes that could be scored and, with an environment, the fraction of episodes that called a tool."""
     if not eval_rows:
         return None, None
-    episodes, stats = play(cfg, client, eval_rows, 1, None, tokenizer, env, temperature=0.0)
-    rewards, _, _ = score(pool, episodes, env, stats["env_reward_failures"])
-    return sum(rewards) / len(rewards), (sum(e.tool_calls > 0 for e in episodes) / len(episodes) if env else None)
+    episodes, _ = play(cfg, client, eval_rows, 1, None, tokenizer, env, temperature=0.0)
+    rewards = [r for r in score(pool, episodes, env)[0] if r == r]  # NaN: unscored
+    return (sum(rewards) / len(rewards) if rewards else None,
+            sum(e.tool_calls > 0 for e in episodes) / len(episodes) if env else None)
 
 
-def score(pool, episodes, env=None, env_failures=()):
+def score(pool, episodes, env=None):
     """Rewards of the episodes' final answers (the policy's last turn), the row as the example,
     with an environment's whole conversation as example["messages"]. An environment with a
     reward method scores its own episodes (Environment.finish, on the episode's instance);
-    --reward_fn, when set, is added to it. Returns the rewards, the counts of reward_errors,
-    reward_timeouts and reward_crashes, and the first failure's description (None: none)."""
+    --reward_fn, when set, is added to it. An episode that could not be scored (its reward
+    raised, timed out or crashed; the infrastructure lost it: Episode.failure) gets NaN and its
+    failure. Returns the rewards, the counts of reward_errors, reward_timeouts and reward_crashes."""
     examples = [dict(e.row, messages=e.messages) if env else e.row for e in episodes]
-    own = env is not None and env.scores
-    if own and not env.cfg.reward_fn:
-        values, counts, first = [0.0] * len(episodes), {f"reward_{w}": 0 for w in FAILURES}, None
+    if env is not None and env.scores and not env.cfg.reward_fn:
+        values, counts = [0.0] * len(episodes), {f"reward_{w}": 0 for w in FAILURES}
     else:
         values, counts, first = pool.score([e.row["prompt_text"] for e in episodes], [e.answer for e in episodes],
-                                           examples)
-    if own:
-        values = [v + (e.env_reward or 0.0) for v, e in zip(values, episodes)]
-        for _, what, _ in env_failures:
-            counts[f"reward_{what}"] += 1
-        if env_failures and not first:
-            first = f"sample {env_failures[0][0]}: the environment's reward: {env_failures[0][2]}"
-    return values, counts, first
+                                           examples, [last_turn(e.sample) for e in episodes])
+        failed = [e for e, v in zip(episodes, values) if v != v]  # NaN: the pool's value of a failed call
+        for e in failed:
+            e.failure = e.failure or "the reward failed"
+        if failed and failed[0].failure == "the reward failed":  # the first, in the order of the samples, described
+            failed[0].failure = f"the reward: {first.split(': ', 1)[1]}"
+    for e in episodes:
+        if env is not None and env.scores and e.env_reward is None and e.failure is None:
+            e.failure = "the environment gave no reward"  # not called: its episode failed before
+    return [float("nan") if e.failure else v + (e.env_reward or 0.0) for v, e in zip(values, episodes)], counts
+
+
+def last_turn(sample):
+    """The token ids of a sample's last sampled turn (TRL's completion_ids)."""
+    ids, mask, k = sample.token_ids, sample.mask, len(sample.mask)
+    while k and not mask[k - 1]:
+        k -= 1
+    start = k
+    while start and mask[start - 1]:
+        start -= 1
+    return ids[start:k]
+
+
+def unscored(step, episodes, counts, cfg):
+    """Say the step's episodes that could not be scored (the first one's why) and stop the run when
+    the reward failed on reward_failure_stop of them or more: a reward that fails on every sample
+    trains nothing, and must not look like a run that trains."""
+    failed = [e for e in episodes if e.failure]
+    if failed:
+        tqdm.write(f"step {step}: {len(failed)} of {len(episodes)} episode(s) could not be scored and left the "
+                   f"batch with their groups; first: episode {failed[0].k}: {failed[0].failure}")
+    reward_failures = sum(counts.values()) + sum(e.failure.startswith("the environment's reward") for e in failed)
+    if reward_failures and reward_failures >= cfg.reward_failure_stop * len(episodes):
+        first = next(e.failure for e in failed if "reward" in e.failure)
+        raise RewardFailure(f"step {step}: the reward failed on {reward_failures} of {len(episodes)} samples "
+                            f"(reward_failure_stop={cfg.reward_failure_stop:g}); first: {first}")
+
+
+class RewardFailure(RuntimeError):
+    """A step on which the reward failed on too many samples (reward_failure_stop): the run stops."""
 
 
 def sample_groups(cfg, client, rows, seed, step, pool, tokenizer, env=None, show=False):
     """One generation round: num_samples_per_prompt_rollout episodes of each row, scored by
-    `pool` (a RewardPool), with group advantages. Returns the samples of the groups kept and
-    the round's counts; with show=True a few whole episodes as "samples"."""
+    `pool` (a RewardPool), with group advantages. A group with an episode that could not be
+    scored leaves the batch whole: its advantages would rank the others against a reward nobody
+    earned. Returns the samples of the groups kept and the round's counts; with show=True a few
+    whole episodes as "samples"."""
     n = cfg.num_samples_per_prompt_rollout
     episodes, stats = play(cfg, client, rows, n, seed, tokenizer, env)
     t = time.perf_counter()
-    rewards, failures, first_failure = score(pool, episodes, env, stats.pop("env_reward_failures"))
-    if first_failure:
-        counts = ", ".join(f"{k}={v}" for k, v in failures.items() if v)
-        tqdm.write(f"step {step}: {sum(failures.values())} reward(s) scored 0 ({counts}); first: {first_failure}")
+    rewards, failures = score(pool, episodes, env)
+    unscored(step, episodes, failures, cfg)
     lost = stats.pop("tool_failures")
     env_side = [why for what, why in lost if what != "bad_calls"]  # the policy's bad calls are its to learn
     if env_side:
@@ -203,19 +254,22 @@ def sample_groups(cfg, client, rows, seed, step, pool, tokenizer, env=None, show
     if cfg.format_reward:
         rewards = [r + cfg.format_reward * has_answer_format(e.answer) for r, e in zip(rewards, episodes)]
     rewards = torch.tensor(rewards)
-    adv, std = group_advantages(rewards, n, cfg.advantage_normalization_type)
+    broken = rewards.isnan().view(-1, n).any(dim=1).repeat_interleave(n)  # each sample: its group has an unscored one
+    adv, std = group_advantages(rewards.nan_to_num(0.0), n, cfg.advantage_normalization_type)
     # std is exactly 0 for a group whose rewards are all equal (max == min), also at 2/3 or 0.1
-    kept = (std > 0) if cfg.filter_zero_std_samples else torch.ones_like(std, dtype=torch.bool)
+    signal = (std > 0) if cfg.filter_zero_std_samples else torch.ones_like(std, dtype=torch.bool)
+    kept = signal & ~broken
     for e, a, r in zip(episodes, adv.tolist(), rewards.tolist()):
-        e.sample.adv, e.sample.reward = a, r
+        e.sample.adv, e.sample.reward = (float("nan"), r) if e.failure else (a, r)
     shown = range(0, len(episodes), max(1, len(episodes) // SAMPLES_SHOWN))[:SAMPLES_SHOWN] if show else []
     tools = dict(tool_calls=sum(e.tool_calls for e in episodes), turns=sum(e.turns for e in episodes),
                  **{f"tool_{kind}": sum(what == kind for what, _ in lost) for kind in TOOL_FAILURES})
+    scored = ~rewards.isnan()
     return [e.sample for e, k in zip(episodes, kept.tolist()) if k], dict(
-        rewards=rewards, lengths=torch.tensor([len(e.sample.token_ids) for e in episodes], dtype=torch.float),
+        rewards=rewards[scored], lengths=torch.tensor([len(e.sample.token_ids) for e in episodes], dtype=torch.float),
         **failures, **stats, **tools, time_score=time.perf_counter() - t, stops=sum(not e.cut for e in episodes),
-        filtered_groups=int((~kept).sum().item()) // n,
-        samples=[show_episode(step, episodes[i], tokenizer) for i in shown])
+        filtered_groups=int((~signal & ~broken).sum().item()) // n, unscored_episodes=int((~scored).sum().item()),
+        unscored_groups=int(broken.sum().item()) // n, samples=[show_episode(step, episodes[i], tokenizer) for i in shown])
 
 
 def show_episode(step, e, tokenizer):
@@ -257,7 +311,8 @@ def rollout_batch(cfg, client, sampler, step, pool, tokenizer, env=None):
     m = dict(reward_mean=rewards.mean().item(), reward_std=rewards.std().item(), response_length=lengths.mean().item(),
              reward_errors=total("reward_errors"), reward_timeouts=total("reward_timeouts"),
              reward_crashes=total("reward_crashes"), stop_frac=total("stops") / len(lengths),
-             filtered_groups=total("filtered_groups"), time_generate=total("time_generate"),
+             filtered_groups=total("filtered_groups"), unscored_episodes=total("unscored_episodes"),
+             unscored_groups=total("unscored_groups"), time_generate=total("time_generate"),
              time_score=total("time_score"), prompts_seen=sampler.position, response_tokens=lengths.sum().item())
     if rounds[0]["samples"]:
         m["samples"] = rounds[0]["samples"]

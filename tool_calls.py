@@ -28,9 +28,9 @@ for Llama-3.1, mistral, ...) into the OpenAI form of an assistant message:
 and an environment without a step method of its own answers it with `answer_calls`: each call
 runs with its parsed arguments and its result comes back as {"role": "tool", "name": ...,
 "tool_call_id": ..., "content": ...}; a turn without calls ends the episode. A call that names no
-tool, has arguments its function does not take, or raises environments.ToolError is answered
-with an error message and counted (tool_bad_calls), as is a turn that opens a call the parser
-cannot read (the parser's start marker, as <tool_call>, with no call parsed); any other
+tool, has arguments its function does not take or of other types than its schema's, or raises
+environments.ToolError is answered with an error message and counted (tool_bad_calls), as is a
+turn that opens a call the parser cannot read (the parser's start marker, as <tool_call>, with no call parsed); any other
 exception of a tool is the environment's failure (tool_errors, printed).
 """
 
@@ -117,6 +117,51 @@ class Parser:
         return f"the tool call does not parse in the {self.name} format"
 
 
+class Reasoning:
+    """The policy's turn split by one of vLLM's reasoning parsers (the names of `vllm serve
+    --reasoning-parser`: qwen3, deepseek_r1, ...) into its reasoning and the text after it."""
+
+    def __init__(self, name, tokenizer):
+        try:
+            from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+            from vllm.reasoning import ReasoningParserManager
+        except ImportError as e:
+            raise ValueError(f"reasoning_parser={name!r} needs vLLM's reasoning parsers ({e}); install vllm") from None
+        try:
+            cls = ReasoningParserManager.get_reasoning_parser(name)
+        except KeyError:
+            raise ValueError(f"reasoning_parser={name!r} is not one of vLLM's reasoning parsers; pick one of "
+                             f"{', '.join(sorted(ReasoningParserManager.list_registered()))}") from None
+        try:
+            self.parser = cls(tokenizer)
+        except Exception as e:  # noqa: BLE001 - a parser checks the vocabulary its own way
+            raise ValueError(f"reasoning_parser={name!r} does not fit the tokenizer of {tokenizer.name_or_path!r} "
+                             f"({type(e).__name__}: {e}); pick the parser of the model's family") from None
+        self.request = ChatCompletionRequest(model="policy", messages=[])
+
+    def split(self, text):
+        """(the reasoning or None, the text after it)."""
+        reasoning, content = self.parser.extract_reasoning(text, self.request)
+        return reasoning, content or ""
+
+
+TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict,
+         "null": type(None)}  # JSON schema types as Python's
+
+
+def wrong_type(schema, arguments):
+    """Why arguments do not have the types of the tool's JSON schema, or None: a wrongly typed
+    argument is the policy's bad call, not the tool's failure."""
+    for name, value in arguments.items():
+        kinds = schema.get("parameters", {}).get("properties", {}).get(name, {}).get("type")
+        kinds = [kinds] if isinstance(kinds, str) else kinds or []
+        ok = [k for k in kinds if k in TYPES and isinstance(value, TYPES[k])
+              and not (isinstance(value, bool) and k in ("integer", "number"))]  # True is an int to Python
+        if kinds and all(k in TYPES for k in kinds) and not ok:
+            return f"argument {name!r} must be {' or '.join(kinds)}, not {value!r:.40}"
+    return None
+
+
 def as_text(value):
     """A tool's result as a message's content: text as it is, anything else as JSON (or str)."""
     if isinstance(value, str):
@@ -143,6 +188,8 @@ def answer_calls(tools, message):
                 inspect.signature(fn).bind(**arguments)
             except TypeError as e:
                 raise ToolError(f"{name}: {e}") from None
+            if why := wrong_type(schemas([fn])[0]["function"], arguments):
+                raise ToolError(f"{name}: {why}")
             content = as_text(fn(**arguments))
         except ToolError as e:
             content, bad = f"error: {e}", True

@@ -322,7 +322,7 @@ def test_the_documented_environment_runs(tiny_model_dir, tmp_path):
     finally:
         env.close()
     assert [m["content"] for m in episodes[0].messages[1:]] == ["50", "lower", "25", "higher", "42"]
-    rewards, _, _ = score(RewardPool(f"{tmp_path}/guess.py:reward", workers=0), episodes, env)
+    rewards, _ = score(RewardPool(f"{tmp_path}/guess.py:reward", workers=0), episodes, env)
     assert rewards == [1 / 3, 1 / 3] and stats["tool_failures"] == []
 
 
@@ -357,7 +357,7 @@ def test_the_documented_guess_pays_a_right_last_guess_for_every_max_turns(tiny_m
     episodes, stats, env = play_file(tmp_path, documented("Guess"), "guess", tok, script,
                                      [dict(prompt="guess", answer="42")], max_turns=max_turns)
     assert all(e.messages[-1] == {"role": "assistant", "content": "42"} for e in episodes)
-    rewards, counts, _ = score(RewardPool(f"{tmp_path}/env.py:reward", workers=0), episodes, env)
+    rewards, counts = score(RewardPool(f"{tmp_path}/env.py:reward", workers=0), episodes, env)
     assert rewards == [1 / max_turns] * 2 and sum(counts.values()) == 0
 
 

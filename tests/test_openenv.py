@@ -44,4 +44,4 @@ def test_dipg_scores_our_episodes_as_it_scores_the_same_text(tmp_path, max_turns
     want = twin.step(DIPGAction(llm_response=reply)).reward
     assert [e.env_reward for e in episodes] == [want, want] and [e.turns for e in episodes] == [1, 1]
     assert want == (-20.0 if "<|channel|>" in reply else -50.0)  # the twin scored what the package scores
-    assert stats["tool_failures"] == [] and stats["env_reward_failures"] == []
+    assert stats["tool_failures"] == [] and not any(e.failure for e in episodes)
