@@ -135,9 +135,10 @@ def finish(episodes, env):
     rewards, failed, closes = env.finish(playing)
     for e, r in zip(playing, rewards):
         e.env_reward = r
-    for i, what, why in failed:
-        playing[i].failure = f"the environment's reward: {why}" + (" (its instance was lost with its worker)"
-                                                                   if what != "errors" else "")
+    for i, what, why in failed:  # a reward that raised, or an instance gone with its worker (not the reward's fault)
+        lost = what != "errors" or why.startswith("LookupError")
+        playing[i].failure = f"its environment was lost with its worker ({why})" if lost else \
+            f"the environment's reward: {why}"
     return closes
 
 
@@ -227,7 +228,7 @@ def unscored(step, episodes, counts, cfg):
                    f"batch with their groups; first: episode {failed[0].k}: {failed[0].failure}")
     reward_failures = sum(counts.values()) + sum(e.failure.startswith("the environment's reward") for e in failed)
     if reward_failures and reward_failures >= cfg.reward_failure_stop * len(episodes):
-        first = next(e.failure for e in failed if "reward" in e.failure)
+        first = next((e.failure for e in failed if "reward" in e.failure), failed[0].failure)
         raise RewardFailure(f"step {step}: the reward failed on {reward_failures} of {len(episodes)} samples "
                             f"(reward_failure_stop={cfg.reward_failure_stop:g}); first: {first}")
 

@@ -118,8 +118,8 @@ class Parser:
 
 
 class Reasoning:
-    """The policy's turn split by one of vLLM's reasoning parsers (the names of `vllm serve
-    --reasoning-parser`: qwen3, deepseek_r1, ...) into its reasoning and the text after it."""
+    """The policy's turn split into its reasoning and the text after it, by the markers of one of
+    vLLM's reasoning parsers (the names of `vllm serve --reasoning-parser`: qwen3, deepseek_r1, ...)."""
 
     def __init__(self, name, tokenizer):
         try:
@@ -140,9 +140,18 @@ class Reasoning:
         self.request = ChatCompletionRequest(model="policy", messages=[])
 
     def split(self, text):
-        """(the reasoning or None, the text after it)."""
-        reasoning, content = self.parser.extract_reasoning(text, self.request)
-        return reasoning, content or ""
+        """(the reasoning or None, the text after it). With a parser that names its markers (<think>,
+        </think>) the reasoning ends only at the end marker: vLLM 0.32's qwen3 parser also ends it at a
+        <tool_call>, and a call the policy wrote while thinking, then decided against, would be made.
+        A turn cut off while thinking is all reasoning; one with neither marker is all answer."""
+        start, end = self.parser.reasoning_start_str, self.parser.reasoning_end_str
+        if not (start and end):
+            reasoning, content = self.parser.extract_reasoning(text, self.request)
+            return reasoning, content or ""
+        head, found, tail = text.partition(end)
+        if found:
+            return head.split(start, 1)[-1], tail
+        return (text.split(start, 1)[1], "") if start in text else (None, text)
 
 
 TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict,

@@ -242,8 +242,10 @@ def main(cfg: Config):
     state = build_state(cfg, device, mesh, plan)
     sampler = PromptSampler(train_rows, cfg.seed)
     resumed_from, start = resume(cfg, rank, state, sampler)
-    # rewards scored in worker processes with a per-sample timeout; daemons: they end with this process
-    pool = RewardPool(cfg.reward_fn or reward_fn, cfg.reward_workers, cfg.reward_timeout) if rank == 0 else None
+    # rewards scored in worker processes with a per-sample timeout; daemons: they end with this process. A
+    # sample whose reward failed is NaN, never 0: it is not trained on (rollout.score)
+    pool = RewardPool(cfg.reward_fn or reward_fn, cfg.reward_workers, cfg.reward_timeout,
+                      fallback=float("nan")) if rank == 0 else None
     log = tracking.MetricsLog(cfg.output_dir, start, tracker) if rank == 0 else None
     if rank == 0:
         announce(cfg, plan, world_size, device, (train_rows, eval_rows, skipped, reward_fn), resumed_from, start,

@@ -467,3 +467,223 @@ def test_an_environment_file_that_does_not_load_is_refused_in_one_line(tiny_mode
     (tmp_path / "bad.py").write_text("class Env:\n    def step(self, row, messages)\n        return []\n")
     with pytest.raises(ValueError, match=r"does not load: SyntaxError \(line 2\).*; fix the file"):
         Environment(f"{tmp_path}/bad.py:Env", AutoTokenizer.from_pretrained(tiny_model_dir), Config())
+
+
+# --- no episode is trained on a reward it did not earn
+
+ONE_CRASH = '''
+import os
+
+
+class Steps:
+    """Rewards the steps it answered. The first instance anywhere to reach its second step kills
+    its worker (a file made with O_EXCL decides which, in whichever worker it runs)."""
+
+    def reset(self, row):
+        self.steps = 0
+        return [{"role": "user", "content": "count"}]
+
+    def step(self, row, messages):
+        self.steps += 1
+        if self.steps == 2:
+            try:
+                os.close(os.open(row["flag"], os.O_CREAT | os.O_EXCL))
+                os._exit(3)
+            except FileExistsError:
+                pass
+        return [{"role": "user", "content": str(self.steps)}]
+
+    def reward(self, row, messages):
+        return float(self.steps)
+'''
+
+
+@pytest.mark.subprocess
+def test_an_episode_whose_instance_died_with_another_episodes_worker_is_not_trained_on(tiny_model_dir, tmp_path,
+                                                                                          capsys):
+    """Two workers hold episodes 0, 2 and 1, 3; rows A (episodes 0, 1) and B (2, 3). One call kills its
+    worker: that episode, and the one whose instance lived in the same worker (the other row's, as
+    the pinning pairs them), cannot be scored. Before, the lost one was scored 0 beside a sibling
+    that earned 3 (advantages -0.707 and +0.707); now both groups leave the batch, counted apart
+    from the policy's failures, and the first is printed."""
+    from transformers import AutoTokenizer
+
+    from rollout import sample_groups
+
+    (tmp_path / "env.py").write_text(ONE_CRASH)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = Config(environment=f"{tmp_path}/env.py:Steps", tool_workers=2, tool_timeout=20.0, max_prompt_length=200,
+                 response_length=256, max_turns=4, num_samples_per_prompt_rollout=2, filter_zero_std_samples=False)
+    env = Environment(cfg.environment, tok, cfg)
+    env.start()
+    try:
+        rows = with_prompts(env, tok, [dict(prompt="a", flag=str(tmp_path / "flag")),
+                                       dict(prompt="b", flag=str(tmp_path / "flag"))])
+        samples, m = sample_groups(cfg, ScriptedClient(tok, ["x"] * 4), rows, 0, 5, None, tok, env)
+    finally:
+        env.close()
+    assert samples == [] and m["unscored_episodes"] == 2 and m["unscored_groups"] == 2
+    assert m["tool_crashes"] == 1 and m["reward_errors"] == 0 and sorted(m["rewards"].tolist()) == [3.0, 3.0]
+    assert "2 of 4 episode(s) could not be scored and left the batch with their groups; first: episode" in \
+        capsys.readouterr().out
+
+
+CLOSES = '''
+import os
+
+
+class Closing:
+    """Answers once, rewards 1, and records its close in a file (the row's "log"); a row with
+    "bad_close" raises in close."""
+
+    def reset(self, row):
+        return [{"role": "user", "content": "go"}]
+
+    def step(self, row, messages):
+        return [{"role": "user", "content": "ok"}]
+
+    def reward(self, row, messages):
+        return 1.0
+
+    def close(self):
+        with open(os.environ.get("CLOSE_LOG", "/dev/null"), "a") as f:
+            f.write("closed\\n")
+        if os.environ.get("BAD_CLOSE"):
+            raise OSError("the disk is gone")
+'''
+
+
+def test_a_close_that_raises_keeps_the_reward_already_earned(tiny_model_dir, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from rollout import score
+
+    monkeypatch.setenv("BAD_CLOSE", "1")
+    monkeypatch.setenv("CLOSE_LOG", str(tmp_path / "log"))
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    episodes, stats, env = play_file(tmp_path, CLOSES, "Closing", tok, ["x", "y"], [dict(prompt="p")], max_turns=2)
+    assert [e.env_reward for e in episodes] == [1.0, 1.0] and not any(e.failure for e in episodes)
+    assert score(None, episodes, env)[0] == [1.0, 1.0]
+    assert [kind for kind, _ in stats["tool_failures"]] == ["errors", "errors"]
+    assert "close() raised OSError: the disk is gone" in stats["tool_failures"][0][1]
+    # a prompt's rendering at load time closes the instance it reset: 1 row, and 2 episodes
+    assert (tmp_path / "log").read_text().count("closed") == 3
+
+
+def test_a_failed_play_closes_its_episodes(tiny_model_dir, tmp_path, monkeypatch):
+    """The server dies at the second turn: play raises, and every episode's instance is closed
+    (none left with its sandbox or scratch directory)."""
+    import concurrent.futures
+
+    from transformers import AutoTokenizer
+
+    import environments
+    from vllm_client import VLLMError
+
+    monkeypatch.setenv("CLOSE_LOG", str(tmp_path / "log"))
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    class Dying(ScriptedClient):
+        def submit(self, prompt_ids, *args, **kw):
+            if len(self.requests) >= 2:
+                future = concurrent.futures.Future()
+                future.set_exception(VLLMError("the server died"))
+                self.requests.append(None)
+                return future
+            return super().submit(prompt_ids, *args, **kw)
+
+    (tmp_path / "env.py").write_text(CLOSES)
+    cfg = Config(environment=f"{tmp_path}/env.py:Closing", tool_workers=0, max_prompt_length=200, response_length=256,
+                 max_turns=3, num_samples_per_prompt_rollout=2)
+    env = Environment(cfg.environment, tok, cfg)
+    env.start()
+    rows = with_prompts(env, tok, [dict(prompt="p")])
+    (tmp_path / "log").write_text("")
+    with pytest.raises(VLLMError):
+        play(cfg, Dying(tok, ["x", "y", "z"]), rows, 2, 0, tok, env)
+    assert environments.INSTANCES == {} and (tmp_path / "log").read_text().count("closed") == 2
+
+
+class FakeObservation:
+    def __init__(self, reward, done, text="obs"):
+        self.reward, self.done, self.text = reward, done, text
+
+
+class FakeOpenEnvEnvironment:
+    """An OpenEnv-shaped environment: each step pays 1 and is never done; what it was given is kept."""
+
+    def __init__(self):
+        self.actions = []
+
+    def reset(self):
+        return FakeObservation(0.0, False, "start")
+
+    def step(self, action):
+        self.actions.append(action)
+        return FakeObservation(1.0, False)
+
+
+def fake_openenv():
+    from openenv_adapter import OpenEnv
+    from tool_calls import ToolError
+
+    class Fake(OpenEnv):
+        def make(self, row):
+            return FakeOpenEnvEnvironment()
+
+        def action(self, text, tool_calls=None):
+            if text == "refused":
+                raise ToolError("not an action")
+            return (text, tool_calls)
+
+        def observe(self, observation):
+            return observation.text
+    return Fake()
+
+
+def test_openenv_steps_each_turn_once_when_an_earlier_one_was_refused():
+    """Turn 1 refused (a ToolError), turn 2 stepped (reward 1), then the budget ends the episode:
+    the reward is 1.0, not 2.0 from stepping turn 2 again."""
+    from tool_calls import ToolError
+
+    env, row = fake_openenv(), {}
+    messages = env.reset(row) + [{"role": "assistant", "content": "refused"}]
+    with pytest.raises(ToolError):
+        env.step(row, messages)
+    messages += [{"role": "tool", "content": "error: not an action"}, {"role": "assistant", "content": "fine"}]
+    messages += env.step(row, messages)
+    messages += [{"role": "assistant", "content": "last"}]  # max_turns ended it here: reward steps it, once
+    assert env.reward(row, messages) == 2.0 and env.env.actions == [("fine", None), ("last", None)]
+    assert env.reward(row, messages[:-1]) == 2.0  # nothing left unstepped: no step again
+
+
+def test_openenv_gets_the_parsed_tool_calls():
+    env, row = fake_openenv(), {}
+    calls = [{"id": "c00000000", "type": "function", "function": {"name": "look", "arguments": {"at": "door"}}}]
+    env.reset(row)
+    env.step(row, [{"role": "assistant", "content": "", "tool_calls": calls}])
+    assert env.env.actions == [("", calls)]
+
+
+def test_a_reward_that_fails_on_every_sample_stops_the_run_in_one_line(tiny_model_dir):
+    """A reward written for another signature raises on every sample: the step stops the run naming the
+    exception, where it used to score 0 everywhere and train nothing, exit 0."""
+    from transformers import AutoTokenizer
+
+    from rollout import RewardFailure, sample_groups
+    from worker_pool import RewardPool
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = Config(response_length=8, num_samples_per_prompt_rollout=2)
+    rows = [dict(prompt="q", answer="5", prompt_text="q", prompt_ids=tok("q")["input_ids"])]
+    pool = RewardPool("test_multiturn:needs_a_list", workers=0, fallback=float("nan"))  # as train.py makes it
+    with pytest.raises(RewardFailure, match=r"step 3: the reward failed on 2 of 2 samples \(reward_failure_stop=1\); "
+                                            r"first: the reward: TypeError: completions must be a list"):
+        sample_groups(cfg, ScriptedClient(tok, ["5"]), rows, 0, 3, pool, tok)
+    cfg = Config(response_length=8, num_samples_per_prompt_rollout=2, reward_failure_stop=1.5)
+    samples, m = sample_groups(cfg, ScriptedClient(tok, ["5"]), rows, 0, 3, pool, tok)
+    assert samples == [] and m["unscored_groups"] == 1 and m["reward_errors"] == 2
+
+
+def needs_a_list(prompt, completion, example):
+    raise TypeError("completions must be a list")

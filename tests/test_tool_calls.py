@@ -168,3 +168,63 @@ def test_the_native_calculator_answers_hermes_calls_on_a_chatml_template():
         assert [m["content"] for m in e.messages if m["role"] == "tool"][-3:] == ["84", "error: invalid syntax", "89"]
         assert e.turns == 4 and e.tool_calls == 3 and e.answer == "\\boxed{89}"
     assert [what for what, _ in stats["tool_failures"]] == ["bad_calls"] * 2
+
+
+def test_a_wrongly_typed_argument_is_the_policys_bad_call():
+    """calculate(expression=12) used to reach the tool and fail inside it (the environment's failure,
+    tool_errors); the schema says string: it is the policy's bad call."""
+    from environments import calculate
+
+    calls = [{"id": "x", "function": {"name": "calculate", "arguments": {"expression": 12}}},
+             {"id": "y", "function": {"name": "calculate", "arguments": {"expression": "2 + 3"}}}]
+    replies, bad = answer_calls([calculate], {"role": "assistant", "content": "", "tool_calls": calls})
+    assert bad and [m["content"] for m in replies] == [
+        "error: calculate: argument 'expression' must be string, not 12", "5"]
+
+    def scale(x: float, times: int, loud: bool = False) -> str:
+        """Scale.
+
+        Args:
+            x: a number
+            times: how often
+            loud: shout
+        """
+        return str(x * times)
+
+    def answered(**arguments):
+        call = [{"id": "z", "function": {"name": "scale", "arguments": arguments}}]
+        return answer_calls([scale], {"role": "assistant", "content": "", "tool_calls": call})[0][0]["content"]
+    assert answered(x=2, times=3) == "6" and answered(x=1.5, times=2) == "3.0"
+    assert answered(x=2, times=1.5).startswith("error: scale: argument 'times' must be integer")
+    assert answered(x=2, times=True).startswith("error: scale: argument 'times' must be integer")  # bool is no int
+
+
+def qwen3_thinking():
+    """Qwen3's tokenizer as the tests make it, with <think> and </think>, which the real one has."""
+    tok = family_tokenizer("qwen3")
+    tok.add_tokens(["<think>", "</think>"])
+    return tok
+
+
+@vllm_import
+def test_a_call_written_while_thinking_is_not_made():
+    """Qwen3 and hermes: a <tool_call> inside <think> (the model deciding against it) used to be made;
+    a reasoning span that only mentions the marker was a bad call. With --reasoning_parser qwen3 only
+    the text after </think> is read (vLLM 0.32's own qwen3 parser would end the reasoning at the
+    <tool_call>: the markers decide here)."""
+    tok = qwen3_thinking()
+    think = "<think>\nI could write " + call("calculate", {"expression": "2+3"}) + " but I know it.\n</think>\n\n"
+    cfg = Config(environment="environments:calculator_tool", tool_call_parser="hermes", reasoning_parser="qwen3")
+    env = Environment(cfg.environment, tok, cfg)
+    message = env.message(think + "It is \\boxed{5}.", 0)
+    assert "tool_calls" not in message and message["content"] == "\n\nIt is \\boxed{5}."
+    assert message["reasoning_content"].startswith("\nI could write <tool_call>")
+    mention = env.message("<think>The format is <tool_call> with JSON.</think>\n\nIt is 5.", 1)
+    assert env.parser.unread(mention) is None  # a mention while thinking is no bad call
+    made = env.message(think + call("calculate", {"expression": "7*6"}), 2)
+    assert [c["function"]["arguments"] for c in made["tool_calls"]] == [{"expression": "7*6"}]
+    plain = Environment(cfg.environment, tok, Config(environment=cfg.environment, tool_call_parser="hermes"))
+    assert "tool_calls" in plain.message(think + "It is \\boxed{5}.", 0)  # the defect, without the parser
+    with pytest.raises(ValueError, match="reasoning_parser='nope' is not one of vLLM's reasoning parsers"):
+        Environment(cfg.environment, tok, Config(environment=cfg.environment, tool_call_parser="hermes",
+                                                 reasoning_parser="nope"))
