@@ -16,8 +16,11 @@ have more:
         same messages for the same row, since they are rendered into the row's prompt once
     reward(row, messages) -> a number: the environment scores its episodes (the dataset's
         default reward is then unused; a --reward_fn you set is added to it)
-    close(): called on a per-episode instance when its episode ends
-    stop: stop strings that end an assistant turn, kept in its text (e.g. ["</calc>"])
+    close(): called on a per-episode instance when its episode ends (after reward; a close that
+        raises is counted, and the reward stands), or when its rollout failed
+    stop: stop strings that end an assistant turn, kept in its text (e.g. ["</calc>"]); at most
+        4 (vLLM's VLLM_MAX_STOP_STRINGS), checked at start-up
+    call_time: the seconds one call may need; a tool_timeout below it is refused at start-up
     tools: Python functions (type hints, a docstring with Args) or JSON schemas, rendered by the
         chat template (apply_chat_template(tools=...)). With --tool_call_parser (hermes,
         llama3_json, ...: vLLM's parsers) the policy's turns are read in the model's own format:
@@ -40,7 +43,8 @@ the policy, and how it is counted:
   tool_timeouts, tool_crashes), since the policy's input may have caused it (TRL answers a
   tool's exception the same way), and the step's first one is printed. With a per-episode
   environment a timeout or a crash took the episode's instance with its worker: the episode
-  ends there, as do the other episodes whose instances lived in that worker (tool_lost).
+  ends there, as do the other episodes whose instances lived in that worker (tool_lost), and
+  none of them is scored (rollout.py: their groups leave the batch).
 A message longer than tool_output_max_tokens is cut there (to a bounded number of characters
 first, then tokens). The worker is an ordinary process in a process group of its own, ended
 with its children on a timeout or a crash: it keeps a tool from stopping the run; it does not

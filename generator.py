@@ -11,6 +11,7 @@ restarted, up to vllm_max_restarts times, given the current weights, and asked f
 same step's prompts again; any other failure raises vllm_client.VLLMError on every rank.
 """
 
+import fcntl
 import os
 
 import torch.distributed as dist
@@ -19,8 +20,35 @@ from tqdm import tqdm
 import vllm_client
 import vllm_server
 from data import stop_token_ids
-from rollout import Rollouts, drop_stale, evaluate, rollout_batch
+from rollout import RewardFailure, Rollouts, drop_stale, evaluate, rollout_batch
 from weight_sync import AdapterSync, launch_state_dict, make_weight_sync, write_serving_dir
+
+
+HELD = {}  # run.lock path -> its open file, which this process holds (flock's lock lives as long as it is open)
+
+
+def claim_output_dir(output_dir):
+    """Lock output_dir/run.lock for this process's life (rank 0), or exit naming the run that holds
+    it: two runs in one output_dir overwrite each other's serving copy, metrics and checkpoints.
+    The kernel drops the lock when the process ends, however it ends (SIGKILL included), so a
+    killed run can be resumed at once. A second call in the same process is a no-op."""
+    path = os.path.realpath(os.path.join(output_dir, "run.lock"))
+    if path in HELD:
+        return
+    os.makedirs(output_dir, exist_ok=True)
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        other = f.read().strip() or "unknown"
+        f.close()
+        raise SystemExit(f"error: output_dir={output_dir!r} is in use by another run (pid {other}); give this run "
+                         "another --output_dir, or stop that run") from None
+    f.truncate(0)
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    HELD[path] = f
 
 
 class Generator:
@@ -38,9 +66,14 @@ class Generator:
             # the model's every end-of-sequence id, sent with each request: the server we launch
             # ignores generation_config.json (--generation-config vllm), and its serving copy has none
             stop_ids = stop_token_ids(tokenizer, cfg.model_name_or_path)
+            if rank == 0:
+                claim_output_dir(cfg.output_dir)  # before the serving copy and the log below are written
             if rank == 0 and cfg.vllm_server_urls:
+                # the key from the environment, not the config: the config is saved in run_info.json and
+                # every checkpoint, and a flag is visible to every local user in ps
                 self.client = vllm_client.VLLMClient(cfg.vllm_server_urls, None, cfg.vllm_request_timeout,
-                                                 cfg.vllm_max_retries, stop_token_ids=stop_ids)
+                                                 cfg.vllm_max_retries, stop_token_ids=stop_ids,
+                                                 api_key=os.environ.get("VLLM_API_KEY"))
             full = launch_state_dict(policy, cfg)  # a collective: every rank takes part
             if rank == 0 and not cfg.vllm_server_urls:
                 write_serving_dir(full, policy.config, tokenizer, self.served)
@@ -75,11 +108,15 @@ class Generator:
                 except vllm_client.VLLMError as e:
                     died = self.server is not None and self.server.poll() is not None
                     payload = [dict(error=str(e), restart=died and self.restarts < self.cfg.vllm_max_restarts)]
+                except (RewardFailure, ValueError) as e:  # a reward that fails everywhere, an environment refused
+                    payload = [dict(error=str(e), restart=False, refused=True)]
             dist.broadcast_object_list(payload, src=0)
             if isinstance(payload[0], tuple):
                 samples, m = payload[0]
                 self.position = m["prompts_seen"]  # what a checkpoint of this step records
                 return samples, m
+            if payload[0].get("refused"):  # every rank stops, rank 0 says why in one line
+                raise SystemExit(f"error: {payload[0]['error']}" if self.rank == 0 else 1)
             if not payload[0]["restart"]:
                 raise vllm_client.VLLMError(payload[0]["error"])
             self.restart(step, policy)
@@ -93,8 +130,8 @@ class Generator:
             self.rollouts = None
             self.sampler.position = self.position  # this step's prompts again
             vllm_server.stop_server(self.server)
-            self.server, _ = vllm_server.launch_server(self.served, self.cfg, self.log_path)
-            self.client.proc = self.server
+            self.server, url = vllm_server.launch_server(self.served, self.cfg, self.log_path)
+            self.client.proc, self.client.urls = self.server, [url]  # a new socket
         self.weight_sync.close()
         self.weight_sync = make_weight_sync(self.cfg, self.client, self.rank, self.device)
         self.weight_sync.sync(policy)

@@ -155,7 +155,7 @@ def resume(cfg, rank, state, sampler):
 
 def announce(cfg, plan, world_size, device, data, resumed_from, start, policy):
     """Rank 0, before step 0: what reproduces the run (run_info.json) and the batch arithmetic."""
-    train_rows, eval_rows, skipped, reward_fn = data
+    train_rows, eval_rows, skipped, reward = data
     info = tracking.run_info(cfg, world_size)
     with open(os.path.join(cfg.output_dir, "run_info.json"), "w") as f:
         json.dump(dict(info, skipped_rows=skipped, resumed_from=resumed_from), f, indent=2)
@@ -168,7 +168,7 @@ def announce(cfg, plan, world_size, device, data, resumed_from, start, policy):
           f"{cfg.max_tokens_per_micro_batch} tokens ({plan['micro_batches_at_full_length']} if every sequence had "
           f"its full length); {plan['optimizer_steps']} optimizer step(s) per rollout")
     print(f"data: {len(train_rows)} train / {len(eval_rows)} eval prompts from {cfg.dataset!r}, skipped {skipped}; "
-          f"reward {reward_fn.__name__}")
+          f"reward {reward}")
     if line := lora.describe(policy, cfg):
         print(line)
     if resumed_from:
@@ -248,7 +248,10 @@ def main(cfg: Config):
                       fallback=float("nan")) if rank == 0 else None
     log = tracking.MetricsLog(cfg.output_dir, start, tracker) if rank == 0 else None
     if rank == 0:
-        announce(cfg, plan, world_size, device, (train_rows, eval_rows, skipped, reward_fn), resumed_from, start,
+        # what scores: an environment with a reward method scores its episodes (and a --reward_fn is added)
+        reward = f"{getattr(reward_fn, '__name__', reward_fn)}" if not (env and env.scores) else \
+            f"{cfg.environment}'s own" + (f" + {cfg.reward_fn}" if cfg.reward_fn else "")
+        announce(cfg, plan, world_size, device, (train_rows, eval_rows, skipped, reward), resumed_from, start,
                  state.policy)
     gen, saved, trained, skipped_in_a_row = None, start, start, 0
     try:

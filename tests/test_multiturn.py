@@ -643,7 +643,8 @@ def fake_openenv():
 
 def test_openenv_steps_each_turn_once_when_an_earlier_one_was_refused():
     """Turn 1 refused (a ToolError), turn 2 stepped (reward 1), then the budget ends the episode:
-    the reward is 1.0, not 2.0 from stepping turn 2 again."""
+    the reward is 1.0; it was 2.0, from stepping turn 2 again. A last turn that max_turns kept
+    from the environment is stepped by reward, once."""
     from tool_calls import ToolError
 
     env, row = fake_openenv(), {}
@@ -651,10 +652,14 @@ def test_openenv_steps_each_turn_once_when_an_earlier_one_was_refused():
     with pytest.raises(ToolError):
         env.step(row, messages)
     messages += [{"role": "tool", "content": "error: not an action"}, {"role": "assistant", "content": "fine"}]
-    messages += env.step(row, messages)
-    messages += [{"role": "assistant", "content": "last"}]  # max_turns ended it here: reward steps it, once
-    assert env.reward(row, messages) == 2.0 and env.env.actions == [("fine", None), ("last", None)]
-    assert env.reward(row, messages[:-1]) == 2.0  # nothing left unstepped: no step again
+    env.step(row, messages)  # its observation did not fit the budget: the episode ends on this turn
+    assert env.reward(row, messages) == 1.0 and env.env.actions == [("fine", None)]
+    env = fake_openenv()
+    messages = env.reset(row) + [{"role": "assistant", "content": "refused"}]
+    with pytest.raises(ToolError):
+        env.step(row, messages)
+    messages += [{"role": "tool", "content": "error: not an action"}, {"role": "assistant", "content": "last"}]
+    assert env.reward(row, messages) == 1.0 and env.env.actions == [("last", None)]  # max_turns ended it here
 
 
 def test_openenv_gets_the_parsed_tool_calls():
