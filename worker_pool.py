@@ -2,7 +2,7 @@
 reward of every sample, and an environment's answer to every assistant turn (its tool calls).
 
     pool = RewardPool(rewards.math_reward, workers=2, timeout=10.0)   # or "file.py:fn", "module:fn"
-    values, counts, first_failure = pool.score(prompts, completions, examples)
+    values, counts, first_failure = pool.score(prompts, completions, examples, completion_ids)
     pool.close()
 
     tools = CallPool(environments.Calls(spec), workers=2, timeout=5.0, kind="tool", check=None, fallback=None)
@@ -10,7 +10,8 @@ reward of every sample, and an environment's answer to every assistant turn (its
     # failures: [(index, "timeouts", why), ...]; pin: the worker that must run each call (None: any)
 
 A reward that runs past `timeout` seconds (reward_timeout), kills its own process, raises,
-or returns something that is not a number (rewards.to_float) scores 0. Each is counted
+or returns something that is not a number (rewards.to_float; in TRL's form, not a list of one
+number per completion) scores 0 (RewardPool's `fallback`). Each is counted
 (`reward_timeouts`, `reward_crashes`, `reward_errors`; `tool_...` for an environment) and
 the first is described; a worker that hung or died is killed and replaced, and the rest
 goes on. Each worker leads its own process group, and a worker that is stopped, hung or dead
@@ -37,11 +38,13 @@ import atexit
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 
-from rewards import load_object, to_float
+from rewards import Reward, load_object, to_float
 
 STARTUP_TIMEOUT = 120.0  # seconds for a new worker to load the function and say it is ready
 MAX_EARLY_DEATHS = 3  # workers killed by a signal before "ready", in a row, before loading is called broken
@@ -62,10 +65,11 @@ def call_one(fn, check, fallback, args):
         return fallback, f"{type(e).__name__}: {e}"
 
 
-def work(conn, fn, check, fallback):
+def work(conn, fn, check, fallback, scratch):
     """A worker: load the function, say ready, then answer (i, args) with (i, value, error)
-    until the pipe closes."""
+    until the pipe closes. Its temporary files go into `scratch`, which the pool removes with it."""
     os.setsid()  # its own process group: ending the group ends whatever a call started (end_group)
+    os.environ["TMPDIR"] = tempfile.tempdir = scratch  # an instance that dies with the worker leaves nothing behind
     try:  # SIGKILL when the forkserver dies (it dies with the trainer): no orphan left hanging in a reward
         import ctypes
 
@@ -97,7 +101,10 @@ def end_group(proc):
 class Worker:
     def __init__(self, ctx, fn, check, fallback):
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=work, args=(child, fn, check, fallback), daemon=True)
+        # the worker's temporary files (a per-episode instance's scratch directory, a sandbox's): a worker
+        # killed mid-call cannot close its episodes' instances, so what they made goes with the worker
+        self.scratch = tempfile.mkdtemp(prefix="worker-")
+        self.proc = ctx.Process(target=work, args=(child, fn, check, fallback, self.scratch), daemon=True)
         self.proc.start()
         child.close()
         self.ready, self.task, self.deadline, self.started = False, None, None, time.monotonic()
@@ -107,6 +114,7 @@ class Worker:
         self.conn.close()  # a healthy worker sees EOF and returns
         self.proc.join(timeout=1)
         end_group(self.proc)  # and what its calls left running
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 class CallPool:
@@ -215,6 +223,7 @@ class CallPool:
         w = self.workers[k]
         end_group(w.proc)
         w.conn.close()
+        shutil.rmtree(w.scratch, ignore_errors=True)  # the instances it held are gone: their files too
         self.workers[k] = Worker(self.ctx, self.spec, self.check, self.fallback)
         self.workers[k].early_deaths = early_deaths
 
@@ -225,14 +234,19 @@ class CallPool:
 
 
 class RewardPool(CallPool):
-    """The reward of each (prompt, completion, example); 0 for one that fails."""
+    """The reward of each (prompt, completion, example); 0 for one that fails. The reward is in our form or
+    TRL's (rewards.Reward, which tells them apart at load and calls either one sample at a time)."""
 
-    def __init__(self, reward, workers=2, timeout=10.0):
-        super().__init__(reward, workers, timeout)
+    def __init__(self, reward, workers=2, timeout=10.0, fallback=0.0):
+        # fallback: the value of a failed sample (float("nan") lets the caller tell it from a real 0)
+        super().__init__(reward if isinstance(reward, Reward) else Reward(reward), workers, timeout, fallback=fallback)
 
-    def score(self, prompts, completions, examples):
+    def score(self, prompts, completions, examples, completion_ids=None):
         """Rewards in input order; counts of reward_errors, reward_timeouts and reward_crashes; the
-        first failure's description (None when all went well)."""
-        values, failures = self.map(list(zip(prompts, completions, examples)))
+        first failure's description, "sample i: ExceptionType: message" (None when all went well).
+        Every sample failed when the counts sum to len(prompts). completion_ids: each sample's sampled
+        token ids, for a TRL-form reward's `completion_ids` (None: not given)."""
+        completion_ids = [None] * len(prompts) if completion_ids is None else completion_ids
+        values, failures = self.map(list(zip(prompts, completions, examples, completion_ids)))
         counts = {f"reward_{what}": sum(f[1] == what for f in failures) for what in ("errors", "timeouts", "crashes")}
         return values, counts, f"sample {failures[0][0]}: {failures[0][2]}" if failures else None

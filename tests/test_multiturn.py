@@ -6,6 +6,7 @@ on SmolLM2 with the real vLLM server."""
 
 import concurrent.futures
 import copy
+import os
 import re
 import threading
 
@@ -692,3 +693,53 @@ def test_a_reward_that_fails_on_every_sample_stops_the_run_in_one_line(tiny_mode
 
 def needs_a_list(prompt, completion, example):
     raise TypeError("completions must be a list")
+
+
+SCRATCH = '''
+import os
+import shutil
+import tempfile
+
+
+class Scratch:
+    """Makes a scratch directory per episode (logged to the row's "log"), removed by close; a row
+    with "crash" kills its worker at the first step."""
+
+    def reset(self, row):
+        self.dir = tempfile.mkdtemp()
+        with open(row["log"], "a") as f:
+            f.write(self.dir + "\\n")
+        return [{"role": "user", "content": "go"}]
+
+    def step(self, row, messages):
+        if row.get("crash"):
+            os._exit(3)
+        return [{"role": "user", "content": "ok"}]
+
+    def close(self):
+        shutil.rmtree(self.dir)
+'''
+
+
+@pytest.mark.subprocess
+def test_a_replaced_worker_leaves_no_scratch_of_its_episodes(tiny_model_dir, tmp_path):
+    """A worker killed mid-call cannot close the instances it held: what they made in its temporary
+    directory goes with it when it is replaced (it used to stay, a sandbox's scratch included)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    log = tmp_path / "dirs"
+    (tmp_path / "env.py").write_text(SCRATCH)
+    cfg = Config(environment=f"{tmp_path}/env.py:Scratch", tool_workers=2, tool_timeout=20.0, max_prompt_length=200,
+                 response_length=256, max_turns=3, num_samples_per_prompt_rollout=2)
+    env = Environment(cfg.environment, tok, cfg)
+    env.start()
+    try:
+        rows = with_prompts(env, tok, [dict(prompt="a", log=str(log), crash=True), dict(prompt="b", log=str(log))])
+        log.write_text("")  # the directories of the episodes, not of the prompts' rendering
+        episodes, stats = play(cfg, ScriptedClient(tok, ["x"] * 3), rows, 2, 0, tok, env)
+        made = log.read_text().split()
+        assert len(made) >= 4 and sum(kind == "crashes" for kind, _ in stats["tool_failures"]) == 2
+        assert [d for d in made if os.path.exists(d)] == []  # the pool is still up: gone with their workers
+    finally:
+        env.close()
