@@ -17,6 +17,9 @@ Built-in tasks (deterministic by seed; evaluation prompts are disjoint from trai
 User data: `--dataset` names a local .jsonl/.json/.parquet/.csv file or a hub dataset;
 `--dataset_prompt_column` and `--dataset_answer_column` map its columns onto
 "prompt" and "answer" (other columns are kept and reach the reward as `example`).
+TRL's forms: a `prompt` of messages, and prompt-completion rows, whose `completion` is the
+gold answer when there is no answer column. A prompt that ends with an assistant message
+(TRL's whole-conversation `messages`) is refused: the answer would be in the prompt.
 GSM8K rows (question; answer ending in "#### 72") and MATH rows (problem; solution with
 \\boxed{}) train with `--reward_fn rewards:math_reward`, which reads the gold answer there.
 """
@@ -27,7 +30,7 @@ import os
 import random
 import zlib
 
-from rewards import copy_reward, exact_match, load_reward_fn, math_reward, number_reward
+from rewards import check_columns, copy_reward, exact_match, load_reward_fn, math_reward, number_reward
 
 # --- built-in tasks
 
@@ -151,14 +154,27 @@ def load_rows(cfg):
     if cfg.dataset_prompt_column not in ds.column_names:
         raise ValueError(f"dataset {cfg.dataset!r} has no column {cfg.dataset_prompt_column!r} "
                          f"(columns: {', '.join(ds.column_names)}); set --dataset_prompt_column")
+    # TRL's prompt-completion form: without an answer column, the completion is the gold answer
+    gold = cfg.dataset_answer_column if cfg.dataset_answer_column in ds.column_names else \
+        "completion" if "completion" in ds.column_names and cfg.dataset_prompt_column != "completion" else None
     rows = []
     for row in ds:
         row = dict(row)
         row["prompt"] = row.pop(cfg.dataset_prompt_column)
-        if cfg.dataset_answer_column in row:
-            row["answer"] = row.pop(cfg.dataset_answer_column)
+        if gold == "completion":  # kept too: our reward sees it in example, TRL's form does not (as in TRL)
+            row["answer"] = completion_answer(row["completion"])
+        elif gold:
+            row["answer"] = row.pop(gold)
         rows.append(row)
     return rows
+
+
+def completion_answer(completion):
+    """A prompt-completion row's completion as a gold answer: a string as it is, messages (TRL's
+    conversational form, [{"role": "assistant", "content": ...}]) as the last one's content."""
+    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
+        return completion[-1].get("content")
+    return completion
 
 
 def prompt_text(prompt, tokenizer, chat, tools=None):
@@ -179,7 +195,7 @@ def tokenize_rows(rows, tokenizer, cfg, env=None):
     which they are made). Empty or malformed rows are skipped, prompts longer than
     max_prompt_length are skipped or refused (skip_long_prompts).
     Returns (rows, counts of what was skipped)."""
-    kept, skipped = [], {"empty": 0, "malformed": 0, "too_long": 0}
+    kept, skipped, shortest = [], {"empty": 0, "malformed": 0, "too_long": 0}, None
     for row in rows:
         p = row.get("prompt")
         ok = isinstance(p, str) or (isinstance(p, list) and all(
@@ -190,6 +206,11 @@ def tokenize_rows(rows, tokenizer, cfg, env=None):
         if not (p.strip() if isinstance(p, str) else p):
             skipped["empty"] += 1
             continue
+        if isinstance(p, list) and p[-1]["role"] == "assistant":  # a whole conversation (TRL's `messages`)
+            raise ValueError(f"a prompt ends with an assistant message ({p[-1]['content'][:40]!r}), which would put "
+                             f"the answer into the prompt; split each row into TRL's prompt-completion form (`prompt`: "
+                             f"the messages before the answer, `completion`: the answer), or set "
+                             f"--dataset_prompt_column to a column that holds only the prompt")
         # an environment's conversation, over any dataset column of that name; without one a "messages"
         # column stays the dataset's own, for the reward (rollout.Episode reads it only with an environment)
         extra = {"messages": env.reset(row)} if env else {}
@@ -201,11 +222,19 @@ def tokenize_rows(rows, tokenizer, cfg, env=None):
                 raise ValueError(f"a prompt has {len(ids)} tokens, over max_prompt_length={cfg.max_prompt_length}: "
                                  f"{text[:60]!r}...; raise max_prompt_length or set skip_long_prompts=True")
             skipped["too_long"] += 1
+            shortest = min(len(ids), shortest or len(ids))
             continue
         kept.append({**row, **extra, "prompt_text": text, "prompt_ids": ids})
+    if not kept and skipped["too_long"] == len(rows):
+        raise ValueError(f"all {len(rows)} prompts of {cfg.dataset!r} are longer than max_prompt_length="
+                         f"{cfg.max_prompt_length} tokens, the shortest {shortest}; raise max_prompt_length to at "
+                         f"least {shortest}")
     if not kept:
-        raise ValueError(f"no usable prompts in {cfg.dataset!r} (skipped: {skipped}); check the prompt column "
-                         f"and max_prompt_length={cfg.max_prompt_length}")
+        long = f", {skipped['too_long']} over max_prompt_length={cfg.max_prompt_length} tokens (the shortest " \
+               f"{shortest})" if shortest else ""
+        raise ValueError(f"no usable prompts in {cfg.dataset!r}: {skipped['empty']} empty, {skipped['malformed']} "
+                         f"malformed{long}; check --dataset_prompt_column (a string, or a list of "
+                         f"{{role, content}} messages)")
     return kept, skipped
 
 
@@ -229,6 +258,7 @@ def load_prompts(cfg, tokenizer, env=None):
     reward_fn = load_reward_fn(cfg.reward_fn) if cfg.reward_fn else default_reward
     train, skipped = tokenize_rows(train, tokenizer, cfg, env)
     evals = tokenize_rows(evals, tokenizer, cfg, env)[0] if evals else []
+    check_columns(reward_fn, train[0], f"reward_fn={cfg.reward_fn!r}")  # a TRL reward's named columns
     return train, evals, skipped, reward_fn
 
 

@@ -11,7 +11,7 @@ reward of every sample, and an environment's answer to every assistant turn (its
 
 A reward that runs past `timeout` seconds (reward_timeout), kills its own process, raises,
 or returns something that is not a number (rewards.to_float; in TRL's form, not a list of one
-number per completion) scores 0 (RewardPool's `fallback`). Each is counted
+number per completion) gets RewardPool's `fallback` (train.py: NaN, an unscored sample). Each is counted
 (`reward_timeouts`, `reward_crashes`, `reward_errors`; `tool_...` for an environment) and
 the first is described; a worker that hung or died is killed and replaced, and the rest
 goes on. Each worker leads its own process group, and a worker that is stopped, hung or dead

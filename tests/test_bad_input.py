@@ -165,3 +165,37 @@ def test_train_py_without_its_model_fails_in_seconds(tmp_path):
     assert p.returncode == 2 and len(err) == 1, p.stderr[-2000:]
     assert "cannot be reached" in err[0] and ".venv/bin/python scripts/make_tiny_model.py --out models/not-built-yet" \
         in err[0], err[0]
+
+
+# (what the run is given, what its one line must say); before, the first two started and the third
+# printed a dict of counts
+BAD_DATA = [
+    ("reward", "fits neither accepted form; write `reward(prompt, completion, example)`"),
+    ("conversation", "ends with an assistant message"),
+    ("too_long", "are longer than max_prompt_length=4 tokens, the shortest 5; raise max_prompt_length to at least 5"),
+]
+
+
+@pytest.mark.parametrize("what,says", BAD_DATA, ids=[w for w, _ in BAD_DATA])
+def test_bad_rewards_and_rows_are_refused_in_one_line(capsys, monkeypatch, tmp_path, tiny_model_dir, what, says):
+    import json
+
+    import datasets
+
+    import train
+
+    reward, rows = tmp_path / "r.py", tmp_path / "d.jsonl"
+    reward.write_text("def r(x):\n    return 1.0\n")
+    chat = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]
+    rows.write_text("".join(json.dumps({"messages": chat, "prompt": "12345"}) + "\n" for _ in range(5)))
+    overrides = {"reward": dict(reward_fn=f"{reward}:r"), "too_long": dict(max_prompt_length=4),
+                 "conversation": dict(dataset_prompt_column="messages")}[what]
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    cfg = Config(model_name_or_path=tiny_model_dir, output_dir=str(tmp_path / "out"), dataset=str(rows),
+                 num_eval_prompts=0, **overrides)
+    datasets.disable_progress_bars()  # its "Generating train split" bars on stderr are no error lines
+    try:
+        assert says in one_error_line(capsys, lambda: train.load_inputs(cfg))
+    finally:
+        datasets.enable_progress_bars()

@@ -174,7 +174,7 @@ def test_completion_text_strips_any_stop_id(llama_like_dir):
 class KeepExamples:
     """A RewardPool stand-in: scores 0 and keeps the examples the reward would see."""
 
-    def score(self, prompts, completions, examples):
+    def score(self, prompts, completions, examples, completion_ids=None):
         self.examples = examples
         return [0.0] * len(prompts), {}, None
 
@@ -198,3 +198,59 @@ def test_messages_column_in_a_single_turn_dataset(tmp_path, tokenizer):
         score(pool, [Episode(k, row, 8) for k, row in enumerate(train)])
         seen.update({e["prompt"]: e["messages"] for e in pool.examples})
     assert seen == {"1+1=": chat, "2+2=": None, "3+3=": "user: hi"}
+
+
+def jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize("column", ["prompt", "messages"])
+def test_a_prompt_that_ends_with_the_assistant_s_answer_is_refused(tmp_path, tokenizer, column):
+    """TRL's conversational `messages` rows (the whole conversation) given as the prompt: before, accepted,
+    and the gold answer was in every prompt."""
+    chat = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]
+    path = jsonl(tmp_path / "d.jsonl", [{column: chat}] * 6)
+    with pytest.raises(ValueError) as e:
+        data.load_prompts(Config(dataset=path, dataset_prompt_column=column, num_eval_prompts=0), tokenizer)
+    line = str(e.value)
+    assert "\n" not in line and "ends with an assistant message ('2')" in line
+    assert "prompt-completion" in line and "--dataset_prompt_column" in line
+
+
+@pytest.mark.parametrize("conversational", [False, True])
+def test_a_prompt_completion_dataset_trains_with_the_completion_as_the_answer(tmp_path, tokenizer, conversational):
+    """TRL's prompt-completion form: the completion is the gold answer when no answer column exists (and
+    stays in the row). Before: no "answer", so the default reward raised KeyError on every sample."""
+    def row(i):
+        if conversational:
+            return {"prompt": [{"role": "user", "content": f"{i}+1="}],
+                    "completion": [{"role": "assistant", "content": str(i + 1)}]}
+        return {"prompt": f"{i}+1=", "completion": str(i + 1)}
+    path = jsonl(tmp_path / "d.jsonl", [row(i) for i in range(10)])
+    train, evals, _, reward_fn = data.load_prompts(Config(dataset=path, num_eval_prompts=2), tokenizer)
+    assert len(train) == 8 and len(evals) == 2 and reward_fn is data.exact_match
+    for r in train + evals:
+        assert r["answer"] == str(int(data.completion_answer(r["completion"])))
+        question = r["prompt"][0]["content"] if conversational else r["prompt"]
+        assert reward_fn(r["prompt_text"], str(int(question.split("+")[0]) + 1), r) == 1.0
+    with_answers = jsonl(tmp_path / "a.jsonl", [dict(row(i), answer="x") for i in range(10)])
+    train, _, _, _ = data.load_prompts(Config(dataset=with_answers, num_eval_prompts=0), tokenizer)
+    assert {r["answer"] for r in train} == {"x"}  # an answer column, when there is one, is the answer
+
+
+def test_all_prompts_too_long_is_said_in_one_line(tmp_path, tokenizer):
+    """Before: "no usable prompts ... (skipped: {'empty': 0, 'malformed': 0, 'too_long': 3})", without the
+    lengths or the value that would do."""
+    path = jsonl(tmp_path / "d.jsonl", [{"prompt": "x" * n, "answer": "1"} for n in (30, 12, 50)])
+    with pytest.raises(ValueError) as e:
+        data.load_prompts(Config(dataset=path, max_prompt_length=10, num_eval_prompts=0), tokenizer)
+    assert str(e.value) == (f"all 3 prompts of {path!r} are longer than max_prompt_length=10 tokens, the shortest "
+                            "12; raise max_prompt_length to at least 12")
+    with pytest.raises(ValueError, match=r"^all 4096 prompts of 'add' are longer than max_prompt_length=3 tokens, "
+                                         r"the shortest 4; raise max_prompt_length to at least 4$"):
+        data.load_prompts(Config(dataset="add", max_prompt_length=3), tokenizer)
+    mixed = jsonl(tmp_path / "m.jsonl", [{"prompt": "x" * 30}, {"prompt": " "}, {"prompt": 5}])
+    with pytest.raises(ValueError, match=r"^no usable prompts in .*: 1 empty, 1 malformed, 1 over "
+                                         r"max_prompt_length=10 tokens \(the shortest 30\); check"):
+        data.load_prompts(Config(dataset=mixed, max_prompt_length=10, num_eval_prompts=0), tokenizer)

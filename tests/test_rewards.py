@@ -121,3 +121,49 @@ def test_a_gsm8k_file_loads_and_scores_with_the_math_reward(tiny_model_dir):
         assert reward_fn(r["prompt_text"], "Work...\n#### 11", r) == 0.0
     three_and_a_half = next(r for r in train + evals if "cakes" in r["prompt"])
     assert reward_fn("", "\\boxed{\\frac{7}{2}}", three_and_a_half) == 1.0
+
+
+def ours_with_default(prompt, completion, example, scale=1.0):
+    return scale
+
+
+class Scorer:
+    def __call__(self, prompt, completion, example):
+        return 1.0
+
+
+@pytest.mark.parametrize("fn,form", [
+    (rewards.math_reward, "ours"), (ours_with_default, "ours"), (Scorer(), "ours"), (lambda *args: 1.0, "ours"),
+    (lambda completions, **kwargs: [1.0], "trl"), (lambda prompts, completions, answer: [1.0], "trl"),
+    (lambda completions: [1.0], "trl")])
+def test_the_reward_form_is_read_off_the_signature(fn, form):
+    assert rewards.reward_form(fn) == form
+
+
+@pytest.mark.parametrize("source", ["def r(x):\n    return 1.0\n", "def r(prompt, completion):\n    return 1.0\n",
+                                    "def r(prompt, completion, example, *, k):\n    return 1.0\n",
+                                    "def r(**kwargs):\n    return [1.0]\n"])
+def test_a_reward_that_fits_neither_form_is_refused_at_load(tmp_path, source):
+    """Before: accepted, and every sample of every step failed with a TypeError while the run went on."""
+    from worker_pool import RewardPool
+
+    f = tmp_path / "r.py"
+    f.write_text(source)
+    for load in (rewards.load_reward_fn, lambda spec: RewardPool(spec, workers=0)):
+        with pytest.raises(ValueError) as e:
+            load(f"{f}:r")
+        line = str(e.value)
+        assert "\n" not in line and "fits neither" in line and "reward(prompt, completion, example)" in line
+        assert "reward(completions, **kwargs)" in line
+
+
+def test_a_trl_reward_that_names_a_missing_column_is_refused_at_load(tmp_path, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    f = tmp_path / "r.py"
+    f.write_text("def r(completions, solution):\n    return [float(c == s) for c, s in zip(completions, solution)]\n")
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    with pytest.raises(ValueError, match="takes 'solution', which is no column of the dataset \\(columns: answer\\)"):
+        data.load_prompts(Config(dataset="add", reward_fn=f"{f}:r"), tok)
+    f.write_text("def r(completions, answer):\n    return [float(c == a) for c, a in zip(completions, answer)]\n")
+    assert data.load_prompts(Config(dataset="add", reward_fn=f"{f}:r"), tok)[3].__name__ == "r"

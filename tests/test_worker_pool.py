@@ -153,3 +153,68 @@ def test_the_first_failure_described_is_the_first_sample_s_whichever_worker_ends
         pool.close()
     assert values == [0.0, 0.0] and counts["reward_errors"] == 2
     assert first == "sample 0: ValueError: slow bad reward"
+
+
+def trl_reward(completions, prompts, completion_ids, answer, **kwargs):
+    """TRL's form, as GRPOTrainer calls it: 1 for the answer (a messages prompt's completion is one assistant
+    message), 10 more for a messages prompt, 0.01 per completion token; None (not applicable) for "skip"."""
+    assert kwargs.pop("trainer_state") is None and set(kwargs) <= {"level"}, kwargs  # no prompt_text, prompt_ids
+    values = []
+    for c, p, ids, a in zip(completions, prompts, completion_ids, answer, strict=True):
+        if isinstance(p, list):
+            assert len(c) == 1 and c[0]["role"] == "assistant", c
+            c = c[0]["content"]
+        values.append(None if c == "skip" else float(c == a) + 10 * isinstance(p, list) + 0.01 * len(ids))
+    return values
+
+
+def trl_kwargs_only(completions, **kwargs):
+    """TRL's form with the dataset's columns read from **kwargs, a tuple back."""
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return tuple(float(t == s) * level for t, s, level in zip(texts, kwargs["solution"], kwargs["level"]))
+
+
+def trl_wrong(completions, **kwargs):
+    """What a TRL-form reward must not return for one completion."""
+    return {"none": [], "number": 1.0, "two": [1.0, 1.0], "text": ["1"], "ok": [0.5]}[completions[0]]
+
+
+TRL, TRL_KWARGS, TRL_WRONG = (f"{os.path.abspath(__file__)}:{name}" for name in ("trl_reward", "trl_kwargs_only",
+                                                                                  "trl_wrong"))
+CHAT = [{"role": "user", "content": "1+1="}]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_trl_reward_scores_standard_and_conversational_prompts(workers):
+    """TRL's `reward(completions, **kwargs) -> list` runs unmodified: one-element lists per sample, the row's
+    prompt as `prompts` (a string, or messages: then each completion is an assistant message), the sampled ids,
+    the dataset's columns by name; None scores 0 and is no failure. Before: every sample a TypeError, scored 0."""
+    rows = [dict(prompt="1+1=", answer="2", level=1, prompt_text="1+1=", prompt_ids=[1, 2]),
+            dict(prompt=CHAT, answer="2", level=3, prompt_text="<chat>1+1=", prompt_ids=[5], completion="2")]
+    examples, completions, ids = [rows[0], rows[1], rows[0], rows[1]], ["2", "2", "3", "skip"], [[7, 8], [7], [], [1]]
+    pools = [RewardPool(spec, workers=workers, timeout=60) for spec in (TRL, TRL_KWARGS)]
+    try:
+        renamed = [dict(r, solution=r.pop("answer")) for r in [dict(r) for r in examples]]
+        values, counts, first = pools[1].score(["p"] * 4, ["2", "3", "3", "2"], renamed)  # no completion_ids
+        assert values == [1.0, 0.0, 0.0, 3.0] and first is None
+        values, counts, first = pools[0].score([r["prompt_text"] for r in examples], completions, examples, ids)
+        assert values == [1.02, 11.01, 0.0, 0.0] and sum(counts.values()) == 0 and first is None
+    finally:
+        for pool in pools:
+            pool.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_trl_reward_that_returns_the_wrong_thing_is_an_error(workers):
+    """A list of another length, a bare number or a non-number: counted and described with its type and
+    message (the caller sees a call whose every sample failed: counts summing to the samples)."""
+    pool = RewardPool(TRL_WRONG, workers=workers, timeout=60)
+    try:
+        values, counts, first = run(pool, ["none", "number", "two", "text", "ok"])
+    finally:
+        pool.close()
+    assert values == [0.0, 0.0, 0.0, 0.0, 0.5] and counts["reward_errors"] == 4
+    assert first == "sample 0: ValueError: returned 0 values for 1 completion; a TRL-form reward returns one per " \
+                    "completion"
+    values, counts, first = RewardPool(TRL_WRONG, workers=0).score(["p"], ["number"], [{}])
+    assert sum(counts.values()) == len(values) and first.startswith("sample 0: TypeError: returned 1.0, not a list")
