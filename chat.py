@@ -112,21 +112,36 @@ class ChatTokens:
         eos_id the template never writes (Qwen2.5's <|endoftext|>, Llama-3.1's <|end_of_text|>)
         is text of the turn, and the whole closing follows it, as the template renders a turn
         that ends with that text."""
-        hidden = []  # the control-token strings the messages hold, each rendered as a mark
-
-        def hide(match):
-            hidden.append(match.group())
-            return f"{self.mark}{len(hidden) - 1}{self.mark}"
-        if self.specials:
-            messages = [dict(m, content=self.specials.sub(hide, m["content"])) for m in messages]
+        messages, hidden = self.hide(messages)
         text = self.after(messages)
         ended = self.tokenizer.decode([eos_id]) if eos_id is not None else ""
         if ended and text.startswith(ended):
             text = text[len(ended):]
         elif ended and ended in str(self.tokenizer.chat_template) and text.startswith(self.closing_token):
             text = text[len(self.closing_token):]  # the token that ended the turn in place of the closing's
-        # the template's text as it is (its own control tokens); a mark as the plain text of the string it
-        # hides: "<|im_start|>user" that a tool printed is characters to the policy, never a new turn
+        return self.encode(text, hidden)
+
+    def prompt_ids(self, messages):
+        """Token ids of an environment's first messages rendered as the prompt (generation prompt
+        included), its control-token strings kept as text as in ids."""
+        messages, hidden = self.hide(messages)
+        return self.encode(self.render(messages, generation_prompt=True), hidden)
+
+    def hide(self, messages):
+        """The messages with each control-token string in their content replaced by a mark, and the
+        strings the marks stand for."""
+        hidden = []
+
+        def mark(match):
+            hidden.append(match.group())
+            return f"{self.mark}{len(hidden) - 1}{self.mark}"
+        if self.specials:
+            messages = [dict(m, content=self.specials.sub(mark, m["content"])) for m in messages]
+        return messages, hidden
+
+    def encode(self, text, hidden):
+        """The template's text as it is (its own control tokens), a mark as the plain text of the string
+        it hides: "<|im_start|>user" that a tool printed is characters to the policy, never a new turn."""
         parts, ids = re.split(f"{self.mark}(\\d+){self.mark}", text), []
         for i, part in enumerate(parts):
             ids += self.tokenizer(hidden[int(part)] if i % 2 else part, add_special_tokens=False,

@@ -216,7 +216,8 @@ def tokenize_rows(rows, tokenizer, cfg, env=None):
         extra = {"messages": env.reset(row)} if env else {}
         text = prompt_text(extra["messages"], tokenizer, True, env.tools) if env else \
             prompt_text(p, tokenizer, cfg.apply_chat_template)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        # an environment's first messages are its text: control-token strings in them stay text (chat.py)
+        ids = env.chat.prompt_ids(extra["messages"]) if env else tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > cfg.max_prompt_length:
             if not cfg.skip_long_prompts:
                 raise ValueError(f"a prompt has {len(ids)} tokens, over max_prompt_length={cfg.max_prompt_length}: "

@@ -16,6 +16,7 @@ turn: a prompt and its completion.
 """
 
 import concurrent.futures
+import contextlib
 import threading
 import time
 
@@ -120,7 +121,8 @@ def play(cfg, client, rows, n, seed, tokenizer, env=None, temperature=None):
     finally:  # a request failed (a dead server): the others end before the error goes on, none left behind,
         concurrent.futures.wait(pending)  # and the episodes' instances are closed
         if env and not finished:
-            env.discard(episodes)
+            with contextlib.suppress(Exception):  # cleanup on the way out: the error that got us here goes on
+                env.discard(episodes)
     timing = dict(time_generate=time.perf_counter() - started - tools)
     t = time.perf_counter()
     failures += finish(episodes, env) if env else []
