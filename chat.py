@@ -46,9 +46,10 @@ class ChatTokens:
         # the closing's first token (ChatML's <|im_end|>, Llama-3's <|eot_id|>), which a sampled end-of-sequence
         # token may stand for (ids)
         self.closing_token = tokenizer.decode(tokenizer(self.close, add_special_tokens=False)["input_ids"][:1])
-        # the control tokens (<|im_start|>, <|eot_id|>, ...): in an environment's text they stay text (ids)
-        specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len)
-        self.specials = re.compile("|".join(map(re.escape, reversed(specials)))) if specials else None
+        # the tokens added to the vocabulary: control tokens (<|im_start|>, <|eot_id|>) and markers (Qwen's
+        # <tool_call>, <tool_response>, <think>): in an environment's text they stay text (ids)
+        added = sorted({t.content for t in tokenizer.added_tokens_decoder.values()}, key=len)
+        self.specials = re.compile("|".join(map(re.escape, reversed(added)))) if added else None
         self.mark, self.roles = f"zq{uuid.uuid4().hex}zq", {}  # a string no text holds; role -> rendered?
 
     def drift(self):
@@ -93,6 +94,21 @@ class ChatTokens:
             except Exception:  # noqa: BLE001 - a template may raise on a role it does not know
                 self.roles[role] = False
         return self.roles[role]
+
+    def check_first(self, messages, spec):
+        """ValueError in one line for an environment's first message (rendered as the prompt) whose
+        content the template leaves out."""
+        marked = [dict(m, content=f"{self.mark}{i}{self.mark}") for i, m in enumerate(messages)]
+        text = self.render(marked, generation_prompt=True)
+        for i, m in enumerate(messages):
+            if m["content"] and f"{self.mark}{i}{self.mark}" not in text:
+                raise ValueError(f"environment={spec!r} starts with a {m['role']!r} message that the chat template "
+                                 f"of {self.tokenizer.name_or_path!r} leaves out of the prompt (the policy would never "
+                                 "see it); use a 'system' or 'user' message")
+
+    def generation_prompt(self):
+        """The text the template adds to open the assistant's turn (Qwen3-Thinking's ends in <think>)."""
+        return self.render(self.BASE, generation_prompt=True)[len(self.render(self.BASE)):]
 
     def check_roles(self, messages, spec):
         """ValueError in one line for a message whose content the template would never show the policy."""
@@ -144,6 +160,12 @@ class ChatTokens:
         it hides: "<|im_start|>user" that a tool printed is characters to the policy, never a new turn."""
         parts, ids = re.split(f"{self.mark}(\\d+){self.mark}", text), []
         for i, part in enumerate(parts):
-            ids += self.tokenizer(hidden[int(part)] if i % 2 else part, add_special_tokens=False,
-                                  split_special_tokens=bool(i % 2))["input_ids"]
+            if i % 2 == 0:
+                ids += self.tokenizer(part, add_special_tokens=False)["input_ids"]
+                continue
+            # split_special_tokens splits control tokens only: a marker (<tool_call>) is split by its first
+            # character, which no added token's text spans
+            part = hidden[int(part)]
+            for piece in (part[:1], part[1:]):
+                ids += self.tokenizer(piece, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         return ids

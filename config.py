@@ -85,10 +85,10 @@ class Config:
                                     "(breakpoint() works)", low=0)
     reward_timeout: float = option(10.0, "seconds one sample's reward may take in a worker; past it the sample "
                                          "is unscored: its group leaves the batch", above=0)
-    reward_failure_stop: float = option(1.0, "stop the run when at least this fraction of a step's samples could "
-                                              "not be scored (the reward raised, timed out or crashed); above 1 = "
-                                              "never stop (the failed samples' groups still leave the batch)",
-                                        above=0, resumable=True)
+    unscored_stop: float = option(1.0, "stop the run when at least this fraction of a step's episodes could not be "
+                                       "scored (its reward raised, timed out or crashed; its environment was lost "
+                                       "with its worker); above 1 = never stop (their groups still leave the batch)",
+                                  above=0, resumable=True)
     environment: Optional[str] = option(None, "multi-turn episodes: \"module:name\" or \"file.py:name\" "
                                               "(environments.py; built-in: environments:calculator); None = one "
                                               "completion per prompt")

@@ -87,6 +87,7 @@ def check_messages(value):
 
 
 INSTANCES = {}  # this process's per-episode environments: episode key -> instance
+LOST = "the episode's environment was lost with its worker"  # what "finish" raises for an instance gone
 
 
 def per_episode(obj):
@@ -135,7 +136,7 @@ class Calls:
             if env is None and what == "close":
                 return None
             if env is None:
-                raise LookupError("the episode's environment was lost with its worker")
+                raise LookupError(LOST)
         if what == "step":
             try:
                 if not callable(getattr(env, "step", None)):  # native tool calls, answered by the tools
@@ -176,6 +177,8 @@ def check_needs(spec, probe, stop, cfg):
         raise ValueError(f"environment={spec!r} has {len(stop)} stop strings and vLLM takes at most "
                          f"{MAX_STOP_STRINGS} a request (VLLM_MAX_STOP_STRINGS); keep the ones that end a call")
     need = getattr(probe, "call_time", None)
+    if need is not None and (isinstance(need, bool) or not isinstance(need, (int, float)) or need <= 0):
+        raise ValueError(f"environment={spec!r}: call_time={need!r} must be a positive number of seconds")
     if need is not None and cfg.tool_workers and cfg.tool_timeout < need:
         raise ValueError(f"environment={spec!r} needs up to {need:g} s a call (its call_time) and tool_timeout="
                          f"{cfg.tool_timeout:g} would cut its calls off; set --tool_timeout {need:g} or more")
@@ -207,7 +210,8 @@ class Environment:
         self.scores = callable(getattr(probe, "reward", None))  # the environment scores its episodes
         self.chat = ChatTokens(tokenizer, self.tools)
         self.parser = tool_calls.Parser(cfg.tool_call_parser, tokenizer, self.tools) if cfg.tool_call_parser else None
-        self.reasoning = tool_calls.Reasoning(cfg.reasoning_parser, tokenizer) if cfg.reasoning_parser else None
+        self.reasoning = tool_calls.Reasoning(cfg.reasoning_parser, tokenizer, self.chat.generation_prompt()) \
+            if cfg.reasoning_parser else None
         self.spec, self.cfg, self.tokenizer, self.pool = spec, cfg, tokenizer, None
         self.keys, self.started = itertools.count(), set()  # episode keys; those whose instance exists (factory)
         # no token spans more characters than the vocabulary's longest string: a reply is cut to
@@ -231,7 +235,7 @@ class Environment:
         finally:
             if self.factory:
                 close(instance)
-        self.chat.check_roles(messages, self.spec)
+        self.chat.check_first(messages, self.spec)
         return messages
 
     def new_key(self):
@@ -258,8 +262,8 @@ class Environment:
         return values, failures
 
     def truncate(self, message):
-        text = message["content"]
-        ids = self.tokenizer(text[:self.max_chars], add_special_tokens=False)["input_ids"]
+        text = message["content"]  # counted as ChatTokens.ids tokenizes it: a control-token string is text
+        ids = self.tokenizer(text[:self.max_chars], add_special_tokens=False, split_special_tokens=True)["input_ids"]
         if len(ids) <= self.cfg.tool_output_max_tokens and len(text) <= self.max_chars:
             return message
         return dict(message, content=self.tokenizer.decode(ids[:self.cfg.tool_output_max_tokens]) + " [cut]")
@@ -308,10 +312,12 @@ class Environment:
     def finish(self, episodes):
         """At the episodes' end: each one's reward from the environment (None when it has no reward
         method) and its instance closed. Returns the rewards, the rewards that failed as (index,
-        kind, why), and the closes that failed as ("errors", why): a failed close keeps its reward."""
+        kind, why; kind "lost" for an instance gone with an earlier worker), and the closes that
+        failed as ("errors", why): a failed close keeps its reward."""
         if not (self.factory or self.scores):
             return [None] * len(episodes), [], []
         values, failures = self.call(episodes, "finish")
+        failures = [(i, "lost" if why == f"LookupError: {LOST}" else what, why) for i, what, why in failures]
         closes = [("errors", f"episode {e.k}: {v[1]}") for e, v in zip(episodes, values) if v and v[1]]
         rewards = [v[0] if v else None for v in values]
         if not self.scores:  # without a reward, finish only cleans up: its failures are the closes'

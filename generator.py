@@ -20,7 +20,7 @@ from tqdm import tqdm
 import vllm_client
 import vllm_server
 from data import stop_token_ids
-from rollout import RewardFailure, Rollouts, drop_stale, evaluate, rollout_batch
+from rollout import Refused, Rollouts, drop_stale, evaluate, rollout_batch
 from weight_sync import AdapterSync, launch_state_dict, make_weight_sync, write_serving_dir
 
 
@@ -28,8 +28,8 @@ HELD = {}  # run.lock path -> its open file, which this process holds (flock's l
 
 
 def claim_output_dir(output_dir):
-    """Lock output_dir/run.lock for this process's life (rank 0), or exit naming the run that holds
-    it: two runs in one output_dir overwrite each other's serving copy, metrics and checkpoints.
+    """Lock output_dir/run.lock for this process's life (rank 0), or ValueError naming the run that
+    holds it: two runs in one output_dir overwrite each other's serving copy, metrics and checkpoints.
     The kernel drops the lock when the process ends, however it ends (SIGKILL included), so a
     killed run can be resumed at once. A second call in the same process is a no-op."""
     path = os.path.realpath(os.path.join(output_dir, "run.lock"))
@@ -43,7 +43,7 @@ def claim_output_dir(output_dir):
         f.seek(0)
         other = f.read().strip() or "unknown"
         f.close()
-        raise SystemExit(f"error: output_dir={output_dir!r} is in use by another run (pid {other}); give this run "
+        raise ValueError(f"output_dir={output_dir!r} is in use by another run (pid {other}); give this run "
                          "another --output_dir, or stop that run") from None
     f.truncate(0)
     f.write(f"{os.getpid()}\n")
@@ -66,8 +66,11 @@ class Generator:
             # the model's every end-of-sequence id, sent with each request: the server we launch
             # ignores generation_config.json (--generation-config vllm), and its serving copy has none
             stop_ids = stop_token_ids(tokenizer, cfg.model_name_or_path)
-            if rank == 0:
-                claim_output_dir(cfg.output_dir)  # before the serving copy and the log below are written
+            if rank == 0:  # before the serving copy and the log below are written (train.py may have claimed it)
+                try:
+                    claim_output_dir(cfg.output_dir)
+                except ValueError as e:
+                    raise SystemExit(f"error: {e}") from None
             if rank == 0 and cfg.vllm_server_urls:
                 # the key from the environment, not the config: the config is saved in run_info.json and
                 # every checkpoint, and a flag is visible to every local user in ps
@@ -108,15 +111,15 @@ class Generator:
                 except vllm_client.VLLMError as e:
                     died = self.server is not None and self.server.poll() is not None
                     payload = [dict(error=str(e), restart=died and self.restarts < self.cfg.vllm_max_restarts)]
-                except (RewardFailure, ValueError) as e:  # a reward that fails everywhere, an environment refused
+                except Refused as e:  # episodes nobody could score, an environment's answer the policy cannot see
                     payload = [dict(error=str(e), restart=False, refused=True)]
             dist.broadcast_object_list(payload, src=0)
             if isinstance(payload[0], tuple):
                 samples, m = payload[0]
                 self.position = m["prompts_seen"]  # what a checkpoint of this step records
                 return samples, m
-            if payload[0].get("refused"):  # every rank stops, rank 0 says why in one line
-                raise SystemExit(f"error: {payload[0]['error']}" if self.rank == 0 else 1)
+            if payload[0].get("refused"):  # every rank stops (train.py checkpoints, then says why in one line)
+                raise Refused(payload[0]["error"])
             if not payload[0]["restart"]:
                 raise vllm_client.VLLMError(payload[0]["error"])
             self.restart(step, policy)

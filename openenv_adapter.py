@@ -28,6 +28,8 @@ task at random has to be given the row's task). Imports and the environment's ow
 the environment's, counted and printed like any step's (environments.py).
 """
 
+from tool_calls import ToolError
+
 
 class OpenEnv:
     """The base of an OpenEnv adapter: subclass it with make, action and observe."""
@@ -59,7 +61,10 @@ class OpenEnv:
 
     def reward(self, row, messages):
         if not self.done and sum(m["role"] == "assistant" for m in messages) > self.seen:
-            self.step(row, messages)  # max_turns or the budget ended it: the environment scores the last turn
+            try:  # max_turns or the budget ended it: the environment scores the last turn
+                self.step(row, messages)
+            except ToolError:  # action refused it: the policy's mistake, which earns nothing more
+                pass
         return sum(self.rewards)
 
     def close(self):

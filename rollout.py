@@ -60,6 +60,7 @@ class Episode:
         self.answer, self.turns, self.tool_calls = "", 0, 0
         self.key, self.env_reward = None, None  # the environment's key for its calls, and its reward
         self.failure = None  # why the infrastructure could not play or score it: then it is never trained on
+        self.reward_failed = None  # how its reward failed ("errors", "timeouts", "crashes"), if that is why
 
     def add(self, ids, logprobs, sampled, version=None):
         if sampled and len(logprobs) != len(ids):
@@ -112,7 +113,10 @@ def play(cfg, client, rows, n, seed, tokenizer, env=None, temperature=None):
             going = [e for e, _ in back if not e.done and e.turns < turns]
             if going:
                 t = time.perf_counter()
-                answers, lost = env.answer(going)
+                try:
+                    answers, lost = env.answer(going)
+                except ValueError as e:  # an answer the policy would never see (chat.ChatTokens.check_roles)
+                    raise Refused(str(e)) from None
                 going = take_answers(going, answers)
                 failures, tools = failures + lost, tools + time.perf_counter() - t
                 for e in going:
@@ -137,10 +141,12 @@ def finish(episodes, env):
     rewards, failed, closes = env.finish(playing)
     for e, r in zip(playing, rewards):
         e.env_reward = r
-    for i, what, why in failed:  # a reward that raised, or an instance gone with its worker (not the reward's fault)
-        lost = what != "errors" or why.startswith("LookupError")
-        playing[i].failure = f"its environment was lost with its worker ({why})" if lost else \
-            f"the environment's reward: {why}"
+    for i, what, why in failed:  # a reward that raised, hung or crashed; or an instance gone with an earlier worker
+        e = playing[i]
+        if what == "lost":
+            e.failure = f"its environment was lost with its worker ({why})"
+        else:
+            e.failure, e.reward_failed = f"the environment's reward: {why}", what
     return closes
 
 
@@ -200,12 +206,14 @@ def score(pool, episodes, env=None):
                                            examples, [last_turn(e.sample) for e in episodes])
         failed = [e for e, v in zip(episodes, values) if v != v]  # NaN: the pool's value of a failed call
         for e in failed:
-            e.failure = e.failure or "the reward failed"
+            e.failure, e.reward_failed = e.failure or "the reward failed", e.reward_failed or "reward_fn"
         if failed and failed[0].failure == "the reward failed":  # the first, in the order of the samples, described
             failed[0].failure = f"the reward: {first.split(': ', 1)[1]}"
     for e in episodes:
         if env is not None and env.scores and e.env_reward is None and e.failure is None:
             e.failure = "the environment gave no reward"  # not called: its episode failed before
+        if e.reward_failed in FAILURES:  # the environment's reward failed: counted with the reward's failures
+            counts[f"reward_{e.reward_failed}"] += 1
     return [float("nan") if e.failure else v + (e.env_reward or 0.0) for v, e in zip(values, episodes)], counts
 
 
@@ -220,23 +228,24 @@ def last_turn(sample):
     return ids[start:k]
 
 
-def unscored(step, episodes, counts, cfg):
-    """Say the step's episodes that could not be scored (the first one's why) and stop the run when
-    the reward failed on reward_failure_stop of them or more: a reward that fails on every sample
-    trains nothing, and must not look like a run that trains."""
+def unscored(step, episodes, cfg):
+    """Say the step's episodes that could not be scored (the first one's why), and stop the run when
+    unscored_stop of them or more could not: a reward that fails on every sample, or an environment
+    whose workers die on every episode, trains nothing, and must not look like a run that trains."""
     failed = [e for e in episodes if e.failure]
-    if failed:
-        tqdm.write(f"step {step}: {len(failed)} of {len(episodes)} episode(s) could not be scored and left the "
-                   f"batch with their groups; first: episode {failed[0].k}: {failed[0].failure}")
-    reward_failures = sum(counts.values()) + sum(e.failure.startswith("the environment's reward") for e in failed)
-    if reward_failures and reward_failures >= cfg.reward_failure_stop * len(episodes):
-        first = next((e.failure for e in failed if "reward" in e.failure), failed[0].failure)
-        raise RewardFailure(f"step {step}: the reward failed on {reward_failures} of {len(episodes)} samples "
-                            f"(reward_failure_stop={cfg.reward_failure_stop:g}); first: {first}")
+    if not failed:
+        return
+    tqdm.write(f"step {step}: {len(failed)} of {len(episodes)} episode(s) could not be scored and left the batch "
+               f"with their groups; first: episode {failed[0].k}: {failed[0].failure}")
+    if len(failed) >= cfg.unscored_stop * len(episodes):
+        first = next((e for e in failed if e.reward_failed), failed[0])
+        raise Refused(f"step {step}: {len(failed)} of {len(episodes)} episodes could not be scored (unscored_stop="
+                      f"{cfg.unscored_stop:g}); first: {first.failure}")
 
 
-class RewardFailure(RuntimeError):
-    """A step on which the reward failed on too many samples (reward_failure_stop): the run stops."""
+class Refused(RuntimeError):
+    """A step that cannot go on (too many episodes unscored, an environment's answer the policy would
+    never see): the run stops, on every rank, in one line (Generator.batch, train.py)."""
 
 
 def sample_groups(cfg, client, rows, seed, step, pool, tokenizer, env=None, show=False):
@@ -249,7 +258,7 @@ def sample_groups(cfg, client, rows, seed, step, pool, tokenizer, env=None, show
     episodes, stats = play(cfg, client, rows, n, seed, tokenizer, env)
     t = time.perf_counter()
     rewards, failures = score(pool, episodes, env)
-    unscored(step, episodes, failures, cfg)
+    unscored(step, episodes, cfg)
     lost = stats.pop("tool_failures")
     env_side = [why for what, why in lost if what != "bad_calls"]  # the policy's bad calls are its to learn
     if env_side:
@@ -284,7 +293,7 @@ def show_episode(step, e, tokenizer):
             parts.append((m, []))
         parts[-1][1].append(s.token_ids[i])
     text = "".join(tokenizer.decode(ids) if m else f"[env: {tokenizer.decode(ids)}]" for m, ids in parts)
-    return dict(step=step, prompt=e.row["prompt_text"], completion=text, reward=s.reward)
+    return dict(step=step, prompt=e.row["prompt_text"], completion=text, reward=None if e.failure else s.reward)
 
 
 def rollout_batch(cfg, client, sampler, step, pool, tokenizer, env=None):
@@ -311,7 +320,9 @@ def rollout_batch(cfg, client, sampler, step, pool, tokenizer, env=None):
         rounds.append(stats)
     rewards, lengths = torch.cat([r["rewards"] for r in rounds]), torch.cat([r["lengths"] for r in rounds])
     total = lambda key: sum(r[key] for r in rounds)  # noqa: E731
-    m = dict(reward_mean=rewards.mean().item(), reward_std=rewards.std().item(), response_length=lengths.mean().item(),
+    # over the scored episodes; None (JSON null, not NaN) where there are too few
+    m = dict(reward_mean=rewards.mean().item() if len(rewards) else None,
+             reward_std=rewards.std().item() if len(rewards) > 1 else None, response_length=lengths.mean().item(),
              reward_errors=total("reward_errors"), reward_timeouts=total("reward_timeouts"),
              reward_crashes=total("reward_crashes"), stop_frac=total("stops") / len(lengths),
              filtered_groups=total("filtered_groups"), unscored_episodes=total("unscored_episodes"),

@@ -1,40 +1,54 @@
-"""Run Python that the policy writes in a sandboxed process, and the environment that does.
+"""Run Python that the policy writes in a bubblewrap sandbox, and the environment that does.
 
     sandbox.run("print(2 ** 10)", sandbox.Limits(cpu=5, wall=10)).stdout    # one shot: "1024\n"
     with sandbox.Interpreter() as py:                                       # one per episode
         py.run("x = 41"); py.run("print(x + 1)")                           # variables last
     --environment sandbox:PythonTool                                        # the policy's tool
 
-What holds, and by what (tests/test_sandbox.py checks each, and fails without it):
-- Limits per cell: CPU seconds (RLIMIT_CPU: SIGXCPU), wall-clock seconds (we wait that long for
-  the answer, then kill the sandbox; the next cell starts an empty interpreter). Per process:
-  memory (RLIMIT_AS: MemoryError), file size (RLIMIT_FSIZE: EFBIG, stdout and stderr too), open
-  files (RLIMIT_NOFILE). Processes and threads: RLIMIT_NPROC, which counts per uid and does not
-  hold for root, so as root the code runs as a uid of its own (setpriv: unique among live
-  sandboxes, no groups, no new privileges), which also keeps it out of the trainer's files and
-  the other sandboxes. Not root, it runs as our user, and the limit is set above our own count.
-- Namespaces (unshare: as root or with user namespaces, found once): a network of one loopback,
-  down, so no connection goes anywhere; a pid namespace with its own /proc, so the trainer's
-  processes are not seen, orphans are reaped, and killing its first process kills them all,
-  those that left the process group too. Where unshare cannot, a warning says so: the code has
-  the network, and only the process group (and, as root, the uid) is killed.
-- Environment: PATH, HOME and TMPDIR (the scratch directory), LANG, thread counts; nothing of
-  the trainer's (no HF_TOKEN, no WANDB_API_KEY). A scratch directory per Interpreter, removed by
-  close(). The uid must be able to read sys.executable and its libraries.
-Not enforced: the memory and disk of a sandbox's processes together (a memory cgroup and a disk
-quota would), writes to world-writable /tmp and /dev/shm, system calls (no seccomp). The kernel
-is shared: this contains a model's mistakes and accidents, not a determined attacker.
+The interpreter runs in bwrap (bubblewrap: apt-get install bubblewrap; scripts/install.sh does
+it as root); `command()` builds its command line. What holds, and by what (tests/test_sandbox.py
+checks each, as root and as a user):
+- Files: only /usr (and /bin, /lib... beside it) and the interpreter's own prefixes (the venv,
+  the Python it was made from), read-only; a /tmp that is the cwd and HOME, and a /dev/shm, each
+  a tmpfs of its own (gone when the sandbox ends: a restart empties them). Nothing of the checkout,
+  the datasets, the output directory, /etc, the home or the host's /tmp and /dev/shm.
+- Namespaces: a network of its own loopback only (nothing outside it, the host's loopback
+  neither), a pid namespace with its own /proc (bwrap's reaper is its pid 1), ipc, uts. As root:
+  no user namespace, and the code runs as a uid of its own (setpriv: no groups, no new
+  privileges); not root: a user namespace in which the code is uid 1000.
+- Life: bwrap dies with the process that started it (--die-with-parent; the tool worker, or its
+  thread that started it), and with bwrap its pid 1 and so every process of the sandbox. At the
+  wall clock, and when a reply does not check, we SIGKILL its pid 1: the whole tree goes. After
+  each cell the interpreter SIGKILLs every other process of the namespace: nothing a cell
+  started runs on after it.
+- Limits. Per sandbox: processes and threads (RLIMIT_NPROC counts per uid, and the uid, or user
+  namespace, is the sandbox's own), disk (Limits.disk in /tmp and as much in /dev/shm), wall
+  clock; as root where a memory cgroup can be made, memory (Limits.memory for all its processes
+  together). Per process: CPU seconds (RLIMIT_CPU from each cell's start: SIGXCPU), memory
+  (RLIMIT_AS: MemoryError; the only memory limit where there is no cgroup: as many processes
+  as the limit allows may each use as much), open files. Per file: size (RLIMIT_FSIZE, stdout
+  and stderr too). Threads a cell starts in the interpreter itself run on after it, under its
+  CPU limit, until the wall clock of a later cell or close().
+- Replies: each cell is sent with a random nonce, and the reply must carry it; a reply that does
+  not (a cell that wrote on the reply pipe) kills the sandbox and answers the cell as an error.
+  Code in the cell can still find the nonce by introspection (frames, the gc): this keeps a
+  model's mistakes from corrupting the protocol, not a determined attacker. Same for the rest:
+  the kernel is shared and there is no seccomp filter.
+- Environment: PATH, HOME, TMPDIR, LANG and thread counts; none of the trainer's variables.
+Fails closed: without bwrap, or where it cannot make namespaces, the first cell raises one line
+naming the fix. SANDBOX_ISOLATION=none (or Limits(isolation="none")) opts into running the code
+unisolated, with a warning: rlimits (no process limit) and a scratch directory, nothing else.
 """
 
 import contextlib
 import dataclasses
 import fcntl
-import functools
 import inspect
 import json
 import os
 import random
 import re
+import secrets
 import select
 import shutil
 import signal
@@ -44,20 +58,28 @@ import tempfile
 import time
 import warnings
 
-from environments import ToolError
+from tool_calls import ToolError
 
 UIDS = 2_000_000_000  # the sandboxes' uids, as root: UIDS + a random offset below 2**24, no user's
+START_TIME = 4.0  # seconds the sandboxed interpreter may take to start (it takes ~0.1 s)
 
 
 @dataclasses.dataclass
 class Limits:
-    cpu: int = 5  # CPU seconds per cell (all its threads)
-    wall: float = 10.0  # seconds per cell, by the clock
-    memory: int = 1 << 30  # bytes of address space per process
+    cpu: int = 5  # CPU seconds per cell, per process (all its threads)
+    wall: float = 10.0  # seconds per cell, by the clock, for the whole sandbox
+    memory: int = 1 << 30  # bytes of address space per process; as root with a memory cgroup, also of all together
+    disk: int = 64 << 20  # bytes in /tmp, and as many in /dev/shm (tmpfs, in memory)
     file_size: int = 16 << 20  # bytes per file written, stdout and stderr included
-    processes: int = 32  # processes and threads of the sandbox, itself included
+    processes: int = 32  # processes and threads of the sandbox, the interpreter included
     open_files: int = 64  # per process
     output: int = 4096  # bytes of stdout and of stderr kept per cell
+    # "bwrap", or "none" to run the code unisolated (a warning says what is missing)
+    isolation: str = dataclasses.field(default_factory=lambda: os.environ.get("SANDBOX_ISOLATION", "bwrap"))
+
+    def __post_init__(self):
+        if self.isolation not in ("bwrap", "none"):
+            raise ValueError(f"isolation={self.isolation!r} must be 'bwrap' or 'none' (SANDBOX_ISOLATION)")
 
 
 @dataclasses.dataclass
@@ -65,111 +87,83 @@ class Result:
     stdout: str  # cut to Limits.output bytes (" [cut]" marks a cut)
     stderr: str  # a failed cell's traceback is here
     error: str | None = None  # what went wrong, in words; None when the cell ran through
-    limit: str | None = None  # the limit that fired: cpu, wall, memory, file size, processes, open files
+    limit: str | None = None  # the limit that fired: cpu, wall, memory, disk, file size, processes, open files
     exit: int | None = None  # the interpreter's exit status (-N: signal N) when it ended; the next cell starts afresh
 
 
-@functools.cache
-def namespaces():
-    """The unshare flags that isolate a sandbox here, or [] where unshare cannot."""
-    flags = ["--net", "--pid", "--fork", "--kill-child", "--mount-proc"]
-    flags = flags if os.geteuid() == 0 else ["--user", "--map-root-user", *flags]
-    if shutil.which("unshare") and subprocess.run(["unshare", *flags, "true"], capture_output=True).returncode == 0:
-        return flags
-    warnings.warn("sandbox: unshare cannot make namespaces here (neither root nor user namespaces): the code has "
-                  "the network, and a process that leaves its group outlives a kill", stacklevel=2)
-    return []
+def python_dirs():
+    """The directories the interpreter runs from outside /usr: the venv and the Python it was made
+    from (each at its own path and, where that is a link, at its target's), and nothing around them."""
+    dirs = set()
+    for prefix in {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix}:
+        dirs |= {prefix, os.path.realpath(prefix)}
+    return sorted(d for d in dirs if d != "/" and d != "/usr" and not d.startswith("/usr/"))
 
 
-def processes_of(uid):
-    """{pid: its number of threads} of the processes whose real uid is uid."""
-    found = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                status = dict(line.split(":", 1) for line in f)
-        except OSError:
-            continue  # gone meanwhile
-        if status["Uid"].split()[0] == str(uid):
-            found[int(pid)] = int(status["Threads"])
-    return found
+def command(limits, uid, reply_fd, info_fd):
+    """The sandbox's command line: bwrap, then (as root) setpriv to the sandbox's uid, then Python."""
+    rlimits = dict(RLIMIT_AS=limits.memory, RLIMIT_FSIZE=limits.file_size, RLIMIT_NOFILE=limits.open_files,
+                   RLIMIT_CORE=0, **({} if limits.isolation == "none" else dict(RLIMIT_NPROC=limits.processes)))
+    python = [sys.executable, "-I", "-B", "-u", "-c", f"{inspect.getsource(interpreter)}\n"
+              f"interpreter({reply_fd}, {limits.cpu}, {rlimits!r}, {limits.isolation == 'bwrap'})\n"]
+    if limits.isolation == "none":
+        return python
+    tmpfs = ["--size", str(limits.disk), "--perms", "1777", "--tmpfs"]  # writable by the sandbox's uid
+    line = ["bwrap", "--die-with-parent", "--new-session", "--info-fd", str(info_fd),
+            # root makes namespaces without a user namespace, which would map the code to uid 0,
+            # for which RLIMIT_NPROC does not hold; setpriv below gives it a uid of its own
+            *(["--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+              if uid is not None else ["--unshare-all", "--uid", "1000", "--gid", "1000"]),
+            "--ro-bind", "/usr", "/usr"]
+    for path in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):  # links into /usr on merged systems
+        line += (["--symlink", os.readlink(path), path] if os.path.islink(path) else
+                 ["--ro-bind", path, path] if os.path.isdir(path) else [])
+    for path in python_dirs():  # its parents made searchable (bwrap would make them 0700)
+        parents = [path[:i] for i in range(1, len(path)) if path[i] == "/"]
+        line += [a for p in parents for a in ("--perms", "0755", "--dir", p)]
+        line += ["--ro-bind", os.path.realpath(path), path]
+    line += ["--proc", "/proc", "--dev", "/dev", *tmpfs, "/tmp", *tmpfs, "/dev/shm", "--chdir", "/tmp",
+             "--clearenv", *[a for k, v in environment("/tmp").items() for a in ("--setenv", k, v)], "--"]
+    if uid is not None:
+        line += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--"]
+    return line + python
 
 
-def scratch_dir():
-    """A new scratch directory, and the uid the code runs as: as root, a uid of its own, which
-    the directory's name claims (mkdir is atomic across processes) and which owns it; else None."""
-    if os.geteuid() != 0:
-        return tempfile.mkdtemp(prefix="sandbox-"), None
-    while True:
-        uid = UIDS + random.randrange(1 << 24)
-        path = os.path.join(tempfile.gettempdir(), f"sandbox-{uid}")
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            continue
-        os.chown(path, uid, uid)
-        return path, uid
-
-
-def command(limits, uid, reply_fd):
-    """The sandbox's command line: each program sets up one thing and executes the next."""
-    # RLIMIT_NPROC counts the threads of every process of the uid: without a uid of its own, ours too
-    processes = limits.processes + (0 if uid is not None else sum(processes_of(os.getuid()).values()))
-    isolate = namespaces()
-    return ["setpriv", "--pdeathsig", "KILL", "--",  # gone with the process that started it (a tool worker)
-            *(["unshare", *isolate, "--"] if isolate else []),
-            "prlimit", f"--cpu={limits.cpu}:",  # the first cell's: the interpreter moves it on at each cell
-            f"--as={limits.memory}", f"--fsize={limits.file_size}", f"--nproc={processes}",
-            f"--nofile={limits.open_files}", "--core=0", "--",
-            *(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--"]
-              if uid is not None else []),
-            sys.executable, "-I", "-u", "-c", f"{inspect.getsource(child)}\nchild({reply_fd}, {limits.cpu})\n"]
-
-
-def child(reply_fd, cpu):
-    """The sandbox's first process (its source runs alone there): pid 1 of the namespace, which
-    reaps orphans and tells how the interpreter ended; and, forked from it, the interpreter, which
-    runs each line of stdin (a JSON string) as a cell in one namespace and answers on reply_fd."""
+def interpreter(reply_fd, cpu, rlimits, isolated):
+    """The sandbox's interpreter (its source runs alone there): runs each line of stdin, a JSON
+    {"code", "nonce"}, as a cell in one namespace and answers on reply_fd with the nonce."""
     import contextlib, errno, json, math, os, resource, signal, traceback  # noqa: E401 - the whole program
 
-    def answer(**reply):
-        os.write(reply_fd, (json.dumps(reply) + "\n").encode())
-
-    def reap():  # the cells' ended children: zombies count as processes
-        with contextlib.suppress(ChildProcessError):
-            while os.waitpid(-1, os.WNOHANG)[0]:
-                pass
-
-    if interpreter := os.fork():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # pid 1 takes no signal from the sandbox's processes
-        while (ended := os.wait())[0] != interpreter:
-            pass
-        code = os.waitstatus_to_exitcode(ended[1])
-        return answer(error=f"the interpreter ended (exit status {code})", exit=code,
-                      limit="cpu" if code == -signal.SIGXCPU else None)
+    for name, value in rlimits.items():  # soft = hard: a cell cannot raise them
+        resource.setrlimit(getattr(resource, name), (value, value))
     cells, null = os.fdopen(os.dup(0), "rb"), os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)  # input() in a cell ends at once: it cannot eat the next cell
     os.close(null)
     namespace, me = {"__name__": "__main__"}, os.getpid()
-    answer(ready=True)
+    os.write(reply_fd, b'{"ready": true}\n')
     for line in cells:
-        reap()
+        request = json.loads(line)
         used = resource.getrusage(resource.RUSAGE_SELF)  # the CPU limit counts from the cell's start
-        soft, hard = math.ceil(used.ru_utime + used.ru_stime) + cpu, resource.getrlimit(resource.RLIMIT_CPU)[1]
-        resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+        soft = math.ceil(used.ru_utime + used.ru_stime) + cpu
+        resource.setrlimit(resource.RLIMIT_CPU, (soft, resource.RLIM_INFINITY))  # SIGXCPU there
         error = limit = None
         try:
-            exec(compile(json.loads(line), "<cell>", "exec"), namespace)
+            exec(compile(request.pop("code"), "<cell>", "exec"), namespace)
         except Exception as e:  # noqa: BLE001 - the cell's failure, told to the policy
             if os.getpid() == me:
                 traceback.print_exception(type(e), e, e.__traceback__.tb_next)  # from the cell's frame on
                 error, limit = f"{type(e).__name__}: {e}", "memory" if isinstance(e, MemoryError) else {
-                    errno.EFBIG: "file size", errno.EAGAIN: "processes", errno.EMFILE: "open files"}.get(
-                    getattr(e, "errno", None))
+                    errno.EFBIG: "file size", errno.EAGAIN: "processes", errno.EMFILE: "open files",
+                    errno.ENOSPC: "disk"}.get(getattr(e, "errno", None))
         if os.getpid() != me:
             os._exit(0)  # a process forked by the cell ran off its end: it must not answer
-        reap()
-        answer(error=error, limit=limit)
+        if isolated:  # every other process of the namespace (pid 1 and we are spared: kill(2))
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(-1, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):  # our zombies count as processes; pid 1 reaps the rest
+            while os.waitpid(-1, 0 if isolated else os.WNOHANG)[0]:
+                pass
+        os.write(reply_fd, (json.dumps(dict(nonce=request["nonce"], error=error, limit=limit)) + "\n").encode())
 
 
 def read_line(fd, deadline, cap=1 << 16):
@@ -193,40 +187,109 @@ def write_all(fd, data, deadline):
     return not data
 
 
+def memory_cgroup(limit):
+    """As root, a memory cgroup of its own for one sandbox, capped at limit bytes (cgroup v1's memory
+    controller, or v2 where our cgroup delegates memory); None where none can be made."""
+    if os.geteuid() != 0:
+        return None
+    with open("/proc/self/cgroup") as f:  # lines "id:controllers:path"; v2's is "0::path"
+        own = dict(line.strip().split(":", 2)[1:] for line in f)
+    if os.path.exists("/sys/fs/cgroup/memory/memory.limit_in_bytes"):  # v1: under our own where it is mounted
+        parent = "/sys/fs/cgroup/memory" + own.get("memory", "/").rstrip("/")
+        parent, cap = parent if os.path.isdir(parent) else "/sys/fs/cgroup/memory", "memory.limit_in_bytes"
+    else:
+        parent, cap = "/sys/fs/cgroup" + own.get("", "/").rstrip("/"), "memory.max"
+        with contextlib.suppress(OSError), open(f"{parent}/cgroup.subtree_control") as f:
+            if "memory" not in f.read().split():
+                return None
+    for name in os.listdir(parent):  # those of owners killed before they could remove theirs
+        if name.startswith("sandbox-") and not os.path.exists(f"/proc/{name.split('-')[1]}"):
+            with contextlib.suppress(OSError):  # (not empty: its processes are still dying)
+                os.rmdir(f"{parent}/{name}")
+    path = f"{parent}/sandbox-{os.getpid()}-{secrets.token_hex(4)}"  # its owner's pid
+    try:
+        os.mkdir(path)
+        with open(f"{path}/{cap}", "w") as f:
+            f.write(str(limit))
+        return path
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
+        return None
+
+
+def oom_kills(cgroup):
+    """How many processes the kernel killed for the cgroup's memory limit."""
+    for name in ("memory.events", "memory.oom_control"):  # v2, v1
+        with contextlib.suppress(OSError), open(f"{cgroup}/{name}") as f:
+            return int(dict(line.split() for line in f).get("oom_kill", 0))
+    return 0
+
+
+def environment(home):
+    """The sandbox's environment variables: nothing of the trainer's (no HF_TOKEN, no WANDB_API_KEY)."""
+    return dict(PATH=f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin", HOME=home, TMPDIR=home,
+                LANG="C.UTF-8", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",  # a thread per core would
+                MKL_NUM_THREADS="1")  # count as processes
+
+
 class Interpreter:
     """One sandboxed Python process that runs successive cells in one namespace (variables last
     between cells), started by the first cell. A cell that ends the process (its wall clock,
-    its CPU, an exit) says so, and the next cell starts an empty interpreter in the same scratch
-    directory. close() ends the process and removes the directory."""
+    its CPU, an exit, a reply that does not check) says so, and the next cell starts an empty
+    interpreter with an empty /tmp. close() ends it. Use it from the thread that will close it:
+    the sandbox dies with the thread that started it (PR_SET_PDEATHSIG)."""
 
     def __init__(self, limits=None):
         self.limits = limits or Limits()
-        self.scratch, self.uid = scratch_dir()
         self.proc = None
+        self.scratch = None  # unisolated only: the host directory that is its cwd, HOME and TMPDIR
 
     def start(self):
-        (cells, self.cells), (self.replies, replies) = os.pipe(), os.pipe()
+        isolated = self.limits.isolation == "bwrap"
+        for tool, package in [("bwrap", "bubblewrap")] + [("setpriv", "util-linux")] * (os.geteuid() == 0):
+            if isolated and not shutil.which(tool):
+                raise RuntimeError(f"the sandbox needs {tool}: apt-get install {package} (dnf, apk, pacman: the "
+                                   "same), or run the policy's code unisolated with SANDBOX_ISOLATION=none")
+        if not isolated:
+            warnings.warn("SANDBOX_ISOLATION=none: the policy's code runs unisolated, as this user, with the "
+                          "network, every file this user can read or write, and no process limit", stacklevel=3)
+            self.scratch = self.scratch or tempfile.mkdtemp(prefix="sandbox-")
+        (cells, self.cells), (self.replies, replies), (info, info_w) = os.pipe(), os.pipe(), os.pipe()
         os.set_blocking(self.cells, False)
         self.out, self.err = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # ours, read bounded
         for f in (self.out, self.err):  # appended to, so that truncating them between cells restarts them
             fcntl.fcntl(f, fcntl.F_SETFL, fcntl.fcntl(f, fcntl.F_GETFL) | os.O_APPEND)
-        env = dict(PATH=f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin", HOME=self.scratch,
-                   TMPDIR=self.scratch, LANG="C.UTF-8",  # and a thread per core would count as processes:
-                   OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        # as root, a uid of the sandbox's own: one in 2**24 at random (two sandboxes that drew the
+        # same would share their process limit, and nothing else: their pids and files are apart)
+        self.uid = UIDS + random.randrange(1 << 24) if isolated and os.geteuid() == 0 else None
+        self.cgroup, self.pidfd = memory_cgroup(self.limits.memory) if isolated else None, None
+        line = command(self.limits, self.uid, replies, info_w)
+        if self.cgroup:  # bwrap enters the cgroup before it forks: sh moves itself there, then becomes bwrap
+            line = ["sh", "-c", 'echo 0 > "$0/cgroup.procs" && exec "$@"', self.cgroup, *line]
         try:
-            self.proc = subprocess.Popen(command(self.limits, self.uid, replies), cwd=self.scratch, env=env,
-                                         stdin=cells, stdout=self.out, stderr=self.err, pass_fds=(replies,),
-                                         start_new_session=True)
-        except FileNotFoundError as e:
-            raise RuntimeError(f"the sandbox needs {e.filename!r}: install util-linux (setpriv, prlimit, "
-                               "unshare)") from None
+            self.proc = subprocess.Popen(line, cwd=self.scratch, env=None if isolated else environment(self.scratch),
+                                         stdin=cells, stdout=self.out, stderr=self.err, start_new_session=True,
+                                         pass_fds=(replies, info_w) if isolated else (replies,))
         finally:
-            for fd in (cells, replies):
+            for fd in (cells, replies, info_w):
                 os.close(fd)
-        if read_line(self.replies, time.monotonic() + 30) != b'{"ready": true}':
-            why = os.pread(self.err.fileno(), 300, 0).decode(errors="replace").strip() or "no message"
-            self.stop()
-            raise RuntimeError(f"the sandboxed interpreter did not start: {why}")
+        ready = read_line(self.replies, time.monotonic() + START_TIME) == b'{"ready": true}'
+        with os.fdopen(info) as f:  # bwrap wrote its pid 1's pid there, and closed it, before that started us
+            pid = json.loads(f.read() or "{}").get("child-pid") if isolated and ready else None
+        self.pidfd = os.pidfd_open(pid) if pid else None  # a handle on that process: no pid reuse misdirects a kill
+        if not ready:
+            self.fail()
+
+    def fail(self):
+        why = " ".join(os.pread(self.err.fileno(), 400, 0).decode(errors="replace").split())
+        self.stop()
+        raise RuntimeError(f"the sandboxed interpreter did not start: {why or f'no answer in {START_TIME:g} s'}" + (
+            "; where bwrap cannot make namespaces: as root in a container, allow them (docker run --privileged, "
+            "or a seccomp profile that permits unshare); not root, enable user namespaces (sysctl "
+            "user.max_user_namespaces=15000 kernel.unprivileged_userns_clone=1, on Ubuntu "
+            "kernel.apparmor_restrict_unprivileged_userns=0); or run the code unisolated with SANDBOX_ISOLATION=none"
+            if why.startswith("bwrap") else ""))
 
     def run(self, code):
         """Run one cell; returns its Result."""
@@ -234,57 +297,80 @@ class Interpreter:
             self.start()
         for f in (self.out, self.err):
             os.ftruncate(f.fileno(), 0)
+        nonce, ooms = secrets.token_hex(16), self.cgroup and oom_kills(self.cgroup)
         deadline = time.monotonic() + self.limits.wall
         try:  # one line: JSON escapes the newlines
-            sent = write_all(self.cells, json.dumps(code).encode() + b"\n", deadline)
+            sent = write_all(self.cells, json.dumps(dict(code=code, nonce=nonce)).encode() + b"\n", deadline)
             line = read_line(self.replies, deadline) if sent else None
         except BrokenPipeError:
             line = b""
-        try:
-            reply = dict(error="", limit="wall", exit=-signal.SIGKILL) if line is None else json.loads(line)
-        except ValueError:  # no answer: killed from outside, or a cell wrote on the pipe
-            reply = dict(error="the interpreter died", exit=-signal.SIGKILL)
-        result = Result(self.head(self.out), self.head(self.err), reply["error"], reply.get("limit"), reply.get("exit"))
-        if "exit" in reply:  # the interpreter ended, or is to be ended: the whole sandbox goes
+        stdout, stderr = self.head(self.out), self.head(self.err)
+        reply = self.check(line, nonce, deadline)
+        if not reply.get("limit") and self.cgroup and oom_kills(self.cgroup) > ooms:
+            reply["limit"] = "memory"  # the kernel killed one of its processes (or it) for the cgroup's limit
+        if "exit" in reply:  # the interpreter ended, or was ended: the whole sandbox is gone
             self.stop()
+        result = Result(stdout, stderr, reply["error"], reply.get("limit"), reply.get("exit"))
         if result.limit:
             result.error = describe(result.limit, self.limits) + (
-                "" if result.exit is None else "; the interpreter restarted: its variables are gone")
+                "" if result.exit is None else "; the interpreter restarted: its variables and files are gone")
         return result
+
+    def check(self, line, nonce, deadline):
+        """The cell's reply: the interpreter's when it carries the cell's nonce; else how it ended."""
+        if line is None:
+            return dict(error="", limit="wall", exit=-signal.SIGKILL)
+        with contextlib.suppress(ValueError, AttributeError):  # not JSON, not an object
+            if (reply := json.loads(line)).get("nonce") == nonce:
+                return reply
+        if line:  # not the interpreter's: the cell wrote on the pipe, and may be running on
+            return dict(error="the cell wrote on the sandbox's reply pipe: the sandbox was killed",
+                        exit=-signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):  # the pipe's end: the interpreter ended, and bwrap follows
+            self.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        code = self.proc.returncode if self.proc.returncode is not None else -signal.SIGKILL
+        # bwrap tells a signal N as 128 + N (so an exit status above 128 reads as a signal, as in a shell)
+        code = 128 - code if self.pidfd is not None and code > 128 else code
+        return dict(error=f"the interpreter ended (exit status {code})", exit=code,
+                    limit="cpu" if code == -signal.SIGXCPU else None)
 
     def head(self, f):
         data = os.pread(f.fileno(), self.limits.output + 1, 0)
         return data[:self.limits.output].decode(errors="replace") + (" [cut]" if len(data) > self.limits.output else "")
 
     def stop(self):
-        """SIGKILL the sandbox. With namespaces, its first process: the kernel kills the rest, and
-        unshare reaps it and exits (killed first, unshare would leave it a zombie). Without, or if
-        unshare does not exit, the process group, while its leader is not yet reaped."""
+        """SIGKILL the sandbox's pid 1 and wait for it: it exits once the kernel has killed and reaped
+        every other process of its namespace; bwrap then exits. Unisolated, the process group."""
         if self.proc is None:
             return
-        if namespaces():
-            with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
-                for pid in f.read().split():
-                    os.kill(int(pid), signal.SIGKILL)
-        else:  # the group, then (as root) those of its uid that left the group
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            for pid in processes_of(self.uid) if self.uid is not None else ():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        if self.pidfd is not None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            select.select([self.pidfd], [], [], 10)  # readable when it has exited
+            os.close(self.pidfd)
+        else:  # the group outlives its leader while a member is left: its id is not reused meanwhile
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
         try:
-            self.proc.wait(timeout=5)
+            self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.kill()
             self.proc.wait()
-        os.close(self.cells)
-        os.close(self.replies)
+        for fd in (self.cells, self.replies):
+            os.close(fd)
         self.out.close()
         self.err.close()
+        for _ in range(100) if self.cgroup else ():  # empty once its last process is reaped
+            with contextlib.suppress(OSError):
+                os.rmdir(self.cgroup)
+                break
+            time.sleep(0.01)
         self.proc = None
 
     def close(self):
         self.stop()
-        shutil.rmtree(self.scratch, ignore_errors=True)
+        if self.scratch:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
     def __enter__(self):
         return self
@@ -296,6 +382,7 @@ class Interpreter:
 def describe(limit, limits):
     return {"cpu": f"the code ran past {limits.cpu} s of CPU", "wall": f"the code ran past {limits.wall:g} s",
             "memory": f"the code ran out of its {limits.memory >> 20} MiB of memory",
+            "disk": f"the code filled its {limits.disk >> 20} MiB of /tmp or /dev/shm",
             "file size": f"a file or the output grew past {limits.file_size >> 20} MiB",
             "processes": f"the code reached its limit of {limits.processes} processes",
             "open files": f"the code reached its limit of {limits.open_files} open files"}[limit]
@@ -313,11 +400,13 @@ def run(code, limits=None):
 class PythonTool:
     """The policy writes <python>code</python>; the code runs in the episode's Interpreter and
     what it printed comes back as a tool message. A turn without code ends the episode. The code's
-    exception or a limit is the policy's mistake: told as "error: ..." and counted (tool_bad_calls).
-    Keep tool_timeout above limits.wall, so that a slow cell is the sandbox's to stop."""
+    exception or a limit is the policy's mistake: told as "error: ..." and counted (tool_bad_calls)."""
 
     stop = ["</python>"]
     limits = Limits(cpu=5, wall=5.0)
+    # the seconds one call may need: the interpreter's start, the cell's wall clock, the kill after
+    # it; the trainer refuses a tool_timeout below it (environments.check_needs)
+    call_time = START_TIME + limits.wall + 1.0
     system = ("You can run Python. Write code between <python> and </python>, for example <python>print(2 ** 10)"
               "</python>; what it prints is shown to you. Variables are kept from one call to the next. "
               "Give the final answer as \\boxed{answer}.")

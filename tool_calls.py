@@ -121,7 +121,7 @@ class Reasoning:
     """The policy's turn split into its reasoning and the text after it, by the markers of one of
     vLLM's reasoning parsers (the names of `vllm serve --reasoning-parser`: qwen3, deepseek_r1, ...)."""
 
-    def __init__(self, name, tokenizer):
+    def __init__(self, name, tokenizer, generation_prompt=""):
         try:
             from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
             from vllm.reasoning import ReasoningParserManager
@@ -138,12 +138,17 @@ class Reasoning:
             raise ValueError(f"reasoning_parser={name!r} does not fit the tokenizer of {tokenizer.name_or_path!r} "
                              f"({type(e).__name__}: {e}); pick the parser of the model's family") from None
         self.request = ChatCompletionRequest(model="policy", messages=[])
+        start, end = self.parser.reasoning_start_str, self.parser.reasoning_end_str
+        # a generation prompt that opens the reasoning (DeepSeek-R1's, Qwen3-Thinking's end in <think>): a
+        # turn starts inside it, with no start marker of its own
+        self.opened = bool(start and end) and generation_prompt.rfind(start) > generation_prompt.rfind(end)
 
     def split(self, text):
         """(the reasoning or None, the text after it). With a parser that names its markers (<think>,
         </think>) the reasoning ends only at the end marker: vLLM 0.32's qwen3 parser also ends it at a
         <tool_call>, and a call the policy wrote while thinking, then decided against, would be made.
-        A turn cut off while thinking is all reasoning; one with neither marker is all answer."""
+        A turn cut off while thinking is all reasoning; one with neither marker is all answer, unless
+        the generation prompt opened the reasoning."""
         start, end = self.parser.reasoning_start_str, self.parser.reasoning_end_str
         if not (start and end):
             reasoning, content = self.parser.extract_reasoning(text, self.request)
@@ -151,7 +156,9 @@ class Reasoning:
         head, found, tail = text.partition(end)
         if found:
             return head.split(start, 1)[-1], tail
-        return (text.split(start, 1)[1], "") if start in text else (None, text)
+        if self.opened or start in text:  # cut off while thinking: all reasoning
+            return text.split(start, 1)[-1], ""
+        return None, text
 
 
 TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict,
@@ -162,8 +169,11 @@ def wrong_type(schema, arguments):
     """Why arguments do not have the types of the tool's JSON schema, or None: a wrongly typed
     argument is the policy's bad call, not the tool's failure."""
     for name, value in arguments.items():
-        kinds = schema.get("parameters", {}).get("properties", {}).get(name, {}).get("type")
-        kinds = [kinds] if isinstance(kinds, str) else kinds or []
+        prop = schema.get("parameters", {}).get("properties", {}).get(name, {})
+        kinds = prop.get("type")
+        kinds = ([kinds] if isinstance(kinds, str) else list(kinds or [])) + (["null"] if prop.get("nullable") else [])
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # 3.0 is an integer to JSON Schema
         ok = [k for k in kinds if k in TYPES and isinstance(value, TYPES[k])
               and not (isinstance(value, bool) and k in ("integer", "number"))]  # True is an int to Python
         if kinds and all(k in TYPES for k in kinds) and not ok:

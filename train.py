@@ -53,10 +53,11 @@ from cli import parse_args_or_exit
 from config import Config
 from data import PromptSampler, load_model_config, load_prompts, load_tokenizer, locate_model
 from environments import Environment
-from generator import Generator
+from generator import Generator, claim_output_dir
 from parallel import close_distributed, load_model, setup_distributed
 from policy import check_model_config
 from reference import make_reference
+from rollout import Refused
 from update import SyncError, TrainState, make_optimizer, train_on_batch
 from weight_sync import full_state_dict
 from worker_pool import RewardPool
@@ -80,6 +81,8 @@ def check_outside(cfg):
                              "directory") from None
         if not os.access(path, os.W_OK):
             raise ValueError(f"{name}={path!r} is not writable; pick a writable directory")
+    if int(os.environ.get("RANK", 0)) == 0:
+        claim_output_dir(cfg.output_dir)  # a second run into it stops here, before it overwrites anything
     for url in cfg.vllm_server_urls if int(os.environ.get("RANK", 0)) == 0 else ():  # only rank 0 talks to them
         try:
             urllib.request.urlopen(url + "/health", timeout=cfg.vllm_request_timeout).close()
@@ -284,9 +287,10 @@ def main(cfg: Config):
                 with timed(m, "time_sync"):
                     if samples:
                         gen.sync(state.policy)
-            except (vllm_client.VLLMError, SyncError):  # a server we cannot repair, or a sync that did not take (found before
-                # the step's update: vLLM would go on sampling from other weights than these, and training on
-                # its samples would be off-policy unseen): log and checkpoint what was trained, then stop
+            except (vllm_client.VLLMError, SyncError, Refused):  # a server we cannot repair, a sync that did not
+                # take (found before the step's update: vLLM would go on sampling from other weights than these,
+                # and training on its samples would be off-policy unseen), or a step nobody could score: log and
+                # checkpoint what was trained, then stop
                 if rank == 0 and trained == step:
                     log.write(m)
                 if cfg.checkpoint_state_dir and saved < trained:  # not twice: the last one may be this step's
@@ -318,6 +322,11 @@ def main(cfg: Config):
 
 if __name__ == "__main__":
     cfg = parse_args_or_exit()
-    status = main(cfg)
+    try:
+        status = main(cfg)
+    except Refused as e:  # every rank stops here; one line says why
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        status = 1
     close_distributed()  # main's models are gone: the process group goes with them, before exit
     sys.exit(status)

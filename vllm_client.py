@@ -1,15 +1,18 @@
 """The HTTP client of vLLM: generation and scoring requests spread over the servers, retries,
 weight versions (a completion never mixes two), and the routes the weight sync and
-single_gpu_mode use. The servers are ours (vllm_server.py) or the user's (vllm_server_urls,
-started with VLLM_SERVER_DEV_MODE=1 for the weight routes).
+single_gpu_mode use. The servers are ours (vllm_server.py: a URL unix:PATH, HTTP over its private
+Unix socket) or the user's (vllm_server_urls, http(s)://host:port, started with
+VLLM_SERVER_DEV_MODE=1 for the weight routes; the key in VLLM_API_KEY, if set, is sent to them).
 
 Pushing the trainer's weights into the server is weight_sync.py.
 """
 
 import contextlib
 import http.client
+import io
 import json
 import random
+import socket
 import threading
 import time
 import urllib.error
@@ -29,6 +32,9 @@ class VLLMError(RuntimeError):
 NEUTRAL_SAMPLING = dict(top_k=-1, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
 
 
+KEY_HINT = " (the server wants an API key: export VLLM_API_KEY=its key before train.py)"
+
+
 def log_tail(path, n=20):
     try:
         with open(path, errors="replace") as f:
@@ -37,12 +43,51 @@ def log_tail(path, n=20):
         return "(no log)"
 
 
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP over a Unix socket: the server we launch listens on one, in a directory only our user
+    may enter, so no other user's process can reach any of its routes (vllm_server.launch_server)."""
+
+    def __init__(self, socket_path, timeout):
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = socket_path
+
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.socket_path)
+
+
+def fetch(url, route, data=None, headers=None, timeout=120.0):
+    """The body of GET (data None) or POST url + route, as urllib.request.urlopen reads it, errors
+    included (urllib.error.HTTPError for a status >= 400, OSError when unreachable). `url` is
+    http(s)://host:port, or unix:PATH for the socket of a server we launched."""
+    if not url.startswith("unix:"):
+        with urllib.request.urlopen(urllib.request.Request(url + route, data, headers or {}), timeout=timeout) as r:
+            return r.read()
+    conn = UnixHTTPConnection(url[len("unix:"):], timeout)
+    try:
+        conn.request("GET" if data is None else "POST", route, body=data, headers=headers or {})
+        r = conn.getresponse()
+        body = r.read()
+    finally:
+        conn.close()
+    if r.status >= 400:
+        raise urllib.error.HTTPError(url + route, r.status, r.reason, r.headers, io.BytesIO(body))
+    return body
+
+
 class VLLMClient:
     """HTTP client over one or more servers: bounded retries with backoff, concurrent
     requests spread round-robin, errors that name the server and quote what it said."""
 
-    def __init__(self, urls, model=None, timeout=120.0, max_retries=3, proc=None, log_path=None, stop_token_ids=()):
+    def __init__(self, urls, model=None, timeout=120.0, max_retries=3, proc=None, log_path=None, stop_token_ids=(),
+                 api_key=None):
         self.urls, self.timeout, self.max_retries = list(urls), timeout, max_retries
+        # vLLM's --api-key (or its VLLM_API_KEY) guards only routes under /v1 (its AuthenticationMiddleware's
+        # GUARDED_PREFIX): sent on every request, it opens those; the dev routes need none
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
         # the model's end-of-sequence ids beyond the tokenizer's (generation_config.json's eos_token_id
         # list): a server launched with --generation-config vllm, or on a copy without that file, would
         # not stop on them
@@ -89,10 +134,10 @@ class VLLMClient:
 
     def get(self, url, route):
         try:
-            with urllib.request.urlopen(url + route, timeout=self.timeout) as r:
-                return json.loads(r.read())
-        except (urllib.error.URLError, OSError) as e:
-            raise VLLMError(f"vLLM server {url} did not answer {route}: {getattr(e, 'reason', e)}") from None
+            return json.loads(fetch(url, route, headers=self.headers, timeout=self.timeout))
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+            hint = KEY_HINT if getattr(e, "code", None) == 401 else ""
+            raise VLLMError(f"vLLM server {url} did not answer {route}: {getattr(e, 'reason', e)}{hint}") from None
 
     def post(self, url, route, payload=None, params="", timeout=None):
         """POST with retries; `timeout` (seconds per attempt) defaults to vllm_request_timeout."""
@@ -103,16 +148,15 @@ class VLLMClient:
             if self.proc is not None and self.proc.poll() is not None:
                 raise VLLMError(f"vLLM server {url} died (exit code {self.proc.returncode}); "
                                 f"log {self.log_path}:\n{log_tail(self.log_path)}")
-            req = urllib.request.Request(url + route + params, data=data, headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(req, timeout=timeout) as r:
-                    body = r.read()
+                body = fetch(url, route + params, data, self.headers, timeout)
                 try:
                     return json.loads(body) if body else {}
                 except ValueError:  # the LoRA routes answer in plain text
                     return body.decode(errors="replace")
             except urllib.error.HTTPError as e:
                 last = f"HTTP {e.code}: {e.read().decode(errors='replace')[:500]}"
+                last += KEY_HINT if e.code == 401 else ""
                 if e.code < 500:
                     break  # the request is wrong; retrying will not help
             except (urllib.error.URLError, OSError, TimeoutError, http.client.HTTPException) as e:

@@ -3,6 +3,17 @@ vllm.entrypoints.openai.api_server`; the `vllm` console script of the CPU build 
 on the CPU's cores or a GPU, stopped (it and only it) when training ends. Without
 `vllm_server_urls` train.py launches one; the HTTP client is vllm_client.py.
 
+Who may talk to it: the server runs with VLLM_SERVER_DEV_MODE=1, whose routes (/collective_rpc,
+/sleep, /wake_up, /reset_prefix_cache, /pause, /resume, the weight-transfer routes) load weights
+from any path and take no key: vLLM's --api-key guards only paths under /v1, /v2, /inference and
+/cohere (its AuthenticationMiddleware). So the server train.py launches listens on no port but on
+a Unix socket in a 0700 directory of its own, which closes every route to other users (not to
+root, nor to our own user's processes, which could read the trainer's memory anyway), and
+leaves no port for two runs on one machine to share. A server you run (vllm_server_urls, or
+`--serve` below) listens on a port: VLLM_API_KEY, exported to it and to train.py, closes its
+/v1 routes (completions, models, the LoRA load and unload routes); its dev routes stay open to
+every local process.
+
 single_gpu_mode (untested here: it needs a GPU build of vLLM): the server we launch shares
 the trainer's GPU, started with --enable-sleep-mode and the vllm_gpu_memory_utilization
 fraction. train.py puts it to sleep before training (POST /sleep?level=1: weights to CPU
@@ -11,19 +22,21 @@ generation. Level 1, not 2: a step without samples syncs nothing, and must still
 the weights it left.
 """
 
+import http.client
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
-import urllib.request
 
 import torch
 
 import lora
-from vllm_client import VLLMError, log_tail
+from vllm_client import VLLMError, fetch, log_tail
 
 
 def die_with_parent():
@@ -43,12 +56,15 @@ def server_dtype(cfg):
     return cfg.vllm_dtype if cfg.vllm_dtype != "auto" else "bfloat16" if torch.cuda.is_available() else "float32"
 
 
-def server_command(model_dir, cfg, port):
+def server_command(model_dir, cfg, port=None, uds=None):
     """The command line of the vLLM server on `model_dir`, and the variables it adds to the environment:
-    the server train.py launches (launch_server) and scripts/launch_8gpu.sh starts (main, below)."""
+    the server train.py launches (launch_server: on the Unix socket `uds`) and scripts/launch_8gpu.sh
+    starts (main, below: on 127.0.0.1:`port`)."""
     max_len = cfg.vllm_max_model_len or cfg.max_prompt_length + cfg.response_length
+    # with --uds vLLM ignores --host and --port (its FrontendArgs.uds)
+    where = ["--uds", uds] if uds else ["--port", str(port)]
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", server_dtype(cfg), "--max-model-len", str(max_len),
+           "--host", "127.0.0.1", *where, "--dtype", server_dtype(cfg), "--max-model-len", str(max_len),
            "--seed", str(cfg.seed), "--logprobs-mode", "processed_logprobs", "--disable-log-stats",
            "--generation-config", "vllm",  # vLLM's neutral defaults, not the model's (NEUTRAL_SAMPLING)
            "--gpu-memory-utilization", str(cfg.vllm_gpu_memory_utilization),
@@ -81,44 +97,96 @@ def server_command(model_dir, cfg, port):
 
 
 def launch_server(model_dir, cfg, log_path, port=None, env=None, extra_args=()):
-    """Start a vLLM server on `model_dir` and return (process, url) once /health answers.
-    A server that exits or stays unhealthy past vllm_startup_timeout is stopped and the
-    tail of its log is quoted in the error. `env` and `extra_args` (benchmarks) are laid over
-    the environment and the arguments of server_command; None in `env` unsets a variable."""
-    port = port or cfg.vllm_port
-    with socket.socket() as s:  # a server already there would answer the /health below in place of ours
+    """Start a vLLM server on `model_dir` and return (process, url) once it answers as ours (is_ours).
+    Without `port` it listens on a Unix socket in a fresh directory only our user may enter (url
+    unix:PATH): no port for two runs on one machine to share, and no other user's process reaches any
+    route, /collective_rpc and the LoRA routes included. With `port` (tests, benchmarks: a server
+    "the user runs") it listens on 127.0.0.1:port, open to every local process.
+    A server that exits or does not answer past vllm_startup_timeout is stopped and the tail of
+    its log is quoted in the error. `env` and `extra_args` (benchmarks) are laid over the
+    environment and the arguments of server_command; None in `env` unsets a variable."""
+    uds = None if port else private_socket()
+    if port:
+        check_port_free(port)
+    cmd, added = server_command(model_dir, cfg, port, uds)
+    cmd += list(extra_args)
+    # our server wants no key: the socket is the lock (VLLM_API_KEY is for the servers you run)
+    server_env = dict(os.environ, **added)
+    server_env.pop("VLLM_API_KEY", None)
+    for k, v in (env or {}).items():
+        server_env.pop(k, None) if v is None else server_env.__setitem__(k, v)
+    log = open(log_path, "w")
+    try:
+        # A new session: the server and its engine processes form one group we can stop together.
+        # It also dies with the trainer if the trainer is killed (SIGKILL, OOM) and cannot stop it.
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=server_env, start_new_session=True,
+                                preexec_fn=die_with_parent)
+    except BaseException:
+        remove_socket_dir(uds)
+        raise
+    proc.uds = uds  # stop_server removes its directory
+    url = f"unix:{uds}" if uds else f"http://127.0.0.1:{port}"
+    try:
+        wait_until_ours(proc, url, model_dir, cfg, log_path)
+    except BaseException:
+        stop_server(proc)  # its engine too, if the server itself died
+        raise
+    return proc, url
+
+
+def wait_until_ours(proc, url, model_dir, cfg, log_path):
+    deadline = time.monotonic() + cfg.vllm_startup_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise VLLMError(f"vLLM server on {model_dir} exited with code {proc.returncode} while starting; "
+                            f"log {log_path}:\n{log_tail(log_path)}")
+        if is_ours(url, model_dir, proc):
+            return
+        time.sleep(1)
+    raise VLLMError(f"vLLM server on {model_dir} not healthy after {cfg.vllm_startup_timeout:.0f}s "
+                    f"(vllm_startup_timeout); log {log_path}:\n{log_tail(log_path)}")
+
+
+def private_socket():
+    """The path of a Unix socket in a new directory that only our user may enter (mkdtemp makes it
+    0700): connecting needs search permission on it, which other users lack (root has every
+    permission). In the temporary directory, not output_dir: a socket path has at most 107 bytes."""
+    path = os.path.join(tempfile.mkdtemp(prefix="flatgrpo-vllm-"), "api.sock")
+    if len(path.encode()) > 107:
+        remove_socket_dir(path)
+        raise VLLMError(f"the server's socket path {path!r} is longer than a Unix socket allows (107 bytes); "
+                        "set TMPDIR to a shorter directory")
+    return path
+
+
+def remove_socket_dir(uds):
+    if uds:
+        shutil.rmtree(os.path.dirname(uds), ignore_errors=True)
+
+
+def check_port_free(port):
+    """A server already on `port` would answer in place of ours; VLLMError naming the fix."""
+    with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no owner
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
             raise VLLMError(f"port {port} is taken on this machine (another vLLM server?); stop what holds it, "
                             "or pick another with --vllm_port") from None
-    cmd, added = server_command(model_dir, cfg, port)
-    cmd += list(extra_args)
-    server_env = dict(os.environ, **added)
-    for k, v in (env or {}).items():
-        server_env.pop(k, None) if v is None else server_env.__setitem__(k, v)
-    log = open(log_path, "w")
-    # A new session: the server and its engine processes form one group we can stop together.
-    # It also dies with the trainer if the trainer is killed (SIGKILL, OOM) and cannot stop it.
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=server_env, start_new_session=True,
-                            preexec_fn=die_with_parent)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + cfg.vllm_startup_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise VLLMError(f"vLLM server on {model_dir} exited with code {proc.returncode} while starting; "
-                            f"log {log_path}:\n{log_tail(log_path)}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return proc, url
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(1)
-    stop_server(proc)
-    raise VLLMError(f"vLLM server on {model_dir} not healthy after {cfg.vllm_startup_timeout:.0f}s "
-                    f"(vllm_startup_timeout); log {log_path}:\n{log_tail(log_path)}")
+
+
+def is_ours(url, model_dir, proc):
+    """The server at `url` answers, serves `model_dir` and is our process, alive. A server on that
+    port since our port check (a run started seconds apart: vLLM binds after its imports) would
+    answer /health for ours, and then 404 our requests; this asks for the model by its path."""
+    try:
+        served = [m["id"] for m in json.loads(fetch(url, "/v1/models", timeout=5))["data"]]
+    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError, KeyError, TypeError):
+        return False  # not up yet
+    if model_dir not in served:
+        raise VLLMError(f"the server answering at {url} serves {served}, not {model_dir}: another process took "
+                        "the port; stop it, or launch ours on another port")
+    return proc.poll() is None
 
 
 def cpu_placement(cfg, environ):
@@ -156,11 +224,12 @@ def stop_server(proc, timeout=30):
         proc.wait()
     except ProcessLookupError:
         pass
+    remove_socket_dir(getattr(proc, "uds", None))
 
 
 def main(argv=None):
     """python vllm_server.py [--print] --serve MODEL_DIR [train.py's flags]: become the vLLM server
-    train.py would launch on MODEL_DIR for those flags (port: --vllm_port); --print writes its
+    train.py would launch on MODEL_DIR for those flags, on 127.0.0.1:vllm_port; --print writes its
     command instead. scripts/launch_8gpu.sh starts its servers so, with the trainer's flags: the
     servers' flags have one source, server_command."""
     import shlex

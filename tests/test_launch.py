@@ -42,10 +42,16 @@ def test_the_server_cli_runs_what_launch_server_runs(monkeypatch, tmp_path, lora
     monkeypatch.setattr(vllm_server.subprocess, "Popen", popen)
     monkeypatch.setattr(vllm_server.os, "execve", execve)
     with pytest.raises(Started):
-        vllm_server.launch_server("serving/m", parse_args(flags), str(tmp_path / "log"))
+        vllm_server.launch_server("serving/m", parse_args(flags), str(tmp_path / "log"), port=8001)
     with pytest.raises(Started):
         vllm_server.main(["--serve", "serving/m", *flags])
     assert seen["cli"] == seen["launch_server"]
+    with pytest.raises(Started):  # as train.py launches it: on a Unix socket, in a directory of its own
+        vllm_server.launch_server("serving/m", parse_args(flags), str(tmp_path / "log"))
+    own = seen["launch_server"][0]
+    uds = own[own.index("--uds") + 1]
+    assert "--port" not in own and own[:own.index("--uds")] == seen["cli"][0][:own.index("--uds")]
+    assert not os.path.exists(os.path.dirname(uds))  # removed when the server did not start
     cmd = seen["cli"][0]
     assert cmd[cmd.index("--max-lora-rank") + 1] == max_lora_rank and cmd[cmd.index("--port") + 1] == "8001"
     assert cmd[cmd.index("--dtype") + 1] == "bfloat16" and "--hf-overrides" in cmd
@@ -84,9 +90,10 @@ def test_launch_8gpu_gives_its_servers_the_trainers_flags():
 
 
 def test_a_port_in_use_is_refused_before_the_server_starts(tmp_path):
-    """A server already listening on vllm_port would answer our /health for a server that never
-    started (a run then asked it for a model it does not serve: HTTP 404). Before: the server was
-    started anyway (here the quick tier's guard refuses the process instead)."""
+    """A server already listening on the port asked for (tests, benchmarks) would answer in place
+    of one that never started (a run then asked it for a model it does not serve: HTTP 404).
+    Before: the server was started anyway (here the quick tier's guard refuses the process
+    instead). train.py's own server takes no port (tests/test_two_runs.py)."""
     import socket
 
     from vllm_client import VLLMError

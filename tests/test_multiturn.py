@@ -676,17 +676,17 @@ def test_a_reward_that_fails_on_every_sample_stops_the_run_in_one_line(tiny_mode
     exception, where it used to score 0 everywhere and train nothing, exit 0."""
     from transformers import AutoTokenizer
 
-    from rollout import RewardFailure, sample_groups
+    from rollout import Refused, sample_groups
     from worker_pool import RewardPool
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     cfg = Config(response_length=8, num_samples_per_prompt_rollout=2)
     rows = [dict(prompt="q", answer="5", prompt_text="q", prompt_ids=tok("q")["input_ids"])]
     pool = RewardPool("test_multiturn:needs_a_list", workers=0, fallback=float("nan"))  # as train.py makes it
-    with pytest.raises(RewardFailure, match=r"step 3: the reward failed on 2 of 2 samples \(reward_failure_stop=1\); "
-                                            r"first: the reward: TypeError: completions must be a list"):
+    with pytest.raises(Refused, match=r"step 3: 2 of 2 episodes could not be scored \(unscored_stop=1\); "
+                                      r"first: the reward: TypeError: completions must be a list"):
         sample_groups(cfg, ScriptedClient(tok, ["5"]), rows, 0, 3, pool, tok)
-    cfg = Config(response_length=8, num_samples_per_prompt_rollout=2, reward_failure_stop=1.5)
+    cfg = Config(response_length=8, num_samples_per_prompt_rollout=2, unscored_stop=1.5)
     samples, m = sample_groups(cfg, ScriptedClient(tok, ["5"]), rows, 0, 3, pool, tok)
     assert samples == [] and m["unscored_groups"] == 1 and m["reward_errors"] == 2
 
@@ -743,3 +743,106 @@ def test_a_replaced_worker_leaves_no_scratch_of_its_episodes(tiny_model_dir, tmp
         assert [d for d in made if os.path.exists(d)] == []  # the pool is still up: gone with their workers
     finally:
         env.close()
+
+
+FAILING_REWARDS = '''
+import time
+
+
+class Slow:
+    """A shared environment whose reward hangs past tool_timeout."""
+
+    def reset(self, row):
+        return [{"role": "user", "content": "go"}]
+
+    def step(self, row, messages):
+        return []
+
+    def reward(self, row, messages):
+        time.sleep(30)
+        return 1.0
+
+
+slow = Slow()
+
+
+class SlowEp(Slow):
+    pass
+
+
+class Raise(Slow):
+    def reward(self, row, messages):
+        if row["bad"]:
+            raise RuntimeError("env reward broke")
+        return float(len(messages))
+
+
+raiser = Raise()
+
+
+def bad_fn(prompt, completion, example):
+    if example["bad"]:
+        raise RuntimeError("reward_fn broke")
+    return 0.0
+'''
+
+
+def failing_rewards(tmp_path, tok, spec, rows, workers=1, pool=None, **kw):
+    """One step's batch of rows (rollout_batch), against a scripted server."""
+    from data import PromptSampler
+    from rollout import rollout_batch
+
+    (tmp_path / "env.py").write_text(FAILING_REWARDS)
+    cfg = Config(environment=f"{tmp_path}/env.py:{spec}", tool_workers=workers, tool_timeout=1.0, max_prompt_length=200,
+                 response_length=64, max_turns=1, num_samples_per_prompt_rollout=2, num_unique_prompts_rollout=len(rows),
+                 **kw)
+    env = Environment(cfg.environment, tok, cfg)
+    env.start()
+    try:
+        sampler = PromptSampler(with_prompts(env, tok, rows), 0)
+        return rollout_batch(cfg, ScriptedClient(tok, ["x"]), sampler, 1, pool, tok, env)
+    finally:
+        env.close()
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("spec", ["slow", "SlowEp"])
+def test_an_environments_reward_that_hangs_is_a_reward_timeout(tiny_model_dir, tmp_path, spec):
+    """Shared or per episode, a reward that hangs is the reward's timeout (it was called "lost with its
+    worker", counted nowhere, and never stopped the run)."""
+    from transformers import AutoTokenizer
+
+    from rollout import Refused
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    with pytest.raises(Refused, match=r"2 of 2 episodes could not be scored \(unscored_stop=1\); first: the "
+                                      r"environment's reward: no answer after tool_timeout=1.0s"):
+        failing_rewards(tmp_path, tok, spec, [dict(prompt="p")])
+    _, m = failing_rewards(tmp_path, tok, spec, [dict(prompt="p")], unscored_stop=2.0)
+    assert m["reward_timeouts"] == 2 and m["unscored_episodes"] == 2 and m["tool_lost"] == 0
+    assert m["reward_mean"] is None and m["reward_std"] is None  # JSON null, never NaN
+
+
+def test_a_sample_whose_two_rewards_fail_counts_once(tiny_model_dir, tmp_path):
+    """Half the samples fail both the environment's reward and --reward_fn: 2 of 4 unscored, not a stop
+    (the two failures of one sample used to be counted as two samples)."""
+    from transformers import AutoTokenizer
+
+    from worker_pool import RewardPool
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    (tmp_path / "env.py").write_text(FAILING_REWARDS)
+    pool = RewardPool(f"{tmp_path}/env.py:bad_fn", workers=0, fallback=float("nan"))
+    samples, m = failing_rewards(tmp_path, tok, "raiser", [dict(prompt="p", bad=True), dict(prompt="q", bad=False)],
+                                 workers=0, pool=pool, reward_fn=f"{tmp_path}/env.py:bad_fn",
+                                 filter_zero_std_samples=False)
+    assert m["unscored_episodes"] == 2 and m["unscored_groups"] == 1 and len(samples) == 2
+    assert m["reward_errors"] == 4  # each failure counted: two functions on two samples
+
+
+def test_openenv_a_last_turn_action_refuses_is_the_policys_mistake():
+    """max_turns 1: reward steps the only turn, and action refuses it (a ToolError): the episode earns
+    what its steps earned (0), where it used to be an unscored episode that could stop the run."""
+    env, row = fake_openenv(), {}
+    messages = env.reset(row) + [{"role": "assistant", "content": "refused"}]
+    assert env.reward(row, messages) == 0.0 and env.env.actions == []

@@ -1,10 +1,18 @@
 """The sandbox (sandbox.py): each limit fires on the code that needs it, ends as a counted error
-with the interpreter (or the next one) working, and leaves no process and no scratch directory
-behind; and the PythonTool environment through the trainer's episodes."""
+with the interpreter (or the next one) working, and leaves no process behind; the attacks of a
+hostile review fail (files, network, /tmp and /dev/shm, an owner killed mid-cell, a forged reply,
+processes after the cell, memory of several processes), as root and, in one script, as a user;
+and the PythonTool environment through the trainer's episodes."""
 
 import contextlib
+import json
 import os
+import shutil
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import time
 
 import pytest
@@ -18,37 +26,68 @@ from helpers import ScriptedClient, with_prompts
 
 pytestmark = pytest.mark.subprocess  # every test here starts sandboxed processes
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = Limits(cpu=1, wall=30.0)  # a CPU limit of 1 s comes well before the wall clock, even on a busy machine
 
 
-def survivors(uid, scratch, wait=10.0):
-    """The sandbox's processes still there after up to `wait` seconds: those of its uid (as root),
-    else those started with its scratch directory as HOME."""
-    def mine():
-        if uid is not None:
-            return list(sandbox.processes_of(uid))
-        found = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    found += [int(pid)] if f"HOME={scratch}".encode() in f.read().split(b"\0") else []
-            except OSError:
-                pass
-        return found
+def tree(pid):
+    """pid and its descendants, from /proc."""
+    children = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as f:
+            children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        found.append(todo.pop())
+        todo += children.get(found[-1], [])
+    return found
+
+
+def alive(pids, wait=10.0):
+    """Those of pids still running (zombies are not) after up to `wait` seconds."""
+    def running():
+        left = []
+        for pid in pids:
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
+                left += [pid] if f.read().rsplit(")", 1)[1].split()[0] not in "ZX" else []
+        return left
     deadline = time.monotonic() + wait
-    while mine() and time.monotonic() < deadline:
+    while running() and time.monotonic() < deadline:
         time.sleep(0.05)
-    return mine()
+    return running()
+
+
+def marked(marker, where="cmdline"):
+    """The running processes whose command line holds marker (or whose environment holds it as a variable)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/{where}", "rb") as f:
+            data = f.read()
+            found += [int(pid)] if marker.encode() in (data.split(b"\0") if where == "environ" else data) else []
+    return alive(found, wait=0)
+
+
+def bwraps(variable):
+    """The running bwrap processes (a sandbox's outer two) whose environment holds variable."""
+    found = []
+    for pid in marked(variable, "environ"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/comm") as f:
+            found += [pid] if f.read().strip() == "bwrap" else []
+    return found
 
 
 @contextlib.contextmanager
 def checked(limits):
-    """An interpreter; at the end, closed, with nothing of it left."""
+    """A started interpreter; at the end, closed, with nothing of it left: no process, no cgroup."""
     interpreter = Interpreter(limits)
-    yield interpreter
-    interpreter.close()
-    assert survivors(interpreter.uid, interpreter.scratch) == []
-    assert not os.path.exists(interpreter.scratch)
+    interpreter.start()
+    pids, cgroup = tree(interpreter.proc.pid), interpreter.cgroup
+    try:
+        yield interpreter
+    finally:
+        pids += tree(interpreter.proc.pid) if interpreter.proc else []
+        interpreter.close()
+    assert alive(pids) == [] and not (cgroup and os.path.exists(cgroup))
 
 
 @pytest.fixture
@@ -57,10 +96,20 @@ def py():
         yield interpreter
 
 
-def test_a_one_shot_run_answers_and_leaves_nothing():
-    result = sandbox.run("import os\nprint(2 ** 10, os.getcwd())")
-    answer, scratch = result.stdout.split()
-    assert answer == "1024" and result.error is None and not os.path.exists(scratch)
+@pytest.fixture
+def host_dir():
+    """A world-readable directory on the host, as a dataset's or a run's output directory is."""
+    path = tempfile.mkdtemp(prefix="sandbox-test-")
+    os.chmod(path, 0o755)
+    yield path
+    shutil.rmtree(path)
+
+
+def test_a_one_shot_run_answers_in_its_own_root(monkeypatch):
+    result = sandbox.run("import os\nprint(2 ** 10, os.getcwd(), os.getuid(), sorted(os.listdir('/')))")
+    assert result.error is None and result.stdout.split()[:2] == ["1024", "/tmp"]
+    assert int(result.stdout.split()[2]) != 0  # never root, in any namespace
+    assert "'etc'" not in result.stdout and "'home'" not in result.stdout
 
 
 def test_variables_last_between_cells_of_one_interpreter_and_not_between_two(py):
@@ -68,7 +117,6 @@ def test_variables_last_between_cells_of_one_interpreter_and_not_between_two(py)
     assert py.run("print(x + 1)").stdout == "42\n"
     with Interpreter(QUICK) as other:
         assert other.run("print(x)").error == "NameError: name 'x' is not defined"
-        assert other.scratch != py.scratch and (py.uid is None or other.uid != py.uid)
     result = py.run("1 / 0")
     assert result.error == "ZeroDivisionError: division by zero" and result.stderr.endswith(
         "ZeroDivisionError: division by zero\n") and result.exit is None
@@ -77,42 +125,47 @@ def test_variables_last_between_cells_of_one_interpreter_and_not_between_two(py)
 
 def test_an_infinite_loop_is_stopped_by_the_cpu_limit(py):
     py.run("x = 1")
+    pids = tree(py.proc.pid)
     result = py.run("while True: pass")
-    assert result.limit == "cpu" and result.exit is not None and "1 s of CPU" in result.error
-    assert survivors(py.uid, py.scratch) == []  # the process and its namespace went with it
+    assert result.limit == "cpu" and result.exit == -signal.SIGXCPU and "1 s of CPU" in result.error
+    assert alive(pids) == []  # the sandbox went with it
     assert py.run("print(globals().get('x'))").stdout == "None\n"  # restarted, empty
 
 
-def test_a_timeout_kills_the_process_group_and_restarts_the_interpreter_empty():
+def test_the_wall_clock_kills_the_whole_tree_and_restarts_the_interpreter_empty():
     with checked(Limits(wall=2.0)) as py:
-        py.run("x = 1")
-        t = time.monotonic()
-        result = py.run("import subprocess, time\nsubprocess.Popen(['sleep', '1000'])\nprint('started')\n"
-                        "time.sleep(1000)")
+        py.run("x = 1\nopen('/tmp/note', 'w').close()")
+        pids, t = tree(py.proc.pid), time.monotonic()
+        sleep = f"1000.{os.getpid()}"  # a command line of this test's own
+        result = py.run(f"import subprocess, time\nsubprocess.Popen(['sleep', '{sleep}'], start_new_session=True)\n"
+                        "print('started')\ntime.sleep(1000)")
         assert time.monotonic() - t < 2.0 + 5
-        assert result.limit == "wall" and result.stdout == "started\n" and "variables are gone" in result.error
-        assert survivors(py.uid, py.scratch) == []  # the sleep went with the group
-        assert py.run("print(globals().get('x'))").stdout == "None\n"
+        assert result.limit == "wall" and result.stdout == "started\n"
+        assert "variables and files are gone" in result.error
+        assert alive(pids + marked(f"sleep\0{sleep}")) == []  # the sleep in its own session went too
+        assert py.run("import os\nprint(globals().get('x'), os.listdir('/tmp'))").stdout == "None []\n"
 
 
 def test_a_fork_bomb_is_bounded_by_the_process_limit(py):
-    # the processes a cell can hold at once: all of the sandbox's, less the interpreter and its parent
+    # the processes a cell can hold at once: the sandbox's, less the interpreter (and bwrap's pid 1)
     held = py.run("import os, time\npids = []\ntry:\n    while True:\n        if (pid := os.fork()) == 0:\n"
                   "            time.sleep(60)\n            os._exit(0)\n        pids.append(pid)\n"
                   "finally:\n    print(len(pids))")
     assert held.limit == "processes" and held.exit is None
-    # as root the limit is the sandbox's own; otherwise it counts the user's other processes, which come and go
-    assert 0 < int(held.stdout) <= QUICK.processes + (0 if py.uid is not None else 64)
-    py.run("for pid in pids:\n    os.kill(pid, 9)\n    os.waitpid(pid, 0)")
+    assert QUICK.processes - 3 <= int(held.stdout) < QUICK.processes  # the limit is the sandbox's own
     bomb = py.run("while True: os.fork()")
     assert bomb.limit == "processes" and "limit of 32 processes" in bomb.error and bomb.exit is None
     assert py.run("print(len(pids))").stdout == held.stdout  # the interpreter lived through it all
-    if sandbox.namespaces() or py.uid is not None:  # else a process that leaves the group outlives a kill
-        # once the bomb's processes are gone, one in a session of its own; the fixture checks it is gone too
-        escape = py.run("import subprocess\nfor _ in range(100):\n    try:\n"
-                        "        subprocess.Popen(['sleep', '1000'], start_new_session=True)\n        break\n"
-                        "    except BlockingIOError:\n        time.sleep(0.1)")
-        assert escape.error is None
+
+
+def test_processes_a_cell_started_do_not_outlive_it():
+    burn = f"['sh', '-c', 'while :; do :; done', 'burner-{os.getpid()}']"  # $0 names it: burner-PID
+    with checked(Limits(cpu=30, wall=30.0)) as py:  # CPU enough to burn on past the 10 s that alive() waits
+        result = py.run(f"import subprocess\nfor _ in range(2):\n    subprocess.Popen({burn})\n"
+                        f"subprocess.Popen({burn}, start_new_session=True)\nprint('started')")
+        assert result.stdout == "started\n" and result.error is None, result
+        assert alive(marked(f"burner-{os.getpid()}")) == []  # killed when the cell returned, not at the wall clock
+        assert py.run("print(1)").stdout == "1\n"
 
 
 def test_a_memory_hog_fails_and_the_trainer_is_fine(py):
@@ -126,14 +179,41 @@ def test_a_memory_hog_fails_and_the_trainer_is_fine(py):
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000  # KiB: the trainer did not grow
 
 
+def test_the_memory_of_several_processes_together_is_bounded_where_a_cgroup_can_be_made():
+    limits = Limits(cpu=5, wall=60.0, memory=256 << 20)
+    if (probe := sandbox.memory_cgroup(1 << 30)) is None:
+        pytest.skip("no memory cgroup can be made here (not root, or cgroup v2 without memory delegated): "
+                    "memory is limited per process only")
+    os.rmdir(probe)
+    with checked(limits) as py:
+        # four processes of 150 MiB each, under an address-space limit of 256 MiB per process: each
+        # fits alone; together they hold 600 MiB unless the sandbox's memory is limited as a whole
+        result = py.run("import os\nready, go = os.pipe(), os.pipe()\npids = []\nfor _ in range(4):\n"
+                        "    if (pid := os.fork()) == 0:\n        os.close(ready[0])\n"
+                        "        hold = bytearray(b'x') * (150 << 20)\n        os.write(ready[1], b'1')\n"
+                        "        os.close(ready[1])\n        os.close(go[1])\n        os.read(go[0], 1)\n        os._exit(0)\n"
+                        "    pids.append(pid)\n"
+                        "os.close(ready[1])\nwhile os.read(ready[0], 1):\n    pass\n"  # each allocated, or died
+                        "print(sum(os.waitpid(pid, os.WNOHANG) == (0, 0) for pid in pids))\nos.close(go[1])")
+        assert int(result.stdout) <= 1 and result.limit == "memory", result
+        assert py.run("print(2)").stdout == "2\n"
+
+
 def test_a_1gb_file_write_stops_at_the_file_size_limit(py):
     result = py.run("with open('big', 'wb') as f:\n    for _ in range(1024):\n        f.write(b'x' * (1 << 20))")
     assert result.limit == "file size" and "File too large" in result.stderr
-    sizes = [os.path.getsize(os.path.join(py.scratch, name)) for name in os.listdir(py.scratch)]
-    assert sizes and sum(sizes) <= QUICK.file_size
+    assert py.run("import os\nprint(os.path.getsize('big'))").stdout == f"{QUICK.file_size}\n"
     # printing a gigabyte: the output file stops at the same limit, and the trainer reads a bounded head
     printed = py.run("for _ in range(1024):\n    print('y' * (1 << 20))")
     assert printed.limit == "file size" and printed.stdout == "y" * QUICK.output + " [cut]"
+
+
+def test_many_files_stop_at_the_disk_limit_in_tmp_and_in_dev_shm(py):
+    fill = "import os\nfor i in range(64):\n    with open(f'{}/f{{i}}', 'wb') as f:\n        f.write(b'x' * (8 << 20))"
+    for where in (".", "/dev/shm"):  # 512 MiB in files of 8 MiB, under the file size limit; the cwd is /tmp
+        result = py.run(fill.format(where))
+        assert result.limit == "disk" and "No space left" in result.stderr and result.exit is None, result
+    assert int(py.run("import shutil\nprint(shutil.disk_usage('/tmp').total)").stdout) <= QUICK.disk
 
 
 def test_open_files_are_limited(py):
@@ -146,10 +226,43 @@ def test_the_code_cannot_read_the_trainers_environment(py, monkeypatch):
     result = py.run(f"import os\nprint(dict(os.environ))\ntry:\n    print(open('/proc/{os.getpid()}/environ').read())\n"
                     "except OSError as e:\n    print(type(e).__name__)")
     assert result.error is None and "hf_secret_sandbox_test" not in result.stdout, result.stdout
-    assert "HF_TOKEN" not in result.stdout and f"'HOME': '{py.scratch}'" in result.stdout
-    if py.uid is None and not sandbox.namespaces():
-        pytest.skip("neither root nor namespaces: the code runs as the trainer's user and can read its /proc")
+    assert "HF_TOKEN" not in result.stdout and "'HOME': '/tmp'" in result.stdout
     assert result.stdout.rstrip().endswith(("PermissionError", "FileNotFoundError"))
+
+
+READ = ("for path in {!r}:\n    try:\n        open(path).read()\n        print('read', path)\n"
+        "    except OSError:\n        pass")
+
+
+def test_the_code_reads_no_dataset_checkout_output_or_token_and_writes_nowhere_outside(py, host_dir):
+    answers, samples, token = (os.path.join(host_dir, name) for name in ("answers.jsonl", "samples.jsonl", "token"))
+    for path in (answers, samples, token):
+        with open(path, "w") as f:
+            f.write('{"answer": 42}\n')
+    os.chmod(token, 0o600)  # the trainer's own, as a HF token file is
+    secrets = [answers, samples, token, os.path.join(ROOT, "sandbox.py"), os.path.join(ROOT, "pyproject.toml"),
+               "/etc/passwd", "/etc/hostname", os.path.expanduser("~/.bashrc")]
+    result = py.run(READ.format(secrets))
+    assert result.error is None and result.stdout == "", result.stdout
+    wrote = py.run(f"for d in {[host_dir, ROOT, sys.prefix]!r}:\n    try:\n        open(d + '/sandbox-wrote', 'w')\n"
+                   "        print('wrote', d)\n    except OSError:\n        pass")
+    assert wrote.stdout == "" and not any(os.path.exists(d + "/sandbox-wrote") for d in (host_dir, ROOT, sys.prefix))
+
+
+def test_tmp_and_dev_shm_are_the_sandboxs_own_and_die_with_it(py):
+    mine = f"episode-{os.getpid()}"  # a name of this test's own
+    host_file = tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="weights-")  # as weight sync writes there
+    os.chmod(host_file.name, 0o644)
+    host_tmp = tempfile.NamedTemporaryFile(prefix="host-")
+    os.chmod(host_tmp.name, 0o644)
+    with host_file, host_tmp:
+        seen = py.run(f"import os\nprint(os.listdir('/tmp'), os.listdir('/dev/shm'))\n" + READ.format(
+            [host_file.name, host_tmp.name]) + f"\nfor p in ('/tmp/{mine}', '/dev/shm/{mine}'):\n"
+                                               "    open(p, 'w').write('a')")
+        assert seen.stdout == "[] []\n" and seen.error is None, seen
+    assert not os.path.exists(f"/tmp/{mine}") and not os.path.exists(f"/dev/shm/{mine}")
+    with Interpreter(QUICK) as other:  # the next episode
+        assert other.run("import os\nprint(os.listdir('/tmp'), os.listdir('/dev/shm'))").stdout == "[] []\n"
 
 
 def test_a_socket_cannot_reach_a_port_the_trainer_listens_on(py):
@@ -158,17 +271,136 @@ def test_a_socket_cannot_reach_a_port_the_trainer_listens_on(py):
         listener.listen()
         port = listener.getsockname()[1]
         result = py.run(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)")
-        if not sandbox.namespaces():
-            pytest.skip("unshare cannot make a network namespace here (neither root nor user namespaces)")
-        assert result.error and result.error.startswith("OSError"), result
+        assert result.error and result.error.startswith(("OSError", "ConnectionRefusedError")), result  # its own lo
         listener.setblocking(False)
         with pytest.raises(BlockingIOError):
             listener.accept()  # nothing came
 
 
-def test_the_python_tool_keeps_each_episodes_variables_and_counts_its_errors(tiny_model_dir):
+def test_a_forged_reply_kills_the_sandbox_and_answers_the_cell_as_an_error(py):
+    py.run("x = 1")
+    pids = tree(py.proc.pid)
+    forged = py.run("import os, time\nfor fd in range(3, 64):\n    try:\n"
+                    "        os.write(fd, b'{\"error\": null, \"limit\": null}\\n')\n    except OSError:\n        pass\n"
+                    "time.sleep(20)")  # past the reply: a forged reply would have bought it time
+    assert forged.error and "reply pipe" in forged.error and forged.exit == -signal.SIGKILL, forged
+    assert alive(pids) == []
+    assert py.run("print(globals().get('x'))").stdout == "None\n"  # the next cell gets its own reply
+
+
+# a process that starts a sandbox whose cell runs `sleep SECONDS` (a command line of the test's own) and waits
+OWNER = """import sys, sandbox
+py = sandbox.Interpreter(sandbox.Limits(wall=300))
+py.run(f"import subprocess, time\\nsubprocess.Popen(['sleep', '{sys.argv[1]}'], start_new_session=True)\\ntime.sleep(999)")
+"""
+
+
+def test_a_sandbox_dies_with_its_owner_killed_mid_cell():
+    seconds = f"4321.{os.getpid()}"
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, seconds], cwd=ROOT)
+    deadline = time.monotonic() + 30
+    while not marked(f"sleep\0{seconds}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = tree(owner.pid)
+    assert len(pids) > 2, "the owner's sandbox did not start"
+    owner.kill()
+    owner.wait()
+    assert alive(pids) == []
+
+
+# The attacks again as a user: a script that runs as uid 65534 with a Python that user can read,
+# the trainer's files being that user's own (a 0600 token, a checkout it may write).
+AS_USER = r"""
+import json, os, socket, subprocess, sys, time
+import sandbox
+
+
+def running(marker, until):  # the pids whose command line holds marker, polled until some are or none are
+    deadline = time.monotonic() + 30
+    while True:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f, open(f"/proc/{pid}/stat") as s:
+                    zombie = s.read().rsplit(")", 1)[1].split()[0] == "Z"
+                    found += [pid] if marker.encode() in f.read() and not zombie else []
+            except OSError:
+                pass
+        if bool(found) == (until == "some") or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+here, out = os.getcwd(), {}
+sleep, owners_sleep = f"4322.{os.getpid()}", f"4323.{os.getpid()}"  # command lines of this run's own
+with sandbox.Interpreter(sandbox.Limits(cpu=2, wall=30.0)) as py, socket.socket() as listener:
+    out["uid"] = py.run("import os\nprint(os.getuid())").stdout.strip()
+    out["read"] = py.run(f"for p in ['token', 'answers.jsonl', 'checkout/train.py']:\n    try:\n"
+                         f"        print(open(os.path.join({here!r}, p)).read())\n    except OSError:\n        pass").stdout
+    out["wrote"] = py.run(f"open({here!r} + '/checkout/x', 'w')").error
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    out["connect"] = py.run(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)").error
+    py.run(f"open('/tmp/{sleep}', 'w').write('a')")
+    out["bomb"] = py.run("while True: os.fork()").limit
+    out["forged"] = py.run("import time\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b'{\"error\": null}\\n')\n"
+                           "    except OSError:\n        pass\ntime.sleep(20)").error
+    out["child"] = py.run(f"import subprocess\nsubprocess.Popen(['sleep', '{sleep}'])").error
+    out["children_left"] = running(f"sleep\0{sleep}", until="none")
+out["host_tmp"] = os.path.exists(f"/tmp/{sleep}")
+with sandbox.Interpreter() as other:
+    out["next_tmp"] = other.run("import os\nprint(os.listdir('/tmp'))").stdout
+owner = subprocess.Popen([sys.executable, "-I", "-c", "import sys; sys.path.insert(0, '.')\n" + sys.argv[1], owners_sleep])
+out["owner_started"] = running(f"sleep\0{owners_sleep}", until="some")
+owner.kill()
+owner.wait()
+out["orphans"] = running(f"sleep\0{owners_sleep}", until="none")
+print(json.dumps(out))
+"""
+
+
+def test_the_attacks_fail_as_a_user_too(host_dir):
+    python = "/usr/bin/python3"
+    if os.geteuid() != 0 or not shutil.which("setpriv") or not os.access(python, os.X_OK):
+        pytest.skip("needs root (to become uid 65534), setpriv and a Python that uid can read at /usr/bin/python3")
+    for name in ("sandbox.py", "tool_calls.py"):
+        shutil.copy(os.path.join(ROOT, name), host_dir)
+    os.mkdir(os.path.join(host_dir, "checkout"))
+    for name, mode in (("token", 0o600), ("answers.jsonl", 0o644), ("checkout/train.py", 0o644)):
+        with open(os.path.join(host_dir, name), "w") as f:
+            f.write("secret\n")
+        os.chmod(os.path.join(host_dir, name), mode)
+    for path in (host_dir, *(os.path.join(host_dir, p) for p in ("token", "checkout", "checkout/train.py"))):
+        os.chown(path, 65534, 65534)  # the trainer's user owns its files
+    done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-I", "-c",
+                           f"import sys; sys.path.insert(0, '.'); sys.argv[1:] = [{OWNER!r}]\n{AS_USER}"],
+                          cwd=host_dir, env=dict(PATH="/usr/bin:/bin", HOME=host_dir), capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["uid"] == "1000" and out["read"] == "" and out["wrote"].startswith(("PermissionError", "FileNotFound"))
+    assert not os.path.exists(os.path.join(host_dir, "checkout/x")), out
+    assert out["connect"].startswith(("OSError", "ConnectionRefusedError")) and out["bomb"] == "processes", out
+    assert "reply pipe" in out["forged"] and out["child"] is None and out["children_left"] == [], out
+    assert not out["host_tmp"] and out["next_tmp"] == "[]\n" and out["owner_started"] and out["orphans"] == [], out
+
+
+def test_without_bwrap_it_refuses_to_start_unless_asked_to_run_unisolated(monkeypatch):
+    with monkeypatch.context() as patch:
+        patch.setenv("PATH", "/nonexistent")
+        with pytest.raises(RuntimeError, match="apt-get install bubblewrap.*SANDBOX_ISOLATION=none"):
+            sandbox.run("print(1)")
+    with pytest.warns(UserWarning, match="unisolated"):
+        result = sandbox.run("print(1)\nhog = bytearray(4 << 30)", Limits(isolation="none"))
+    assert result.stdout == "1\n" and result.limit == "memory"  # its rlimits still hold
+    with pytest.raises(ValueError, match="'bwrap' or 'none'"):
+        Limits(isolation="off")
+
+
+def test_the_python_tool_keeps_each_episodes_variables_and_counts_its_errors(tiny_model_dir, monkeypatch):
     """Two rows of two episodes through rollout.play with two tool workers: each episode counts
-    in its own interpreter and directory, its failing cell is told and counted as tool_bad_calls,
+    in its own interpreter and /tmp, its failing cell is told and counted as tool_bad_calls,
     and every episode plays to its end, leaving nothing behind."""
     from transformers import AutoTokenizer
 
@@ -176,21 +408,22 @@ def test_the_python_tool_keeps_each_episodes_variables_and_counts_its_errors(tin
     cfg = Config(environment="sandbox:PythonTool", tool_workers=2, tool_timeout=20.0, max_prompt_length=400,
                  response_length=1024, max_turns=4, num_samples_per_prompt_rollout=2)
     env = Environment(cfg.environment, tok, cfg)
+    token = f"SANDBOX_TEST={os.getpid()}"  # the workers' environment, so their bwraps' (not the code's)
+    monkeypatch.setenv(*token.split("="))
     env.start()
     rows = [dict(prompt="a"), dict(prompt="b")]
     try:
         with_prompts(env, tok, rows)
-        script = ["<python>import os\nn = globals().get('n', 0) + 1\nprint(n, os.getcwd(), os.getuid())</python>",
+        script = ["<python>import os\nn = globals().get('n', 0) + 1\nprint(n, os.listdir('/tmp'))\n"
+                  "open('/tmp/mine', 'w').close()</python>",
                   "<python>n += 1\nprint(n)</python>", "<python>1 / 0</python>", "done."]
         episodes, stats = play(cfg, ScriptedClient(tok, script), rows, 2, 0, tok, env)
     finally:
         env.close()
     assert len(episodes) == 4 and all(e.turns == 4 and e.answer == "done." for e in episodes)
     answers = [[m["content"] for m in e.messages if m["role"] == "tool"] for e in episodes]
-    firsts = [a[0].split() for a in answers]
-    assert [n for n, _, _ in firsts] == ["1"] * 4 and [a[1] for a in answers] == ["2"] * 4  # no shared variables
-    assert len({cwd for _, cwd, _ in firsts}) == 4
+    assert [a[0] for a in answers] == ["1 []"] * 4 and [a[1] for a in answers] == ["2"] * 4  # nothing shared
     assert all(a[2].startswith("error: ZeroDivisionError: division by zero") for a in answers)
     assert sorted(kind for kind, _ in stats["tool_failures"]) == ["bad_calls"] * 4
-    for _, cwd, uid in firsts:  # each episode's close removed its directory and ended its processes
-        assert not os.path.exists(cwd) and survivors(int(uid) if os.geteuid() == 0 else None, cwd) == []
+    assert alive(bwraps(token)) == []  # every sandbox ended
+    assert sandbox.PythonTool.call_time <= Config().tool_timeout  # the default timeout lets a call finish

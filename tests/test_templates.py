@@ -162,3 +162,40 @@ def test_an_environments_first_messages_keep_control_tokens_as_text(tmp_path):
     assert rows[0]["prompt_ids"].count(start) == rows[1]["prompt_ids"].count(start) == 3  # system, user, generation
     assert tok.decode(rows[0]["prompt_ids"]) == rows[0]["prompt_text"]
     assert rows[1]["prompt_ids"] == tok(rows[1]["prompt_text"], add_special_tokens=False)["input_ids"]
+
+
+def test_a_system_message_the_template_hoists_is_accepted_at_reset(tiny_model_dir):
+    """The first messages are checked as the prompt renders them: a template that writes the system
+    message first wherever it is (as DeepSeek-R1's does) renders it, and it is accepted."""
+    from transformers import AutoTokenizer
+
+    from config import Config
+    from environments import Environment
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = (
+        "{% for m in messages %}{% if m.role == 'system' %}<|im_start|>system\n{{ m.content }}<|im_end|>\n"
+        "{% endif %}{% endfor %}{% for m in messages %}{% if m.role != 'system' %}<|im_start|>{{ m.role }}\n"
+        "{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% endif %}")
+    env = Environment("environments:calculator", tok, Config(environment="environments:calculator"))
+    assert env.reset({"prompt": "1+1?"})[0]["role"] == "system"
+
+
+def test_markers_and_control_tokens_in_a_reply_are_text_and_counted_as_such():
+    """Qwen's <tool_call> and </tool_response> are added tokens that are not "special": a tool that
+    prints them gives the policy characters too; and the reply's cut counts them as the episode does."""
+    from config import Config
+    from environments import Environment
+
+    tok = family_tokenizer("qwen2.5-instruct")
+    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    chat = ChatTokens(tok)
+    ids = chat.ids([{"role": "tool", "content": "</tool_call>\n<tool_call>{}"}])
+    assert tok.convert_tokens_to_ids("<tool_call>") not in ids and tok.convert_tokens_to_ids("</tool_call>") not in ids
+    cfg = Config(environment="environments:calculator", tool_output_max_tokens=8)
+    env = Environment(cfg.environment, tok, cfg)
+    cut = env.truncate({"role": "tool", "content": "<|im_end|>" * 8})["content"]
+    kept = cut[:-len(" [cut]")]
+    assert cut.endswith(" [cut]") and kept and len(tok(kept, add_special_tokens=False, split_special_tokens=True)[
+        "input_ids"]) <= 8 and "<|im_end|>" * 8 not in kept

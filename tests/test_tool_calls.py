@@ -228,3 +228,37 @@ def test_a_call_written_while_thinking_is_not_made():
     with pytest.raises(ValueError, match="reasoning_parser='nope' is not one of vLLM's reasoning parsers"):
         Environment(cfg.environment, tok, Config(environment=cfg.environment, tool_call_parser="hermes",
                                                  reasoning_parser="nope"))
+
+
+def test_optional_and_integral_arguments_are_no_bad_calls():
+    from typing import Optional
+
+    def find(query: str, limit: Optional[int] = None) -> str:
+        """Find.
+
+        Args:
+            query: what
+            limit: how many
+        """
+        return f"{query}:{limit}"
+
+    def answered(**arguments):
+        call = [{"id": "z", "function": {"name": "find", "arguments": arguments}}]
+        return answer_calls([find], {"role": "assistant", "content": "", "tool_calls": call})[0][0]["content"]
+    assert answered(query="a", limit=None) == "a:None" and answered(query="a", limit=3.0) == "a:3.0"
+    assert answered(query="a", limit="3").startswith("error: find: argument 'limit' must be integer or null")
+
+
+@vllm_import
+def test_a_turn_begun_inside_an_opened_reasoning_is_reasoning():
+    """A template whose generation prompt opens <think> (DeepSeek-R1's, Qwen3-Thinking's): a turn that
+    stopped before </think>, with no <think> of its own, is reasoning, and its call is not made."""
+    tok = qwen3_thinking()
+    tok.chat_template = tok.chat_template.replace("{{- '<|im_start|>assistant\\n' }}",
+                                                  "{{- '<|im_start|>assistant\\n<think>\\n' }}")
+    cfg = Config(environment="environments:calculator_tool", tool_call_parser="hermes", reasoning_parser="qwen3")
+    env = Environment(cfg.environment, tok, cfg)
+    assert env.reasoning.opened
+    message = env.message("I could " + call("calculate", {"expression": "1+1"}), 0)
+    assert "tool_calls" not in message and message["content"] == ""
+    assert "tool_calls" in env.message("done thinking</think>\n\n" + call("calculate", {"expression": "1+1"}), 1)

@@ -69,3 +69,20 @@ def test_sigterm_stops_the_server_we_started(tiny_model_dir, tmp_path):
     assert proc.wait(timeout=60) == 128 + signal.SIGTERM
     time.sleep(2)
     assert not running(), "the vLLM server outlived the trainer"
+
+
+@pytest.mark.slow
+def test_a_reward_that_fails_on_every_sample_stops_the_run_in_one_line(tiny_model_dir, tmp_path):
+    """A reward that raises on every sample used to print reward_errors each step and exit 0 having
+    trained nothing; the run now stops at the first step, on both ranks, in one line naming the exception."""
+    (tmp_path / "r.py").write_text("def reward(prompt, completion, example):\n"
+                                   "    raise KeyError('solution')\n")
+    out = train(["--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path / "out"),
+                 "--num_training_steps", "3", "--eval_freq", "0", "--reward_fn", f"{tmp_path}/r.py:reward"],
+                nproc=2, timeout=600)
+    assert out.returncode != 0, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert lines and lines[0].startswith("error: step 1: 32 of 32 episodes could not be scored (unscored_stop=1); "
+                                         "first: the reward: KeyError: 'solution'"), \
+        out.stderr[-3000:]
+    assert not os.path.exists(tmp_path / "out" / "final")
