@@ -69,28 +69,39 @@ def functions(tools):
     return {tool.__name__: tool for tool in tools if callable(tool)}
 
 
+def vllm_parser(flag, kind, name, tokenizer):
+    """One of vLLM's parsers of a kind ("tool", "reasoning") by its name, made for the tokenizer; a
+    ValueError in one line naming the fix."""
+    try:
+        if kind == "tool":
+            from vllm.tool_parsers import ToolParserManager as manager
+        else:
+            from vllm.reasoning import ReasoningParserManager as manager
+    except ImportError as e:
+        raise ValueError(f"{flag}={name!r} needs vLLM's {kind} parsers ({e}); install vllm") from None
+    try:
+        cls = manager.get_tool_parser(name) if kind == "tool" else manager.get_reasoning_parser(name)
+    except KeyError:
+        raise ValueError(f"{flag}={name!r} is not one of vLLM's {kind} parsers; pick one of "
+                         f"{', '.join(sorted(manager.list_registered()))}") from None
+    logging.getLogger(cls.__module__).setLevel(logging.CRITICAL)  # a call it cannot read is counted here
+    try:
+        return cls(tokenizer)
+    except Exception as e:  # noqa: BLE001 - a parser checks the vocabulary its own way
+        raise ValueError(f"{flag}={name!r} does not fit the tokenizer of {tokenizer.name_or_path!r} "
+                         f"({type(e).__name__}: {e}); pick the parser of the model's family") from None
+
+
 class Parser:
     """The policy's turn read by one of vLLM's tool parsers into an assistant message with
     tool_calls. Call ids are made from the turn and the call's place in it (the parsers' own are
     random), so a run repeats exactly."""
 
     def __init__(self, name, tokenizer, tool_schemas):
-        try:
-            from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-            from vllm.tool_parsers import ToolParserManager
-        except ImportError as e:
-            raise ValueError(f"tool_call_parser={name!r} needs vLLM's tool parsers ({e}); install vllm") from None
-        try:
-            cls = ToolParserManager.get_tool_parser(name)
-        except KeyError:
-            raise ValueError(f"tool_call_parser={name!r} is not one of vLLM's tool parsers; pick one of "
-                             f"{', '.join(ToolParserManager.list_registered())}") from None
-        logging.getLogger(cls.__module__).setLevel(logging.CRITICAL)  # a call it cannot read is counted here
-        try:
-            self.parser = cls(tokenizer)
-        except Exception as e:  # noqa: BLE001 - a parser checks the vocabulary its own way
-            raise ValueError(f"tool_call_parser={name!r} does not fit the tokenizer of {tokenizer.name_or_path!r} "
-                             f"({type(e).__name__}: {e}); pick the parser of the model's family") from None
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        self.parser = vllm_parser("tool_call_parser", "tool", name, tokenizer)
+        cls = type(self.parser)
         self.name, self.request = name, ChatCompletionRequest(model="policy", messages=[], tools=tool_schemas or None)
         # the text that opens a call in this format: a turn holding it and no parsed call is a bad call
         self.marker = getattr(cls, "tool_call_start_token", None) or getattr(cls, "bot_token", None)
@@ -122,21 +133,9 @@ class Reasoning:
     vLLM's reasoning parsers (the names of `vllm serve --reasoning-parser`: qwen3, deepseek_r1, ...)."""
 
     def __init__(self, name, tokenizer, generation_prompt=""):
-        try:
-            from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-            from vllm.reasoning import ReasoningParserManager
-        except ImportError as e:
-            raise ValueError(f"reasoning_parser={name!r} needs vLLM's reasoning parsers ({e}); install vllm") from None
-        try:
-            cls = ReasoningParserManager.get_reasoning_parser(name)
-        except KeyError:
-            raise ValueError(f"reasoning_parser={name!r} is not one of vLLM's reasoning parsers; pick one of "
-                             f"{', '.join(sorted(ReasoningParserManager.list_registered()))}") from None
-        try:
-            self.parser = cls(tokenizer)
-        except Exception as e:  # noqa: BLE001 - a parser checks the vocabulary its own way
-            raise ValueError(f"reasoning_parser={name!r} does not fit the tokenizer of {tokenizer.name_or_path!r} "
-                             f"({type(e).__name__}: {e}); pick the parser of the model's family") from None
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        self.parser = vllm_parser("reasoning_parser", "reasoning", name, tokenizer)
         self.request = ChatCompletionRequest(model="policy", messages=[])
         start, end = self.parser.reasoning_start_str, self.parser.reasoning_end_str
         # a generation prompt that opens the reasoning (DeepSeek-R1's, Qwen3-Thinking's end in <think>): a
