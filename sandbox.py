@@ -118,11 +118,14 @@ def command(limits, uid, reply_fd, info_fd):
     for path in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):  # links into /usr on merged systems
         line += (["--symlink", os.readlink(path), path] if os.path.islink(path) else
                  ["--ro-bind", path, path] if os.path.isdir(path) else [])
+    # the sandbox's own /proc, /dev, /tmp and /dev/shm first: the interpreter's files are bound after them,
+    # so that a venv under /tmp (a checkout in /tmp) is bound into the sandbox's /tmp, not hidden by it
+    line += ["--proc", "/proc", "--dev", "/dev", *tmpfs, "/tmp", *tmpfs, "/dev/shm"]
     for path in python_dirs():  # its parents made searchable (bwrap would make them 0700)
         parents = [path[:i] for i in range(1, len(path)) if path[i] == "/"]
-        line += [a for p in parents for a in ("--perms", "0755", "--dir", p)]
+        line += [a for p in parents if p not in ("/tmp", "/dev", "/dev/shm") for a in ("--perms", "0755", "--dir", p)]
         line += ["--ro-bind", os.path.realpath(path), path]
-    line += ["--proc", "/proc", "--dev", "/dev", *tmpfs, "/tmp", *tmpfs, "/dev/shm", "--chdir", "/tmp",
+    line += ["--chdir", "/tmp",
              "--clearenv", *[a for k, v in environment("/tmp").items() for a in ("--setenv", k, v)], "--"]
     if uid is not None:
         line += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--"]
