@@ -10,7 +10,8 @@ it as root); `command()` builds its command line. What holds, and by what (tests
 checks each, as root and as a user):
 - Files: only /usr (and /bin, /lib... beside it) and the interpreter's own prefixes (the venv,
   the Python it was made from), read-only; a /tmp that is the cwd and HOME, and a /dev/shm, each
-  a tmpfs of its own (gone when the sandbox ends: a restart empties them). Nothing of the checkout,
+  a tmpfs of its own (gone when the sandbox ends: a restart empties them; a venv that lives under
+  /tmp is bound read-only into it at its own path). Nothing of the checkout,
   the datasets, the output directory, /etc, the home or the host's /tmp and /dev/shm.
 - Namespaces: a network of its own loopback only (nothing outside it, the host's loopback
   neither), a pid namespace with its own /proc (bwrap's reaper is its pid 1), ipc, uts. As root:

@@ -27,6 +27,11 @@ from helpers import ScriptedClient, with_prompts
 pytestmark = pytest.mark.subprocess  # every test here starts sandboxed processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# a checkout in /tmp (a venv there): the interpreter's own directories are bound, read-only, into the sandbox's
+# /tmp; a cell lists what else is there
+OWN = {p.split("/")[2] for p in sandbox.python_dirs() if p.startswith("/tmp/")}
+TMP = f"sorted(set(os.listdir('/tmp')).difference(({''.join(repr(d) + ', ' for d in sorted(OWN))})))"  # no braces:
+# the tiny model's tokenizer, which writes PythonTool's cells below, has none
 QUICK = Limits(cpu=1, wall=30.0)  # a CPU limit of 1 s comes well before the wall clock, even on a busy machine
 
 
@@ -143,7 +148,7 @@ def test_the_wall_clock_kills_the_whole_tree_and_restarts_the_interpreter_empty(
         assert result.limit == "wall" and result.stdout == "started\n"
         assert "variables and files are gone" in result.error
         assert alive(pids + marked(f"sleep\0{sleep}")) == []  # the sleep in its own session went too
-        assert py.run("import os\nprint(globals().get('x'), os.listdir('/tmp'))").stdout == "None []\n"
+        assert py.run(f"import os\nprint(globals().get('x'), {TMP})").stdout == "None []\n"
 
 
 def test_a_fork_bomb_is_bounded_by_the_process_limit(py):
@@ -256,13 +261,13 @@ def test_tmp_and_dev_shm_are_the_sandboxs_own_and_die_with_it(py):
     host_tmp = tempfile.NamedTemporaryFile(prefix="host-")
     os.chmod(host_tmp.name, 0o644)
     with host_file, host_tmp:
-        seen = py.run(f"import os\nprint(os.listdir('/tmp'), os.listdir('/dev/shm'))\n" + READ.format(
+        seen = py.run(f"import os\nprint({TMP}, os.listdir('/dev/shm'))\n" + READ.format(
             [host_file.name, host_tmp.name]) + f"\nfor p in ('/tmp/{mine}', '/dev/shm/{mine}'):\n"
                                                "    open(p, 'w').write('a')")
         assert seen.stdout == "[] []\n" and seen.error is None, seen
     assert not os.path.exists(f"/tmp/{mine}") and not os.path.exists(f"/dev/shm/{mine}")
     with Interpreter(QUICK) as other:  # the next episode
-        assert other.run("import os\nprint(os.listdir('/tmp'), os.listdir('/dev/shm'))").stdout == "[] []\n"
+        assert other.run(f"import os\nprint({TMP}, os.listdir('/dev/shm'))").stdout == "[] []\n"
 
 
 def test_a_socket_cannot_reach_a_port_the_trainer_listens_on(py):
@@ -414,7 +419,7 @@ def test_the_python_tool_keeps_each_episodes_variables_and_counts_its_errors(tin
     rows = [dict(prompt="a"), dict(prompt="b")]
     try:
         with_prompts(env, tok, rows)
-        script = ["<python>import os\nn = globals().get('n', 0) + 1\nprint(n, os.listdir('/tmp'))\n"
+        script = [f"<python>import os\nn = globals().get('n', 0) + 1\nprint(n, {TMP})\n"
                   "open('/tmp/mine', 'w').close()</python>",
                   "<python>n += 1\nprint(n)</python>", "<python>1 / 0</python>", "done."]
         episodes, stats = play(cfg, ScriptedClient(tok, script), rows, 2, 0, tok, env)
