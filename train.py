@@ -178,6 +178,13 @@ def announce(cfg, plan, world_size, device, data, resumed_from, start, policy):
         print(f"resumed from {resumed_from} (step {start})")
 
 
+def reward_name(cfg, env, reward_fn):
+    """What scores: an environment with a reward method scores its episodes (a --reward_fn is added)."""
+    if env and env.scores:
+        return f"{cfg.environment}'s own" + (f" + {cfg.reward_fn}" if cfg.reward_fn else "")
+    return getattr(reward_fn, "__name__", str(reward_fn))
+
+
 def train_step(cfg, state, samples, plan, gen, world_size, device):
     """The update on this step's batch (update.py); its metrics. In single_gpu_mode the server
     sleeps meanwhile (its weights go to CPU memory) and is woken before the weight sync."""
@@ -241,21 +248,16 @@ def main(cfg: Config):
     rank, world_size, device, mesh = setup_distributed(cfg)
     plan = cfg.batch_plan(world_size)
     torch.manual_seed(cfg.seed)  # before the models: LoRA's lora_A is drawn, the same on every rank
-    os.makedirs(cfg.output_dir, exist_ok=True)
     state = build_state(cfg, device, mesh, plan)
     sampler = PromptSampler(train_rows, cfg.seed)
     resumed_from, start = resume(cfg, rank, state, sampler)
-    # rewards scored in worker processes with a per-sample timeout; daemons: they end with this process. A
-    # sample whose reward failed is NaN, never 0: it is not trained on (rollout.score)
+    # rewards in worker processes with a per-sample timeout (daemons); a failed one is NaN, never trained on
     pool = RewardPool(cfg.reward_fn or reward_fn, cfg.reward_workers, cfg.reward_timeout,
                       fallback=float("nan")) if rank == 0 else None
     log = tracking.MetricsLog(cfg.output_dir, start, tracker) if rank == 0 else None
     if rank == 0:
-        # what scores: an environment with a reward method scores its episodes (and a --reward_fn is added)
-        reward = f"{getattr(reward_fn, '__name__', reward_fn)}" if not (env and env.scores) else \
-            f"{cfg.environment}'s own" + (f" + {cfg.reward_fn}" if cfg.reward_fn else "")
-        announce(cfg, plan, world_size, device, (train_rows, eval_rows, skipped, reward), resumed_from, start,
-                 state.policy)
+        announce(cfg, plan, world_size, device, (train_rows, eval_rows, skipped, reward_name(cfg, env, reward_fn)),
+                 resumed_from, start, state.policy)
     gen, saved, trained, skipped_in_a_row = None, start, start, 0
     try:
         # inside the try: a server we launched is stopped (finally) however the run ends, its start included

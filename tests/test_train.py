@@ -87,3 +87,18 @@ def test_a_reward_that_fails_on_every_sample_stops_the_run_in_one_line(tiny_mode
                               r"first: the reward: KeyError: 'solution'$", lines[0]), \
         out.stderr[-3000:]
     assert not os.path.exists(tmp_path / "out" / "final")
+
+
+def test_the_data_line_names_what_scores():
+    """The data: line named exact_match when the environment scored its episodes itself."""
+    from types import SimpleNamespace
+
+    import train
+    from config import Config
+    from rewards import exact_match
+
+    cfg = Config(environment="env.py:Board")
+    assert train.reward_name(cfg, SimpleNamespace(scores=True), exact_match) == "env.py:Board's own"
+    cfg = Config(environment="env.py:Board", reward_fn="r.py:fn")
+    assert train.reward_name(cfg, SimpleNamespace(scores=True), exact_match) == "env.py:Board's own + r.py:fn"
+    assert train.reward_name(Config(), None, exact_match) == "exact_match"
