@@ -68,6 +68,9 @@ class Config:
         "packed_sdpa", "packed_sdpa (sdpa on each sequence of a packed row), transformers' sdpa / eager (one mask over the whole "
         "row), flex_attention (a block mask), flash_attention_2 (variable-length kernels; needs a GPU and "
         "flash-attn, untested here)")
+    shared_prefix: bool = option(True, "training forwards a group's prompt once, its samples after it, each seeing the "
+                                       "prompt and itself (packing.collate); applies under packed_sdpa, the others "
+                                       "leave it off and say so", resumable=True)
     dataset: str = option("copy", "a built-in task (copy, add, math, calc), a hub dataset name, or a local "
                                   ".jsonl/.json/.parquet/.csv file")
     math_digits: int = option(1, "math and calc tasks: numbers of up to (calc: exactly) this many digits",

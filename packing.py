@@ -25,6 +25,8 @@ rank wait for the slowest at each layer's all-gather. RL completions spread from
 to the response length, so equal sequence counts leave ranks and micro-batches uneven.
 """
 
+import math
+
 import torch
 
 from sample import Sample
@@ -33,6 +35,30 @@ from sample import Sample
 def length(s):
     """Tokens of one sample in the forward pass: the prompt and every token after it."""
     return len(s.prompt_ids) + len(s.token_ids)
+
+
+def cost(unit, share):
+    """Tokens of a unit (samples of one group with one prompt) in the forward pass: shared, the
+    prompt but its last token once, then each sample's tokens after one copy of that last token;
+    else every sample whole."""
+    if share and len(unit) > 1 and len(unit[0].prompt_ids) > 1:
+        return len(unit[0].prompt_ids) - 1 + sum(len(s.token_ids) + 1 for s in unit)
+    return sum(map(length, unit))
+
+
+def units(samples, group_size, share):
+    """The samples cut into packing's units: with share, the runs of a group's samples that have
+    the same prompt (an environment may give a group's episodes different first messages); else
+    one sample each."""
+    if not share:
+        return [[s] for s in samples]
+    out = []
+    for i, s in enumerate(samples):
+        if i % group_size and s.prompt_ids == samples[i - 1].prompt_ids:
+            out[-1].append(s)
+        else:
+            out.append([s])
+    return out
 
 
 # A sample that carries no tokens to the loss: it fills a rank's micro-batch so that every rank
@@ -49,30 +75,54 @@ def mini_batches(samples, num_mini_batches, group_size):
     return [[s for g in groups[lo:hi] for s in g] for lo, hi in zip(bounds, bounds[1:])]
 
 
-def balance(samples, bins, budget=None):
-    """Longest first, each sample onto the bin with the fewest tokens so far (the LPT rule): bin
-    totals end within one sample's length of each other. Within a bin the samples keep their
-    order. None when a sample would push the lightest bin past `budget` tokens."""
+def fit(unit, room, share):
+    """How many of a unit's samples, in order, fit in `room` tokens: at least one."""
+    k = len(unit)
+    while k > 1 and cost(unit[:k], share) > room:
+        k -= 1
+    return k
+
+
+def balance(items, bins, budget=None, share=False):
+    """Units (lists of samples, see `units`) onto bins, largest first, each onto the bin with the
+    fewest tokens so far (the LPT rule): bin totals end within about one unit of each other. A
+    unit that would take its bin past the mean load (or past `budget`) is split where a sample of
+    it still fits: the samples that fit stay, the rest goes back into line with its own copy of
+    the prompt. Within a bin the units keep their order. Returns each bin's units, or None when
+    a single sample would push the lightest bin past `budget` tokens."""
+    mean = sum(cost(u, share) for u in items) / bins
+    todo = sorted(((u, i) for i, u in enumerate(items)), key=lambda x: -cost(x[0], share))  # stable: ties by position
     loads, out = [0] * bins, [[] for _ in range(bins)]
-    for i in sorted(range(len(samples)), key=lambda i: -length(samples[i])):  # stable: ties by position
-        lightest = min(range(bins), key=loads.__getitem__)
-        if budget is not None and loads[lightest] + length(samples[i]) > budget:
-            return None
-        loads[lightest] += length(samples[i])
-        out[lightest].append(i)
-    return [[samples[i] for i in sorted(b)] for b in out]
+    while todo:
+        unit, i = todo.pop(0)
+        b = min(range(bins), key=loads.__getitem__)
+        room = mean - loads[b]
+        k = fit(unit, room, share) if cost(unit[:1], share) <= room else len(unit)  # nothing fits: no split helps
+        if budget is not None and loads[b] + cost(unit[:k], share) > budget:
+            k = fit(unit, budget - loads[b], share)
+            if loads[b] + cost(unit[:k], share) > budget:
+                return None
+        if k < len(unit):  # the rest goes back in line, after the part that stays
+            rest = unit[k:]
+            at = next((j for j, (u, _) in enumerate(todo) if cost(u, share) < cost(rest, share)), len(todo))
+            todo.insert(at, (rest, i + 0.5))
+        loads[b] += cost(unit[:k], share)
+        out[b].append((i, unit[:k]))
+    return [[u for _, u in sorted(bin_, key=lambda x: x[0])] for bin_ in out]
 
 
-def pack_ranks(mini, world_size, budget):
+def pack_ranks(mini, world_size, budget, group_size=1, share=False):
     """Every rank's share of one mini-batch cut into the same number of micro-batches of at most
-    `budget` tokens each, tokens balanced between ranks and between micro-batches. A micro-batch
-    left empty gets a PADDING sample. [rank][micro-batch] -> list of samples."""
-    shares = balance(mini, world_size)
-    fewest = max(-(-sum(map(length, share)) // budget) for share in shares)
-    for n_micro in range(fewest, max(map(len, shares)) + 1):  # the fewest every rank can fill under the budget
-        packed = [balance(share, n_micro, budget) for share in shares]
+    `budget` tokens each, tokens balanced between ranks and between micro-batches. With share, a
+    group's samples stay together where the balance allows and its prompt counts once (`cost`).
+    A micro-batch left empty gets a PADDING sample. [rank][micro-batch] -> list of samples."""
+    shares = balance(units(mini, group_size, share), world_size, share=share)
+    fewest = max(-(-sum(cost(u, share) for u in s) // budget) for s in shares)
+    most = max(sum(map(len, s)) for s in shares)
+    for n_micro in range(max(fewest, 1), most + 1):  # the fewest every rank can fill under the budget
+        packed = [balance(s, n_micro, budget, share) for s in shares]
         if all(p is not None for p in packed):
-            return [[mb or [PADDING] for mb in p] for p in packed]
+            return [[sum(mb, []) or [PADDING] for mb in p] for p in packed]
     raise ValueError(f"a sequence of {max(map(length, mini))} tokens does not fit max_tokens_per_micro_batch={budget}; "
                      "raise it to at least max_prompt_length + response_length")
 
@@ -93,18 +143,31 @@ def loss_tokens(s, i):
                 seq_ids=[i] * len(logp))
 
 
-def collate(samples):
+def collate(samples, share=False):
     """One packed row: input_ids and position_ids (1, L), the loss mask over next-token targets
     (1, L-1): the policy's tokens, not the prompt's or an environment's; and per-token vllm_logp,
     adv, fresh and seq_ids (the sample of each token within this micro-batch) (N,) in the mask's
-    order. The last token of a sequence predicts nothing: the token after it begins the next one."""
+    order. The last token of a sequence predicts nothing: the token after it begins the next one.
+
+    With share, consecutive samples with the same prompt (of 2 tokens or more) share it: the
+    prompt but its last token once, then each sample as that last token and its own tokens,
+    positions continuing from the prompt's (policy.packed_sdpa reads the layout from the
+    position_ids). Every sample keeps its own copy of the prompt's last token, which predicts its
+    first token, so the mask and per-token tensors are those of the unshared row, token for token."""
     ids, positions, mask, per = [], [], [], {k: [] for k in PER_TOKEN}
     for i, s in enumerate(samples):
         p, c = len(s.prompt_ids), len(s.token_ids)
-        ids += s.prompt_ids + s.token_ids
-        positions += range(p + c)
+        shared = share and p > 1 and (i and s.prompt_ids == samples[i - 1].prompt_ids
+                                      or i + 1 < len(samples) and s.prompt_ids == samples[i + 1].prompt_ids)
+        if shared and not (i and s.prompt_ids == samples[i - 1].prompt_ids):  # the first of a run lays out the prefix
+            ids += s.prompt_ids[:-1]
+            positions += range(p - 1)
+            mask += [False] * (p - 1)
+        start = p - 1 if shared else 0  # where this sample's own tokens begin in the prompt
+        ids += s.prompt_ids[start:] + s.token_ids
+        positions += range(start, p + c)
         # position j predicts token j+1: the prompt's last token predicts the first token after it
-        mask += [False] * (p - 1) + [s.valid and bool(m) for m in s.mask] + [False]
+        mask += [False] * (p - 1 - start) + [s.valid and bool(m) for m in s.mask] + [False]
         if s.valid:
             for k, values in loss_tokens(s, i).items():
                 per[k] += values
@@ -116,14 +179,23 @@ def per_token(lists):
     return {k: torch.tensor(lists[k], dtype=dtype) for k, dtype in PER_TOKEN.items()}
 
 
+def shares_prompts(cfg):
+    """Whether a group's samples share their prompt in the forward: shared_prefix, under the
+    attention that reads the layout from position_ids (packed_sdpa; sequence parallelism runs it
+    on whole rows). transformers' sdpa, eager, flex_attention and flash_attention_2 build their
+    own mask, which would cut each sample from its prompt: train.py says so at start-up."""
+    return cfg.shared_prefix and cfg.attn_implementation == "packed_sdpa"
+
+
 def micro_batches(samples, cfg, world_size, rank):
     """This rank's packed micro-batches of each mini-batch, with the whole mini-batch's policy
     tokens (those in the loss) and sequences: [(micro-batches, tokens, sequences)]. Every rank
     computes the same assignment from the same samples and keeps its own part."""
     out = []
-    for mini in mini_batches(samples, cfg.num_mini_batches, cfg.num_samples_per_prompt_rollout):
-        mine = pack_ranks(mini, world_size, cfg.max_tokens_per_micro_batch)[rank] if mini else []
-        out.append(([collate(mb) for mb in mine], sum(s.policy_tokens for s in mini), len(mini)))
+    group_size, share = cfg.num_samples_per_prompt_rollout, shares_prompts(cfg)
+    for mini in mini_batches(samples, cfg.num_mini_batches, group_size):
+        mine = pack_ranks(mini, world_size, cfg.max_tokens_per_micro_batch, group_size, share)[rank] if mini else []
+        out.append(([collate(mb, share) for mb in mine], sum(s.policy_tokens for s in mini), len(mini)))
     return out
 
 

@@ -201,21 +201,57 @@ def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=256, hea
 # --- attention kernels (transformers' AttentionInterface)
 
 
+def runs(position_ids):
+    """The runs of a packed row (1, L): [(start, end, first position)] of each stretch whose
+    positions rise by 1. A run from position 0 is a sequence or a shared prompt; a run from
+    position p > 0 continues the last run from 0 after its first p tokens (packing.collate)."""
+    pos = position_ids[0]
+    cut = torch.ones_like(pos, dtype=torch.bool)
+    cut[1:] = pos[1:] != pos[:-1] + 1
+    starts = cut.nonzero()[:, 0].tolist()
+    return list(zip(starts, starts[1:] + [len(pos)], pos[starts].tolist()))
+
+
 def packed_sdpa(module, query, key, value, attention_mask, position_ids=None, sliding_window=None, **kwargs):
     """transformers' sdpa run on each sequence of a packed row (position_ids restart at 0),
     causal within it and, on a layer with a sliding window (Mistral, Qwen2's and Gemma-3's local
     layers: transformers passes the layer's sliding_window), within the window too: the mask
-    transformers built for the row is not needed. Any other input (padded rows with their mask,
-    one sequence under the mask transformers built) goes to transformers' sdpa as it is.
+    transformers built for the row is not needed. A run whose positions continue a prompt
+    (a shared prefix, packing.collate) attends to that prompt's first tokens and to itself,
+    causally: the two-pass kernel, the prompt once and then each sample against its keys and
+    values. Any other input (padded rows with their mask, one sequence under the mask
+    transformers built) goes to transformers' sdpa as it is.
     query (1, heads, L, head_dim); returns (1, L, heads, head_dim) as the sdpa it stands for."""
-    starts = (position_ids[0] == 0).nonzero()[:, 0].tolist() if position_ids is not None and len(query) == 1 else []
+    spans = runs(position_ids) if position_ids is not None and len(query) == 1 else []
     # one sequence and no mask (ulysses_attention builds none) still needs its window here
-    if len(starts) < 2 and (attention_mask is not None or not sliding_window or not starts):
+    if len(spans) < 2 and (attention_mask is not None or not sliding_window or not spans):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    bounds = starts + [query.shape[2]]
-    return torch.cat([sdpa_attention_forward(module, query[:, :, lo:hi], key[:, :, lo:hi], value[:, :, lo:hi],
-                                             window_mask(hi - lo, sliding_window, query.device), **kwargs)[0]
-                      for lo, hi in zip(bounds, bounds[1:])], dim=1), None
+    outs, root, root_end = [], 0, 0
+    for lo, hi, first in spans:
+        if first == 0:
+            root, root_end = lo, hi
+            keys, values, mask = key[:, :, lo:hi], value[:, :, lo:hi], window_mask(hi - lo, sliding_window, query.device)
+        else:  # the prompt's first `first` tokens, then this run's own
+            if root_end - root < first:
+                raise ValueError(f"a packed run continues from position {first} without a prompt that long before it")
+            keys = torch.cat([key[:, :, root:root + first], key[:, :, lo:hi]], 2)
+            values = torch.cat([value[:, :, root:root + first], value[:, :, lo:hi]], 2)
+            mask = continuation_mask(first, hi - lo, sliding_window, query.device)
+        outs.append(sdpa_attention_forward(module, query[:, :, lo:hi], keys, values, mask, **kwargs)[0])
+    return torch.cat(outs, dim=1), None
+
+
+def continuation_mask(first, n, sliding_window, device):
+    """(1, 1, n, first + n) bool, True where attended: queries at positions first..first+n-1
+    over keys at 0..first-1 (the prompt) then first..first+n-1 (their own run), causal, within
+    the sliding window when there is one."""
+    queries = torch.arange(first, first + n, device=device)
+    keys = torch.cat([torch.arange(first, device=device), queries])
+    back = queries[:, None] - keys  # query - key
+    attend = back >= 0
+    if sliding_window:
+        attend &= back < sliding_window
+    return attend[None, None]
 
 
 def window_mask(n, sliding_window, device):

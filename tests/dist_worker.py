@@ -23,6 +23,7 @@ import train
 import update
 from cli import convert
 from config import Config
+from packing import micro_batches
 from reference import local, make_reference
 from sample import Sample
 from weight_sync import full_state_dict
@@ -61,12 +62,14 @@ def states():
 
 
 def fixed_rollouts(step):
-    """The same uneven batch on every rank and in every world size."""
+    """The same uneven batch on every rank and in every world size: 4 groups of 4 samples, each
+    group's samples after one prompt (shared in the forward unless shared_prefix=false)."""
     g = torch.Generator().manual_seed(step)
     samples = []
-    for _ in range(16):
+    for i in range(16):
         p, c = torch.randint(2, 7, (1,), generator=g).item(), torch.randint(1, 13, (1,), generator=g).item()
-        samples.append(Sample(prompt_ids=torch.randint(3, 64, (p,), generator=g).tolist(),
+        prompt = torch.randint(3, 64, (p,), generator=g).tolist()
+        samples.append(Sample(prompt_ids=prompt if i % 4 == 0 else samples[-1].prompt_ids,
                               token_ids=torch.randint(3, 64, (c,), generator=g).tolist(),
                               logprobs=(-4 * torch.rand(c, generator=g)).tolist(), mask=tool_turn(c),
                               adv=torch.randn(1, generator=g).item()))
@@ -89,8 +92,10 @@ if mode == "train":
         losses.append([m["loss"], m["kl"], m["clip_frac"], m["grad_norm"], m.get("ess", 1.0), m["grad_norm_max"],
                        m["trained_tokens"]])
     policy_sd, _, ref_sd = states()
+    rows = [b["input_ids"].numel() for step in range(3) for r in range(world_size)
+            for mbs, _, _ in micro_batches(fixed_rollouts(step), cfg, world_size, r) for b in mbs]
     if rank == 0:
-        torch.save(dict(losses=losses, policy=policy_sd, ref=ref_sd, mesh=mesh_info), out)
+        torch.save(dict(losses=losses, policy=policy_sd, ref=ref_sd, mesh=mesh_info, row_tokens=rows), out)
 elif mode == "filtered":
     state = update.TrainState(policy, ref, *train.make_optimizer(cfg, policy, 10, device))
     n = cfg.num_samples_per_prompt_rollout

@@ -57,6 +57,23 @@ def test_matches_one_process_after_three_steps(train_run, nproc, loss, extra):
             assert torch.allclose(one[name][k], other[name][k], atol=2e-5, rtol=0), (name, k)
 
 
+@pytest.mark.parametrize("loss,extra", [(("dapo", "k3"), ()), (("ess", "topk"), ()), (("dapo", "k3"), ("lora_rank=4",))],
+                         ids=["dapo-k3", "ess-topk4", "lora"])
+def test_shared_prompts_on_two_ranks_match_the_unshared_single_process(train_run, loss, extra):
+    """The 3 steps above (groups of 4 after one prompt, multi-turn masks, the EMA reference) with
+    each group's prompt forwarded once (shared_prefix, the default) on 2 ranks, against one
+    process forwarding every sample whole: losses, KL, ESS, gradient norms and trained tokens to
+    1e-5, the policy and reference to 2e-5, with DAPO and k3, ESS and the top-4 KL, and LoRA.
+    The shared rows are shorter, so sharing took effect."""
+    one, two = train_run(1, *loss, "shared_prefix=false", *extra), train_run(2, *loss, *extra)
+    assert sum(two["row_tokens"]) < sum(one["row_tokens"])
+    assert torch.allclose(torch.tensor(one["losses"]), torch.tensor(two["losses"]), rtol=1e-5, atol=1e-6)
+    for name in ("policy", "ref"):
+        assert one[name].keys() == two[name].keys()
+        for k in one[name]:
+            assert torch.allclose(one[name][k], two[name][k], atol=2e-5, rtol=0), (name, k)
+
+
 def test_lora_on_two_ranks_matches_one_process_and_leaves_the_base_bit_identical(train_run, tiny_model_dir):
     """LoRA adapters (rank 4 on every linear layer) and the EMA reference adapter: the 2-rank twin
     of 3 steps x 2 optimizer steps, as above, also with activation checkpointing; the frozen base weights equal the model's files bit
