@@ -83,7 +83,17 @@ def fit(unit, room, share):
     return k
 
 
-def balance(items, bins, budget=None, share=False):
+def cut(unit, budget, share):
+    """A unit in pieces of at most `budget` tokens each (but a sample longer than it), in order."""
+    pieces = []
+    while unit:
+        k = fit(unit, budget, share)
+        pieces.append(unit[:k])
+        unit = unit[k:]
+    return pieces
+
+
+def balance(items, bins, budget=None, share=False, even=True):
     """Units (lists of samples, see `units`) onto bins, largest first, each onto the bin with the
     fewest tokens so far (the LPT rule): bin totals end within about one unit of each other. A
     unit that would take its bin past the mean load (or past `budget`) is split where a sample of
@@ -96,7 +106,7 @@ def balance(items, bins, budget=None, share=False):
     while todo:
         unit, i = todo.pop(0)
         b = min(range(bins), key=loads.__getitem__)
-        room = mean - loads[b]
+        room = mean - loads[b] if even else math.inf
         k = fit(unit, room, share) if cost(unit[:1], share) <= room else len(unit)  # nothing fits: no split helps
         if budget is not None and loads[b] + cost(unit[:k], share) > budget:
             k = fit(unit, budget - loads[b], share)
@@ -116,11 +126,12 @@ def pack_ranks(mini, world_size, budget, group_size=1, share=False):
     `budget` tokens each, tokens balanced between ranks and between micro-batches. With share, a
     group's samples stay together where the balance allows and its prompt counts once (`cost`).
     A micro-batch left empty gets a PADDING sample. [rank][micro-batch] -> list of samples."""
-    shares = balance(units(mini, group_size, share), world_size, share=share)
+    pieces = [p for u in units(mini, group_size, share) for p in cut(u, budget, share)]
+    shares = balance(pieces, world_size, share=share)
     fewest = max(-(-sum(cost(u, share) for u in s) // budget) for s in shares)
     most = max(sum(map(len, s)) for s in shares)
     for n_micro in range(max(fewest, 1), most + 1):  # the fewest every rank can fill under the budget
-        packed = [balance(s, n_micro, budget, share) for s in shares]
+        packed = [balance(s, n_micro, budget, share, even=False) for s in shares]
         if all(p is not None for p in packed):
             return [[sum(mb, []) or [PADDING] for mb in p] for p in packed]
     raise ValueError(f"a sequence of {max(map(length, mini))} tokens does not fit max_tokens_per_micro_batch={budget}; "
@@ -182,9 +193,17 @@ def per_token(lists):
 def shares_prompts(cfg):
     """Whether a group's samples share their prompt in the forward: shared_prefix, under the
     attention that reads the layout from position_ids (packed_sdpa; sequence parallelism runs it
-    on whole rows). transformers' sdpa, eager, flex_attention and flash_attention_2 build their
-    own mask, which would cut each sample from its prompt: train.py says so at start-up."""
+    on whole rows)."""
     return cfg.shared_prefix and cfg.attn_implementation == "packed_sdpa"
+
+
+def unshared_reason(cfg):
+    """The line train.py prints at start-up when shared_prefix is asked for and cannot apply:
+    transformers' sdpa, eager, flex_attention and flash_attention_2 build their own mask."""
+    if cfg.shared_prefix and not shares_prompts(cfg):
+        return (f"shared_prefix: off: attn_implementation={cfg.attn_implementation!r} builds its own mask over a row, "
+                "which would cut each sample from its prompt (packed_sdpa shares it)")
+    return None
 
 
 def micro_batches(samples, cfg, world_size, rank):

@@ -171,9 +171,8 @@ def announce(cfg, plan, world_size, device, data, resumed_from, start, policy):
           f"about {plan['per_rank']} per {share}, balanced by tokens -> micro-batches of at most "
           f"{cfg.max_tokens_per_micro_batch} tokens ({plan['micro_batches_at_full_length']} if every sequence had "
           f"its full length); {plan['optimizer_steps']} optimizer step(s) per rollout")
-    if cfg.shared_prefix and not packing.shares_prompts(cfg):
-        print(f"shared_prefix: off: attn_implementation={cfg.attn_implementation!r} builds its own mask over a row, "
-              "which would cut each sample from its prompt (packed_sdpa shares it)")
+    if line := packing.unshared_reason(cfg):
+        print(line)
     print(f"data: {len(train_rows)} train / {len(eval_rows)} eval prompts from {cfg.dataset!r}, skipped {skipped}; "
           f"reward {reward}")
     if line := lora.describe(policy, cfg):

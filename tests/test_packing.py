@@ -233,3 +233,140 @@ def test_window_mask_by_hand():
     expected = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 1, 1, 1]], dtype=torch.bool)
     assert torch.equal(policy.window_mask(4, 3, "cpu")[0, 0], expected)
     assert policy.window_mask(3, 3, "cpu") is None and policy.window_mask(9, None, "cpu") is None
+
+
+def groups(n_groups, size, seed, prompt=(2, 12), completion=(1, 30), env_turns=True):
+    """n_groups groups of `size` samples after one prompt each (as GRPO samples them); with
+    env_turns, samples long enough carry a 3-token environment answer in the middle (mask 0)."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(n_groups):
+        prompt_ids = [rng.randint(3, 63) for _ in range(rng.randint(*prompt))]
+        for _ in range(size):
+            c = rng.randint(*completion)
+            mask = [1] * c if c < 6 or not env_turns else [1] * (c // 2) + [0] * 3 + [1] * (c - c // 2 - 3)
+            out.append(Sample(prompt_ids=prompt_ids, token_ids=[rng.randint(3, 63) for _ in range(c)],
+                              logprobs=[-4 * rng.random() if m else 0.0 for m in mask], mask=mask,
+                              adv=rng.gauss(0, 1)))
+            out[-1].index, out[-1].group = len(out) - 1, g
+    return out
+
+
+def test_shared_layout_by_hand():
+    """Two samples after the prompt [10, 11, 12], then one alone: the prompt's first two tokens
+    once, then each sample as the prompt's last token (position 2) and its own tokens; the
+    mask and per-token tensors are the unshared row's, token for token."""
+    a = Sample(prompt_ids=[10, 11, 12], token_ids=[13, 14], logprobs=[-1.0, -2.0], adv=0.5)
+    b = Sample(prompt_ids=[10, 11, 12], token_ids=[15, 16, 17], logprobs=[-3.0, 0.0, -5.0], mask=[1, 0, 1], adv=-1.0)
+    c = Sample(prompt_ids=[20, 21], token_ids=[22], logprobs=[-6.0], adv=2.0)
+    got, whole = packing.collate([a, b, c], share=True), packing.collate([a, b, c])
+    assert got["input_ids"].tolist() == [[10, 11, 12, 13, 14, 12, 15, 16, 17, 20, 21, 22]]
+    assert got["position_ids"].tolist() == [[0, 1, 2, 3, 4, 2, 3, 4, 5, 0, 1, 2]]
+    #              10->11 11->12 12->13 13->14 14->12 12->15 15->16 16->17 17->20 20->21 21->22
+    assert got["mask"].tolist() == [[False, False, True, True, False, True, False, True, False, False, True]]
+    assert got["mask"].sum() == whole["mask"].sum() == 5
+    for k in packing.PER_TOKEN:
+        assert torch.equal(got[k], whole[k]), k
+    assert packing.cost([a, b], share=True) == 2 + 3 + 4 == got["input_ids"].shape[1] - 3
+    assert packing.cost([a, b], share=False) == 11
+    assert policy.runs(got["position_ids"]) == [(0, 5, 0), (5, 9, 2), (9, 12, 0)]
+
+
+def sharing_results(model, samples, head_size=3):
+    """Per-token logp, entropy, top-k logp and ids, and every gradient, shared and unshared, of one
+    micro-batch (one GRPO-like backward each)."""
+    out = []
+    for share in (True, False):
+        b = packing.collate(samples, share)
+        model.zero_grad()
+        logp, entropy, head_logp, head_ids = policy.sequence_logprobs(model, b["input_ids"], b["mask"], 1.0,
+                                                                      position_ids=b["position_ids"],
+                                                                      head_size=head_size)
+        ((logp * b["adv"]).sum() + head_logp.exp().sum()).backward()
+        out.append(dict(logp=logp.detach(), entropy=entropy, head_logp=head_logp.detach(), head_ids=head_ids,
+                        tokens=b["input_ids"].shape[1],
+                        **{n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "mistral", "gemma3"])
+def test_shared_prompts_match_the_unshared_row(models, arch):
+    """3 groups of 4 samples after one prompt each (2 to 12 tokens; one group's prompt of 1 token
+    stays unshared), multi-turn masks, then a padding sample: per-token logp, entropy, top-3 logp
+    and ids, and every parameter's gradient equal the unshared row's to 1e-5, on Qwen2 and Llama
+    (grouped KV heads) and with a sliding window of 5 on Mistral (every layer) and Gemma-3 (the
+    first), shorter than most prompts and samples."""
+    model = models[arch] if arch in models else windowed_model(arch)
+    model.config._attn_implementation = "packed_sdpa"
+    samples = groups(3, 4, seed=7) + [replace(s, prompt_ids=[5]) for s in groups(1, 2, seed=8)] + [packing.PADDING]
+    shared, whole = sharing_results(model, samples)
+    model.config._attn_implementation = "sdpa"
+    assert shared["tokens"] < whole["tokens"] - 20
+    assert torch.equal(shared["head_ids"], whole["head_ids"])
+    for k, v in whole.items():
+        if k not in ("tokens", "head_ids"):
+            assert v.abs().max() > 0 or "bias" in k, k
+            assert torch.allclose(shared[k], v, atol=1e-5, rtol=0), k
+
+
+def test_a_sample_cut_from_its_prompt_would_differ(models):
+    """The test above can fail: the same rows with the continued runs attending to their own
+    tokens only (no prompt) change the logprobs."""
+    model = models["qwen2"]
+    model.config._attn_implementation = "packed_sdpa"
+    b = packing.collate(groups(2, 3, seed=9), share=True)
+    with torch.no_grad():
+        logp = policy.sequence_logprobs(model, b["input_ids"], b["mask"], 1.0, position_ids=b["position_ids"])[0]
+        cut = b["position_ids"].clone()
+        for lo, hi, first in policy.runs(cut):
+            cut[0, lo:hi] -= first  # every run its own sequence, positions from 0
+        alone = policy.sequence_logprobs(model, b["input_ids"], b["mask"], 1.0, position_ids=cut)[0]
+    model.config._attn_implementation = "sdpa"
+    assert (logp - alone).abs().max() > 1e-2
+
+
+def test_a_run_that_continues_no_prompt_is_refused(models):
+    model = models["llama"]
+    model.config._attn_implementation = "packed_sdpa"
+    with pytest.raises(ValueError, match="continues from position 4 without a prompt that long"):
+        model(input_ids=torch.tensor([[3, 4, 5, 6, 7]]), position_ids=torch.tensor([[0, 1, 4, 5, 6]]), use_cache=False)
+    model.config._attn_implementation = "sdpa"
+
+
+@pytest.mark.parametrize("world_size,budget", [(1, 300), (2, 300), (3, 512), (4, 2048), (2, 4096)])
+def test_shared_balancer_keeps_groups_together_and_ranks_balanced(world_size, budget):
+    """12 groups of 8 (prompts 4 to 100 tokens, completions 8 to 200), 3 mini-batches, shared:
+    every sequence once; every rank the same number of micro-batches, each row within the
+    budget; rank totals (tokens in rows) within one sample and one more copy of a prompt of
+    each other, the largest below the unshared largest; under a budget that holds whole groups,
+    no group in more than two pieces."""
+    samples = groups(12, 8, seed=world_size, prompt=(4, 100), completion=(8, 200), env_turns=False)
+    cfg = Config(num_unique_prompts_rollout=12, num_samples_per_prompt_rollout=8, num_mini_batches=3,
+                 max_prompt_length=100, response_length=200, max_tokens_per_micro_batch=budget)
+    for mini in packing.mini_batches(samples, 3, 8):
+        ranks = packing.pack_ranks(mini, world_size, budget, 8, share=True)
+        assert len({len(r) for r in ranks}) == 1
+        assert sorted(s.index for r in ranks for mb in r for s in mb if s.valid) == sorted(s.index for s in mini)
+        rows = [[packing.collate(mb, share=True)["input_ids"].shape[1] for mb in r] for r in ranks]
+        assert all(n <= budget for r in rows for n in r)
+        loads = [sum(r) for r in rows]
+        assert max(loads) - min(loads) <= max(map(packing.length, mini)) + max(len(s.prompt_ids) for s in mini), loads
+        unshared = [sum(packing.collate(mb)["input_ids"].shape[1] for mb in r)
+                    for r in packing.pack_ranks(mini, world_size, budget)]
+        assert max(loads) < max(unshared)  # the slowest rank, which every rank waits for
+        if budget == 4096:  # room for whole groups: none is cut more than once
+            assert all(len({i for i, mb in enumerate(mbs) for s in mb if s.group == g}) <= 2
+                       for g in {s.group for s in mini} for mbs in [[mb for r in ranks for mb in r]])
+    per_rank = [packing.micro_batches(samples, cfg, world_size, rank) for rank in range(world_size)]
+    for j, mini in enumerate(packing.mini_batches(samples, 3, 8)):
+        assert {(p[j][1], p[j][2]) for p in per_rank} == {(sum(s.policy_tokens for s in mini), 32)}
+        assert sum(b["mask"].sum().item() for p in per_rank for b in p[j][0]) == per_rank[0][j][1]
+
+
+def test_shared_prefix_is_off_where_the_attention_builds_its_own_mask():
+    assert packing.shares_prompts(Config()) and not packing.shares_prompts(Config(shared_prefix=False))
+    assert not packing.shares_prompts(Config(attn_implementation="sdpa"))
+    assert packing.unshared_reason(Config()) is None
+    assert packing.unshared_reason(Config(attn_implementation="eager")) == (
+        "shared_prefix: off: attn_implementation='eager' builds its own mask over a row, which would cut each "
+        "sample from its prompt (packed_sdpa shares it)")
