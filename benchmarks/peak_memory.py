@@ -124,13 +124,16 @@ def base_label(pid, argv, comm):
     if "train.py" in names:
         rank = read_rank(pid)
         return "trainer" if rank is None else f"trainer rank {rank}"
-    if "vllm" in joined.lower():
-        return "vllm server" if "vllm.entrypoints" in joined or "serve" in argv else "vllm " + short_name(argv, comm)
+    # the program and its script or module: "python -m vllm.entrypoints.openai.api_server", "vllm serve",
+    # not "pip install vllm"
+    program = short_name(argv, comm)
+    if "vllm" in program.lower():
+        return "vllm server" if "vllm.entrypoints" in program or program == "vllm serve" else "vllm " + program
     for module, name in (("multiprocessing.forkserver", "forkserver"), ("multiprocessing.resource_tracker",
                          "resource tracker"), ("multiprocessing.spawn", "spawned child")):
         if module in joined:
             return name
-    return short_name(argv, comm)
+    return program
 
 
 def is_owner(label):
@@ -249,13 +252,14 @@ def print_table(report, smallest_gb=0.01):
           f"{report['interval_s']} s, exit status {report['exit_status']}", file=out)
     print(f"peak of the whole tree: {report['tree_peak_gb']:.3f} GB PSS at {report['tree_peak_at_s']:.1f} s", file=out)
     width = max([len(r["label"]) for r in rows] + [len("process")])
-    print(f"  {'process':<{width}}  {'peak GB':>8}  {'at s':>7}  {'at tree peak':>12}", file=out)
+    print(f"  {'process':<{width}}  {'peak GB':>8}  {'when, s':>7}  {'at tree peak':>12}", file=out)
     for r in rows:
         note = "  (RSS: no smaps_rollup)" if r["memory"] == "rss" else ""
         print(f"  {r['label']:<{width}}  {r['peak_gb']:>8.3f}  {r['peak_at_s']:>7.1f}  "
               f"{r['at_tree_peak_gb']:>12.3f}{note}", file=out)
-    if len(rows) < len(report["processes"]):
-        print(f"  ({len(report['processes']) - len(rows)} more processes, each under {smallest_gb} GB)", file=out)
+    hidden = len(report["processes"]) - len(rows)
+    if hidden:
+        print(f"  ({hidden} smaller process{'es' if hidden > 1 else ''}, each under {smallest_gb} GB)", file=out)
     for group, gb in report["groups_peak_gb"].items():
         print(f"  peak of {group}: {gb:.3f} GB", file=out)
 
