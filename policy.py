@@ -212,6 +212,31 @@ def runs(position_ids):
     return list(zip(starts, starts[1:] + [len(pos)], pos[starts].tolist()))
 
 
+_LAYOUT = {}  # the position_ids a forward passes to every layer (the same tensor) -> {window: its runs and masks}
+
+
+def layout(position_ids, sliding_window, device):
+    """The runs of a packed row, each with the root it continues and its mask: [(lo, hi, root,
+    first, mask)], read once per forward (every layer gets the same position_ids
+    tensor; a layer with another window gets its own masks)."""
+    cached = _LAYOUT.get("ids")
+    if cached is not position_ids:
+        _LAYOUT.clear()
+        _LAYOUT["ids"] = position_ids
+    if sliding_window not in _LAYOUT:
+        spans, root, root_end = [], 0, 0
+        for lo, hi, first in runs(position_ids):
+            if first == 0:
+                root, root_end = lo, hi
+            elif root_end - root < first:
+                raise ValueError(f"a packed run continues from position {first} without a prompt that long before it")
+            mask = (window_mask(hi - lo, sliding_window, device) if first == 0
+                    else continuation_mask(first, hi - lo, sliding_window, device))
+            spans.append((lo, hi, root, first, mask))
+        _LAYOUT[sliding_window] = spans
+    return _LAYOUT[sliding_window]
+
+
 def packed_sdpa(module, query, key, value, attention_mask, position_ids=None, sliding_window=None, **kwargs):
     """transformers' sdpa run on each sequence of a packed row (position_ids restart at 0),
     causal within it and, on a layer with a sliding window (Mistral, Qwen2's and Gemma-3's local
@@ -222,21 +247,16 @@ def packed_sdpa(module, query, key, value, attention_mask, position_ids=None, sl
     values. Any other input (padded rows with their mask, one sequence under the mask
     transformers built) goes to transformers' sdpa as it is.
     query (1, heads, L, head_dim); returns (1, L, heads, head_dim) as the sdpa it stands for."""
-    spans = runs(position_ids) if position_ids is not None and len(query) == 1 else []
+    spans = layout(position_ids, sliding_window, query.device) if position_ids is not None and len(query) == 1 else []
     # one sequence and no mask (ulysses_attention builds none) still needs its window here
     if len(spans) < 2 and (attention_mask is not None or not sliding_window or not spans):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    outs, root, root_end = [], 0, 0
-    for lo, hi, first in spans:
-        if first == 0:
-            root, root_end = lo, hi
-            keys, values, mask = key[:, :, lo:hi], value[:, :, lo:hi], window_mask(hi - lo, sliding_window, query.device)
-        else:  # the prompt's first `first` tokens, then this run's own
-            if root_end - root < first:
-                raise ValueError(f"a packed run continues from position {first} without a prompt that long before it")
-            keys = torch.cat([key[:, :, root:root + first], key[:, :, lo:hi]], 2)
-            values = torch.cat([value[:, :, root:root + first], value[:, :, lo:hi]], 2)
-            mask = continuation_mask(first, hi - lo, sliding_window, query.device)
+    outs = []
+    for lo, hi, root, first, mask in spans:
+        keys, values = key[:, :, lo:hi], value[:, :, lo:hi]
+        if first:  # the prompt's first `first` tokens, then this run's own
+            keys = torch.cat([key[:, :, root:root + first], keys], 2)
+            values = torch.cat([value[:, :, root:root + first], values], 2)
         outs.append(sdpa_attention_forward(module, query[:, :, lo:hi], keys, values, mask, **kwargs)[0])
     return torch.cat(outs, dim=1), None
 

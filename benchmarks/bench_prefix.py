@@ -35,14 +35,18 @@ optimizer step (gradients are set to None between passes). train.py skips `old` 
 mini-batch and one epoch, and `ref` without a KL term; they are timed here as they run otherwise.
 The variants alternate (A B B A ...): one warm-up pass each, then --repeats passes, medians.
 
-Peak memory, of the warm-up pass: on CPU torch's MemTracker (bytes of the tensors alive at the
-peak: both models' weights, gradients, activations, temporaries); on a GPU
+Peak memory, of the warm-up pass: on CPU LiveBytes below (the bytes of tensor storage alive at
+the peak, as torch's MemTracker counts them: both models' weights, gradients, activations,
+temporaries; MemTracker itself refuses a module called again per micro-batch); on a GPU
 torch.cuda.max_memory_allocated after a reset. "above weights" subtracts both models' weights.
 
 Exactness: the first shared micro-batch's samples collated both ways, one forward + backward
 each: the max abs difference of per-token logprobs and entropies, of the LM head's gradient
 (the embedding's, when tied) and of the middle decoder layer's, the latter also relative to
 the gradient's largest entry. Float32 on CPU; bf16 compute on a GPU (larger, and reported too).
+
+The default run (SmolLM2, math and tools, 3 repeats) takes about 10 minutes on 2 CPU cores; the
+timed passes run at torch's default thread count (printed).
 """
 
 import argparse
@@ -90,7 +94,8 @@ def parse_shape(text):
         span = lambda s: tuple(map(int, s.split("-"))) if "-" in s else (int(s), int(s))  # noqa: E731
         return dict(prompts=prompts, group=group, prompt=span(prompt), new=span(new), tool=0)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: math, tools or PxG:PROMPT:NEW (4x8:2000:200, 4x8:1500-2000:100-300)")
+        raise argparse.ArgumentTypeError(f"{text!r}: math, tools or PxG:PROMPT:NEW "
+                                         "(4x8:2000:200, 4x8:1500-2000:100-300)")
 
 
 def rollouts(shape, vocab, seed=0):
@@ -115,11 +120,12 @@ def rollouts(shape, vocab, seed=0):
 
 
 def describe(name, shape, samples):
-    lo, hi = shape["prompt"]
-    nlo, nhi = shape["new"]
+    span = lambda lo, hi: str(lo) if lo == hi else f"{lo}-{hi}"  # noqa: E731
     tool = f" ({shape['tool']} of them a tool's answer, mask 0)" if shape["tool"] else ""
-    return (f"{name}: {shape['prompts']} prompts x {shape['group']} samples, prompt {lo}-{hi} tokens, "
-            f"{nlo}-{nhi} tokens after it{tool}; {sum(s.policy_tokens for s in samples):,} policy tokens")
+    whole = sum(len(s.prompt_ids) + len(s.token_ids) for s in samples)
+    return (f"{name}: {shape['prompts']} prompts x {shape['group']} samples, prompt {span(*shape['prompt'])} tokens, "
+            f"{span(*shape['new'])} tokens after it{tool}; {whole:,} tokens whole, "
+            f"{sum(s.policy_tokens for s in samples):,} of them the policy's")
 
 
 def random_model(name):
@@ -170,6 +176,7 @@ def forward(model, b, cfg, device):
 
 @contextlib.contextmanager
 def phase(seconds, name, device):
+    """Adds the block's wall time (the GPU's work included) to seconds[name]."""
     if device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -308,9 +315,10 @@ def grads_of(samples, share, policy, cfg, device):
     loss, _ = grpo_loss(logp, logp.detach(), adv, seq_ids, float(logp.numel()), cfg)  # ratio 1: -adv logp / N
     loss.backward()
     layers = policy.model.layers
-    layer = torch.cat([full_grad(p) for p in layers[len(layers) // 2].parameters()])
-    out = dict(logp=logp.detach().float().cpu(), entropy=entropy.float().cpu(),
-               head=full_grad(policy.lm_head.weight), layer=layer)
+    middle = len(layers) // 2
+    out = {"logp": logp.detach().float().cpu(), "entropy": entropy.float().cpu(),
+           "LM-head grad": full_grad(policy.lm_head.weight),
+           f"layer {middle} grad": torch.cat([full_grad(p) for p in layers[middle].parameters()])}
     policy.zero_grad(set_to_none=True)
     return out
 
@@ -341,14 +349,17 @@ def report(name, res, diffs, n_exact, weights, fp32):
                                                                    (*PHASES, "total"))
               + f" {gb(r['peak']):>8} {gb(r['peak'] - weights):>13}")
     ratios = " ".join(f"{p} {un['seconds'][p] / max(sh['seconds'][p], 1e-12):.2f}x" for p in (*PHASES, "total"))
-    print(f"  unshared / shared: {ratios}; row tokens {un['rows'] / sh['rows']:.2f}x; peak {un['peak'] / sh['peak']:.2f}x "
+    print(f"  unshared / shared: {ratios}; row tokens {un['rows'] / sh['rows']:.2f}x; "
+          f"peak {un['peak'] / sh['peak']:.2f}x "
           f"(above weights {(un['peak'] - weights) / max(sh['peak'] - weights, 1):.2f}x)")
     flag = lambda d: " (> 1e-5)" if fp32 and d > 1e-5 else ""  # noqa: E731
     print(f"  exactness, shared - unshared, the first shared micro-batch ({n_exact} samples) collated both ways, "
           f"max abs (relative to the largest entry):")
     print("    " + ", ".join(f"{k} {d:.2e} ({rel:.1e}){flag(d)}" for k, (d, rel) in diffs.items()))
-    return (f"{name}: shared {un['seconds']['total'] / sh['seconds']['total']:.2f}x faster, rows {sh['rows']:,} vs "
-            f"{un['rows']:,} tokens, peak {gb(sh['peak'])} vs {gb(un['peak'])} GB")
+    speed = un["seconds"]["total"] / sh["seconds"]["total"]
+    speed = f"{speed:.2f}x faster" if speed >= 1 else f"{1 / speed:.2f}x slower"
+    return (f"{name}: shared {speed}, rows {sh['rows']:,} vs {un['rows']:,} tokens, "
+            f"peak {gb(sh['peak'])} vs {gb(un['peak'])} GB")
 
 
 def cpu_model():
@@ -373,7 +384,12 @@ def main():
     p.add_argument("--max-tokens", type=int, default=4096, help="max_tokens_per_micro_batch")
     p.add_argument("--repeats", type=int, default=3, help="timed passes per variant, after one warm-up")
     args = p.parse_args()
-    shapes = {s: parse_shape(s) for s in args.shapes}
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    try:
+        shapes = {s: parse_shape(s) for s in args.shapes}
+    except argparse.ArgumentTypeError as e:
+        p.error(str(e))
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before CUDA starts: setup_distributed takes a GPU when it sees one
     elif args.device == "cuda" and not torch.cuda.is_available():
@@ -392,9 +408,11 @@ def main():
     print(f"cpu: {cpu_model()}; torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.get_num_threads()} threads; device {device}"
           + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
-    print(f"model: {what}, {n_params / 1e6:.1f} M parameters, {'float32' if fp32 else 'bf16 compute (FSDP2 mixed precision)'}; "
+    precision = "float32" if fp32 else "bf16 compute (FSDP2 mixed precision)"
+    print(f"model: {what}, {n_params / 1e6:.1f} M parameters, {precision}; "
           f"policy + reference by parallel.load_model (world of one); max_tokens_per_micro_batch {args.max_tokens}; "
-          f"peak by {'MemTracker' if fp32 else 'max_memory_allocated'}; medians of {args.repeats} after a warm-up")
+          f"peak by {'LiveBytes' if fp32 else 'max_memory_allocated'}; medians of {args.repeats} after a warm-up; "
+          f"load average {os.getloadavg()[0]:.2f}")
     summary = []
     for name, shape in shapes.items():
         samples = rollouts(shape, policy.config.vocab_size)
@@ -403,6 +421,7 @@ def main():
         res = compare(policy, ref, samples, group, args.max_tokens, cfg, device, args.repeats)
         diffs, n_exact = exactness(policy, samples, group, args.max_tokens, cfg, device)
         summary.append(report(name, res, diffs, n_exact, weight_bytes(policy, ref), fp32))
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
     print("\n".join(summary))
     del policy, ref
     close_distributed()
