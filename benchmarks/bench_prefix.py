@@ -237,9 +237,14 @@ class LiveBytes(TorchDispatchMode):
         if st in self.sizes:
             return
         size = self.sizes[st] = [st.nbytes()]
-        ref = weakref.ref(st, lambda r: self.refs.pop(id(r)) and self.add(-size[0]))
+        ref = weakref.ref(st, lambda r: self.free(r, size))
         self.refs[id(ref)] = ref
         self.add(size[0])
+
+    def free(self, ref, size):
+        """A storage is gone: its weak reference fires."""
+        del self.refs[id(ref)]
+        self.add(-size[0])
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(t is DTensor for t in types):
