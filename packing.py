@@ -107,7 +107,7 @@ def balance(items, bins, budget=None, share=False, even=True):
         unit, i = todo.pop(0)
         b = min(range(bins), key=loads.__getitem__)
         room = mean - loads[b] if even else math.inf
-        k = fit(unit, room, share) if cost(unit[:1], share) <= room else len(unit)  # nothing fits: no split helps
+        k = fit(unit, room, share)  # at least one sample: a remainder never lands whole on one bin
         if budget is not None and loads[b] + cost(unit[:k], share) > budget:
             k = fit(unit, budget - loads[b], share)
             if loads[b] + cost(unit[:k], share) > budget:
@@ -123,19 +123,43 @@ def balance(items, bins, budget=None, share=False, even=True):
 
 def pack_ranks(mini, world_size, budget, group_size=1, share=False):
     """Every rank's share of one mini-batch cut into the same number of micro-batches of at most
-    `budget` tokens each, tokens balanced between ranks and between micro-batches. With share, a
-    group's samples stay together where the balance allows and its prompt counts once (`cost`).
-    A micro-batch left empty gets a PADDING sample. [rank][micro-batch] -> list of samples."""
-    pieces = [p for u in units(mini, group_size, share) for p in cut(u, budget, share)]
+    `budget` tokens each, tokens balanced between ranks and between micro-batches. A
+    micro-batch left empty gets a PADDING sample. [rank][micro-batch] -> list of samples.
+
+    With share, two assignments are made and the better kept: the groups' units (a group's
+    samples together where the balance allows, its prompt counted once, `cost`) and the
+    samples one by one, whose siblings still share their prompt where they land in one
+    micro-batch. Fewer micro-batches win, then the lighter slowest rank, so sharing never packs
+    worse than the unshared assignment (units are coarse when completions are long against the
+    budget)."""
+    if not share:
+        return assign(units(mini, group_size, False), world_size, budget, False)
+    grouped = assign(units(mini, group_size, True), world_size, budget, True)
+    single = assign(units(mini, group_size, False), world_size, budget, True)
+    return min(grouped, single, key=lambda p: (len(p[0]), max(sum(row_length(mb) for mb in r) for r in p)))
+
+
+def row_length(samples):
+    """Tokens of collate(samples, share=True)'s row: each sample its tokens and one more (a copy
+    of its prompt's last token, or the prompt's last token itself), and the prompt but its last
+    token once per run of samples with that prompt."""
+    return sum(len(s.token_ids) + 1 + (0 if i and s.prompt_ids == samples[i - 1].prompt_ids else len(s.prompt_ids) - 1)
+               for i, s in enumerate(samples))
+
+
+def assign(items, world_size, budget, share):
+    """pack_ranks for one list of units: onto ranks (split at the mean load), then each rank's
+    share into the fewest micro-batches every rank can fill under the budget."""
+    pieces = [p for u in items for p in cut(u, budget, share)]
     shares = balance(pieces, world_size, share=share)
     fewest = max(-(-sum(cost(u, share) for u in s) // budget) for s in shares)
     most = max(sum(map(len, s)) for s in shares)
-    for n_micro in range(max(fewest, 1), most + 1):  # the fewest every rank can fill under the budget
+    for n_micro in range(max(fewest, 1), most + 1):
         packed = [balance(s, n_micro, budget, share, even=False) for s in shares]
         if all(p is not None for p in packed):
             return [[sum(mb, []) or [PADDING] for mb in p] for p in packed]
-    raise ValueError(f"a sequence of {max(map(length, mini))} tokens does not fit max_tokens_per_micro_batch={budget}; "
-                     "raise it to at least max_prompt_length + response_length")
+    raise ValueError(f"a sequence of {max(length(s) for u in items for s in u)} tokens does not fit "
+                     f"max_tokens_per_micro_batch={budget}; raise it to at least max_prompt_length + response_length")
 
 
 # What a micro-batch carries per loss token (N,), in the mask's order, and its dtype. A new

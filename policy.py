@@ -245,9 +245,10 @@ def packed_sdpa(module, query, key, value, attention_mask, position_ids=None, sl
     (a shared prefix, packing.collate) attends to that prompt's first tokens and to itself,
     causally: the two-pass kernel, the prompt once and then each sample against its keys and
     values. Any other input (padded rows with their mask, one sequence under the mask
-    transformers built) goes to transformers' sdpa as it is.
+    transformers built, a decoding step against a KV cache) goes to transformers' sdpa as it is.
     query (1, heads, L, head_dim); returns (1, L, heads, head_dim) as the sdpa it stands for."""
-    spans = layout(position_ids, sliding_window, query.device) if position_ids is not None and len(query) == 1 else []
+    row = position_ids is not None and len(query) == 1 and key.shape[2] == query.shape[2]  # not a KV cache's step
+    spans = layout(position_ids, sliding_window, query.device) if row else []
     # one sequence and no mask (ulysses_attention builds none) still needs its window here
     if len(spans) < 2 and (attention_mask is not None or not sliding_window or not spans):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)

@@ -370,3 +370,29 @@ def test_shared_prefix_is_off_where_the_attention_builds_its_own_mask():
     assert packing.unshared_reason(Config(attn_implementation="eager")) == (
         "shared_prefix: off: attn_implementation='eager' builds its own mask over a row, which would cut each "
         "sample from its prompt (packed_sdpa shares it)")
+
+
+def test_one_group_on_eight_ranks_keeps_every_rank_busy():
+    """One group of 8 long samples over 8 ranks: each rank gets a sample (the group cut where
+    it would take a rank past the mean), not the rest of the group on one rank and padding on
+    five; shared rows never pack worse than the unshared assignment (micro-batches, then the
+    slowest rank)."""
+    s = groups(1, 8, seed=11, prompt=(19, 19), completion=(364, 1740), env_turns=False)
+    ranks = packing.pack_ranks(s, 8, 8795, 8, share=True)
+    assert all(any(x.valid for mb in r for x in mb) for r in ranks)
+    unshared = packing.pack_ranks(s, 8, 8795, 8)
+    slowest = [max(sum(packing.collate(mb, share)["input_ids"].shape[1] for mb in r) for r in p)
+               for p, share in ((ranks, True), (unshared, False))]
+    assert (len(ranks[0]), slowest[0]) <= (len(unshared[0]), slowest[1])
+
+
+def test_decoding_against_a_kv_cache_goes_to_sdpa(models):
+    """generate() under packed_sdpa: a decoding step's one query against the cache's keys is not a
+    packed row; the tokens are those of transformers' sdpa."""
+    model = models["llama"]
+    ids = torch.tensor([[3, 4, 5]])
+    out = {}
+    for impl in ("packed_sdpa", "sdpa"):
+        model.config._attn_implementation = impl
+        out[impl] = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(out["packed_sdpa"], out["sdpa"])
