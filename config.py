@@ -95,24 +95,33 @@ class Config:
     environment: Optional[str] = option(None, "multi-turn episodes: \"module:name\" or \"file.py:name\" "
                                               "(environments.py; built-in: environments:calculator); None = one "
                                               "completion per prompt")
-    max_turns: int = option(4, "with an environment: assistant turns per episode at most",
-                            low=1, only_with="environment")
+    max_turns: int = option(4, "with an environment or an agent: assistant turns (model calls) per episode at most",
+                            low=1, only_with="multi_turn")
     tool_workers: int = option(2, "with an environment: processes that run its step (tool calls)",
                                low=0, only_with="environment")
     tool_timeout: float = option(10.0, "seconds one step (tool call) may take; past it the policy is told so",
                                  above=0, only_with="environment")
     tool_output_max_tokens: int = option(256, "an environment message longer than this is cut",
                                          low=1, only_with="environment")
-    tool_call_parser: Optional[str] = option(None, "with an environment: read the policy's tool calls in the "
+    tool_call_parser: Optional[str] = option(None, "with an environment or an agent: read the policy's tool calls in the "
                                                    "model's own format with this vLLM tool parser (hermes for "
                                                    "Qwen2.5/Qwen3, llama3_json for Llama-3.1, mistral, ...; the "
                                                    "names of vllm serve --tool-call-parser); None = the "
-                                                   "environment reads its text", only_with="environment")
-    reasoning_parser: Optional[str] = option(None, "with an environment: split the policy's turn into reasoning and "
+                                                   "environment reads its text", only_with="multi_turn")
+    reasoning_parser: Optional[str] = option(None, "with an environment or an agent: split the policy's turn into reasoning and "
                                                    "answer with this vLLM reasoning parser (qwen3, deepseek_r1, ...; "
                                                    "the names of vllm serve --reasoning-parser): the reasoning is not "
                                                    "read for tool calls; None = the whole turn is",
-                                             only_with="environment")
+                                             only_with="multi_turn")
+    agent: Optional[str] = option(None, "an agent program, \"file.py:fn\" or \"module:fn\": fn(row, base_url, api_key) "
+                                        "plays one episode through an OpenAI-compatible endpoint and returns its "
+                                        "reward or None (agent_programs.py)")
+    agent_cmd: Optional[str] = option(None, "an agent as a shell command: OPENAI_BASE_URL and OPENAI_API_KEY in its "
+                                            "environment, the row as JSON on stdin, its reward the last line it prints "
+                                            "(agent_programs.py)")
+    agent_workers: int = option(8, "processes that run agent programs at once", low=1, only_with="agent_program")
+    agent_timeout: float = option(300.0, "seconds one agent run (one episode) may take; past it the episode is "
+                                         "unscored", above=0, only_with="agent_program")
     format_reward: float = option(0.0, "added to the training reward (not to evaluation) of a completion that marks "
                                        "an answer with \\boxed{} or ####")
     apply_chat_template: bool = option(False, "wrap string prompts as one user message and apply the tokenizer's "
@@ -289,6 +298,7 @@ class Config:
             if (w := f.metadata["only_with"]) and not getattr(self, w) and getattr(self, f.name) != default(f.name):
                 idle.setdefault(w, []).append(f.name)
         for w, names in idle.items():
+            w = {"multi_turn": "environment, agent or agent_cmd", "agent_program": "agent or agent_cmd"}.get(w, w)
             raise ValueError(f"{', '.join(names)} act only with {w} set: set {w}, or leave them at their defaults")
         if problem := (self._check_data() or self._check_rollouts() or self._check_batch() or self._check_objective()
                        or self._check_reference() or self._check_lora() or self._check_distributed()
@@ -303,6 +313,9 @@ class Config:
                     "there, or use packed_sdpa (the default)")
 
     def _check_rollouts(self):
+        if sum(map(bool, (self.environment, self.agent, self.agent_cmd))) > 1:
+            return ("environment, agent and agent_cmd each play the episodes: set one of them (an agent program calls "
+                    "its own tools)")
         if self.top_p != 1.0:
             return (f"top_p={self.top_p} is not supported: vLLM reports logprobs renormalised over the nucleus while "
                     "the trainer's cover the whole vocabulary, so every ratio and TIS weight would be biased; set top_p=1")
@@ -482,8 +495,17 @@ class Config:
 
     @property
     def episode_turns(self) -> int:
-        """Assistant turns an episode may take: max_turns with an environment, else 1."""
-        return self.max_turns if self.environment else 1
+        """Assistant turns an episode may take: max_turns with an environment or an agent, else 1."""
+        return self.max_turns if self.multi_turn else 1
+
+    @property
+    def multi_turn(self) -> bool:
+        """Episodes of several turns: an environment's, or an agent program's."""
+        return bool(self.environment or self.agent_program)
+
+    @property
+    def agent_program(self) -> bool:
+        return bool(self.agent or self.agent_cmd)
 
     @property
     def uses_reference(self) -> bool:

@@ -46,6 +46,22 @@ def cost(unit, share):
     return sum(map(length, unit))
 
 
+def joins(a, b):
+    """Whether sample b may share sample a's prompt: the same prompt, each one sequence."""
+    return a.prompt_ids == b.prompt_ids and not a.restarts and not b.restarts
+
+
+def places(s, start):
+    """Position ids of sample s from prompt token `start` on: counting on through its tokens, and
+    from 0 again where a new sequence starts (Sample.restarts)."""
+    out, at, restarts = list(range(start, len(s.prompt_ids))), len(s.prompt_ids), set(s.restarts)
+    for j in range(len(s.token_ids)):
+        at = 0 if j in restarts else at
+        out.append(at)
+        at += 1
+    return out
+
+
 def units(samples, group_size, share):
     """The samples cut into packing's units: with share, the runs of a group's samples that have
     the same prompt (an environment may give a group's episodes different first messages); else
@@ -54,7 +70,7 @@ def units(samples, group_size, share):
         return [[s] for s in samples]
     out = []
     for i, s in enumerate(samples):
-        if i % group_size and s.prompt_ids == samples[i - 1].prompt_ids:
+        if i % group_size and joins(samples[i - 1], s):
             out[-1].append(s)
         else:
             out.append([s])
@@ -191,16 +207,16 @@ def collate(samples, share=False):
     first token, so the mask and per-token tensors are those of the unshared row, token for token."""
     ids, positions, mask, per = [], [], [], {k: [] for k in PER_TOKEN}
     for i, s in enumerate(samples):
-        p, c = len(s.prompt_ids), len(s.token_ids)
-        shared = share and p > 1 and (i and s.prompt_ids == samples[i - 1].prompt_ids
-                                      or i + 1 < len(samples) and s.prompt_ids == samples[i + 1].prompt_ids)
-        if shared and not (i and s.prompt_ids == samples[i - 1].prompt_ids):  # the first of a run lays out the prefix
+        p = len(s.prompt_ids)
+        follows = i and joins(samples[i - 1], s)
+        shared = share and p > 1 and (follows or i + 1 < len(samples) and joins(s, samples[i + 1]))
+        if shared and not follows:  # the first of a run lays out the prefix
             ids += s.prompt_ids[:-1]
             positions += range(p - 1)
             mask += [False] * (p - 1)
         start = p - 1 if shared else 0  # where this sample's own tokens begin in the prompt
         ids += s.prompt_ids[start:] + s.token_ids
-        positions += range(start, p + c)
+        positions += places(s, start)
         # position j predicts token j+1: the prompt's last token predicts the first token after it
         mask += [False] * (p - 1 - start) + [s.valid and bool(m) for m in s.mask] + [False]
         if s.valid:
@@ -252,6 +268,8 @@ def collate_padded(samples, pad_id):
     per = {k: [] for k in PER_TOKEN}
     for i, s in enumerate(samples):
         p, c = len(s.prompt_ids), len(s.token_ids)
+        if s.restarts:
+            raise ValueError("a sample of several sequences (Sample.restarts) packs only: use collate")
         input_ids[i, :p + c] = torch.tensor(s.prompt_ids + s.token_ids)
         attention_mask[i, :p + c] = 1
         if s.valid:

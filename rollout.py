@@ -61,6 +61,7 @@ class Episode:
         self.key, self.env_reward = None, None  # the environment's key for its calls, and its reward
         self.failure = None  # why the infrastructure could not play or score it: then it is never trained on
         self.reward_failed = None  # how its reward failed ("errors", "timeouts", "crashes"), if that is why
+        self.needs_reward = False  # an agent's episode that its program left to the reward (agent_programs.py)
 
     def add(self, ids, logprobs, sampled, version=None):
         if sampled and len(logprobs) != len(ids):
@@ -86,7 +87,9 @@ def play(cfg, client, rows, n, seed, tokenizer, env=None, temperature=None):
     ends); without one, an episode's only turn is one of its row's n samples in one request. Turn t
     of episode k (row k // n) is seeded seed + t * len(rows) * n + k: the same first-turn seeds
     either way, as vLLM seeds sample j of a request seeded s with s + j. Returns the episodes and the
-    seconds spent waiting on generation and in the environment."""
+    seconds spent waiting on generation and in the environment. An --agent plays its own (agent_programs.py)."""
+    if callable(getattr(env, "play", None)):
+        return env.play(client, rows, n, seed, cfg.temperature if temperature is None else temperature)
     episodes = [Episode(k, row, cfg.response_length) for k, row in enumerate(r for r in rows for _ in range(n))]
     for e in episodes if env else ():
         e.messages = list(e.row["messages"])  # the environment's first messages (data.tokenize_rows)
@@ -199,18 +202,22 @@ def score(pool, episodes, env=None):
     raised, timed out or crashed; the infrastructure lost it: Episode.failure) gets NaN and its
     failure. Returns the rewards, the counts of reward_errors, reward_timeouts and reward_crashes."""
     examples = [dict(e.row, messages=e.messages) if env else e.row for e in episodes]
-    if env is not None and env.scores and not env.cfg.reward_fn:
-        values, counts = [0.0] * len(episodes), {f"reward_{w}": 0 for w in FAILURES}
-    else:
-        values, counts, first = pool.score([e.row["prompt_text"] for e in episodes], [e.answer for e in episodes],
-                                           examples, [last_turn(e.sample) for e in episodes])
-        failed = [e for e, v in zip(episodes, values) if v != v]  # NaN: the pool's value of a failed call
+    own = env is not None and env.scores  # an environment's reward, or an agent's (a --reward_fn is added)
+    asked = [i for i, e in enumerate(episodes) if not own or env.cfg.reward_fn or e.needs_reward]
+    values, counts = [0.0] * len(episodes), {f"reward_{w}": 0 for w in FAILURES}
+    if asked:
+        got, counts, first = pool.score([episodes[i].row["prompt_text"] for i in asked],
+                                        [episodes[i].answer for i in asked], [examples[i] for i in asked],
+                                        [last_turn(episodes[i].sample) for i in asked])
+        for i, v in zip(asked, got):
+            values[i] = v
+        failed = [episodes[i] for i, v in zip(asked, got) if v != v]  # NaN: the pool's value of a failed call
         for e in failed:
             e.failure, e.reward_failed = e.failure or "the reward failed", e.reward_failed or "reward_fn"
         if failed and failed[0].failure == "the reward failed":  # the first, in the order of the samples, described
             failed[0].failure = f"the reward: {first.split(': ', 1)[1]}"
     for e in episodes:
-        if env is not None and env.scores and e.env_reward is None and e.failure is None:
+        if own and e.env_reward is None and e.failure is None and not e.needs_reward:
             e.failure = "the environment gave no reward"  # not called: its episode failed before
         if e.reward_failed in FAILURES:  # the environment's reward failed: counted with the reward's failures
             counts[f"reward_{e.reward_failed}"] += 1
@@ -333,6 +340,7 @@ def rollout_batch(cfg, client, sampler, step, pool, tokenizer, env=None):
     if env:  # assistant turns and tool calls per episode; tools that failed; seconds in the environment
         m.update(turns=total("turns") / len(lengths), tool_calls=total("tool_calls") / len(lengths),
                  **{f"tool_{kind}": total(f"tool_{kind}") for kind in TOOL_FAILURES}, time_tools=total("time_tools"))
+    m.update({k: total(k) for k in rounds[0] if k.startswith("agent_")})  # an --agent's counts (agent_programs.py)
     if cfg.active_sampling:  # extra rounds run, and groups still missing after them
         m.update(active_sampling_rounds=len(rounds) - 1, active_sampling_missing_groups=prompts - len(samples) // n)
     return samples, m

@@ -19,6 +19,9 @@ class Sample:
     versions: tuple = (0,)  # weight version of each turn's request
     staleness: int = 0  # weight updates since the oldest of them (drop_stale)
     valid: bool = True  # False: packing's filler, no tokens in the loss
+    # where in token_ids a new sequence starts, positions from 0 and attending to nothing before it:
+    # an agent's call that did not continue its episode's conversation (gateway.py)
+    restarts: tuple = ()
 
     def __post_init__(self):
         if self.mask is None:

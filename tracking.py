@@ -63,8 +63,13 @@ def open_tracker(cfg):
             if isinstance(v, (int, float)):
                 writer.add_scalar(k, v, step)
         for s in m.get("samples", []):
-            writer.add_text("samples", f"reward {s['reward']:.3g}\n\n{s['prompt']}\n\n{s['completion']}", step)
+            writer.add_text("samples", f"reward {shown(s['reward'])}\n\n{s['prompt']}\n\n{s['completion']}", step)
     return log_tensorboard
+
+
+def shown(reward):
+    """A logged sample's reward as text: None is an episode that could not be scored."""
+    return "unscored" if reward is None else f"{reward:.3g}"
 
 
 def reopen(path, start):
@@ -103,7 +108,7 @@ class MetricsLog:
             self.samples_file = reopen(self.samples_path, self.start)
         for s in samples:
             self.samples_file.write(json.dumps({c: s[c] for c in SAMPLE_COLUMNS}) + "\n")
-            tqdm.write(f"  sample reward={s['reward']:.3g} | {one_line(s['prompt'], 90, end=True)} | "
+            tqdm.write(f"  sample reward={shown(s['reward'])} | {one_line(s['prompt'], 90, end=True)} | "
                        f"{one_line(s['completion'], 200)}")
         self.samples_file.flush()
         if self.tracker:

@@ -104,6 +104,10 @@ def load_inputs(cfg):
         check_outside(cfg)
         env = Environment(cfg.environment, tokenizer, cfg) if cfg.environment else None
         train_rows, eval_rows, skipped, reward_fn = load_prompts(cfg, tokenizer, env)
+        if cfg.agent_program:  # episodes played by a program, through the gateway
+            from agent_programs import Agents  # noqa: PLC0415 - the optional concept's one door
+
+            env = Agents(cfg, tokenizer)
         return tokenizer, env, train_rows, eval_rows, skipped, reward_fn, tracking.open_tracker(cfg) if rank0 else None
     except ValueError as e:
         if rank0:
@@ -183,6 +187,9 @@ def announce(cfg, plan, world_size, device, data, resumed_from, start, policy):
 
 def reward_name(cfg, env, reward_fn):
     """What scores: an environment with a reward method scores its episodes (a --reward_fn is added)."""
+    if env and env.scores and cfg.agent_program:
+        name = getattr(reward_fn, "__name__", str(reward_fn))
+        return f"{env.name}'s return" + (f" + {cfg.reward_fn}" if cfg.reward_fn else f" (None: {name})")
     if env and env.scores:
         return f"{cfg.environment}'s own" + (f" + {cfg.reward_fn}" if cfg.reward_fn else "")
     return getattr(reward_fn, "__name__", str(reward_fn))

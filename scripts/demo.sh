@@ -10,6 +10,7 @@
 #   bash scripts/demo.sh --tools                  # SmolLM2 learns to use a calculator over several turns
 #   bash scripts/demo.sh --tools --ema            # the same with an EMA reference (k3 KL, beta 1.0, alpha 0.05 a step)
 #   bash scripts/demo.sh --tool-calls             # the same with native calls: hermes JSON, vLLM's parser
+#   bash scripts/demo.sh --agent                  # the same played by an OpenAI-client program (examples/)
 #   bash scripts/demo.sh --lora_rank 16           # LoRA adapters (rank 16) at LoRA's learning rate
 #   OUT=output/run2 bash scripts/demo.sh          # another output directory (default output/demo)
 #
@@ -56,6 +57,21 @@ elif [ "${1:-}" = "--tool-calls" ]; then
     # and Qwen3 do), read by vLLM's hermes parser: a call is 34 tokens where <calc> is 13, so the
     # prompt (181 tokens) and the episode's budget are longer.
     task=(--dataset calc --environment environments:calculator_tool --tool_call_parser hermes --math_digits 3
+          --math_operations "+-*")
+    args=(--model_name_or_path models/smollm2-135m-instruct --max_prompt_length 192 --response_length 128
+          --max_turns 3 --num_training_steps 20 --eval_freq 10 --num_eval_prompts 64 --temperature 0.7
+          --learning_rate 5e-6 --warm_up_steps 5
+          --num_unique_prompts_rollout 4 --num_samples_per_prompt_rollout 8
+          --beta 0 --load_ref_policy false)
+elif [ "${1:-}" = "--agent" ]; then
+    shift
+    out=${OUT:-output/demo-agent}
+    .venv/bin/python scripts/prepare_smollm2.py
+    # As --tool-calls, but the episodes are played by a plain OpenAI-client program
+    # (examples/calculator_agent.py: its own messages, its own loop, the calculator as a function
+    # tool) through the trainer's OpenAI-compatible gateway (gateway.py), which records the
+    # tokens vLLM sampled. The program returns None: number_reward scores its final answer.
+    task=(--dataset calc --agent examples/calculator_agent.py:solve --tool_call_parser hermes --math_digits 3
           --math_operations "+-*")
     args=(--model_name_or_path models/smollm2-135m-instruct --max_prompt_length 192 --response_length 128
           --max_turns 3 --num_training_steps 20 --eval_freq 10 --num_eval_prompts 64 --temperature 0.7

@@ -396,3 +396,39 @@ def test_decoding_against_a_kv_cache_goes_to_sdpa(models):
         model.config._attn_implementation = impl
         out[impl] = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert torch.equal(out["packed_sdpa"], out["sdpa"])
+
+
+def restarted(seed=3):
+    """One sample of two sequences (an agent's call that did not continue its episode: a new prompt,
+    mask 0, where positions restart), and the two sequences as samples of their own."""
+    rng = random.Random(seed)
+    ids = lambda n: [rng.randint(3, 63) for _ in range(n)]  # noqa: E731
+    p1, t1, p2, t2 = ids(6), ids(7), ids(5), ids(8)
+    lp1, lp2 = [-rng.random() for _ in t1], [-rng.random() for _ in t2]
+    both = Sample(prompt_ids=p1, token_ids=t1 + p2 + t2, logprobs=lp1 + [0.0] * 5 + lp2,
+                  mask=[1] * 7 + [0] * 5 + [1] * 8, adv=0.7, restarts=(7,))
+    return both, [Sample(prompt_ids=p1, token_ids=t1, logprobs=lp1, adv=0.7),
+                  Sample(prompt_ids=p2, token_ids=t2, logprobs=lp2, adv=0.7)]
+
+
+@pytest.mark.parametrize("attn", ["packed_sdpa", "sdpa"])
+def test_a_sample_of_two_sequences_is_its_sequences_apart(models, attn):
+    """Positions restart at 0 where the second sequence starts, and it attends to nothing before
+    it: per-token logp, entropy and gradients equal those of the two sequences packed as samples
+    of their own, next to a group that shares its prompt (the sample itself never shares)."""
+    both, apart = restarted()
+    group = groups(1, 3, seed=4)
+    mates = [replace(s, prompt_ids=both.prompt_ids) for s in group]  # its prompt: it still must not share
+    model = models["qwen2"]
+    model.config._attn_implementation = attn
+    shared = attn == "packed_sdpa"  # transformers' sdpa cuts the row by positions: sequences, never shared prompts
+    got, want = [sharing_results(model, rows)[0 if shared else 1] for rows in (mates + [both], mates + apart)]
+    model.config._attn_implementation = "sdpa"
+    b = packing.collate(mates + [both], share=True)
+    assert b["position_ids"][0, -26:].tolist() == list(range(13)) * 2  # 6 + 7 tokens, then 5 + 8 from 0 again
+    assert packing.units(mates + [both], 4, share=True) == [mates, [both]]
+    for k, v in want.items():
+        if k not in ("tokens", "head_ids"):
+            assert torch.allclose(got[k], v, atol=1e-5, rtol=0), k
+    with pytest.raises(ValueError, match="packs only"):
+        packing.collate_padded([both], 0)

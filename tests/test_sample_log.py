@@ -23,6 +23,8 @@ def test_samples_go_to_the_file_the_console_and_the_tracker(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "sample reward=0.5 | <|im_start|>user q1 with space | answer 1" in out
     assert [(step, m["samples"]) for step, m in sent] == [(10, rows(10)), (20, rows(20))]
+    log.write_samples([dict(rows(30)[0], reward=None)])  # an episode that could not be scored (rollout.show_episode)
+    assert "sample reward=unscored | " in capsys.readouterr().out
 
 
 def test_a_resumed_run_rewrites_the_samples_after_its_checkpoint(tmp_path):

@@ -1,0 +1,350 @@
+"""The agent gateway: an OpenAI-compatible endpoint in front of the vLLM server(s), through which
+an agent that is a program (agent_programs.py) calls the policy, and which records exactly what it sampled.
+
+    gateway = Gateway(tokenizer, cfg)               # 127.0.0.1, a free port
+    base_url, key = gateway.open(k, temperature, seeds)   # one per episode
+    ... the agent: openai.OpenAI(base_url=base_url, api_key=key).chat.completions.create(...)
+    trace = gateway.close(key)                      # trace.sample: the episode's tokens, as sampled
+
+Routes: POST /v1/chat/completions (messages, tools, tool calls in the model's format read by
+vLLM's parser: --tool_call_parser; reasoning by --reasoning_parser; stream=True answered as one
+chunk), POST /v1/completions (a text or token-id prompt), GET /v1/models. The episode is named by
+its base URL (http://host:port/e/KEY/v1) or by its API key (Authorization: Bearer KEY); any model
+name is served by the policy. The trainer's sampling settings are pinned: an agent's temperature,
+top_p, seed or penalties are overridden (counted as agent_overrides, and said once), n > 1 refused.
+
+What is recorded, per episode, is one Sample (sample.py) of the tokens vLLM saw and sampled:
+- the first call's prompt, rendered by the chat template (with the call's tools), is the
+  sample's prompt;
+- a call whose messages extend the previous call's messages and the reply the gateway gave
+  (compared as the template reads them: role, text, tool calls' names and arguments, ids
+  aside) continues the sample: its new messages are appended as the chat template renders them
+  after an assistant turn (chat.ChatTokens, mask 0) and the sampled tokens follow (mask 1). The
+  earlier turns stay the tokens sampled, whatever the template would now render for them
+  (Qwen3 drops past reasoning; JSON arguments re-serialise);
+- a call that does not extend (history rewritten, compacted, a sub-agent's) starts a new
+  sequence in the same sample: its prompt rendered whole (mask 0) where positions restart
+  (Sample.restarts), so it attends to nothing before it and shares the episode's advantage.
+The sample's tokens after its first prompt stay within response_length and its calls within
+max_turns: past either, a call is answered with no text and finish_reason "length", unsampled.
+"""
+
+import http.server
+import json
+import threading
+import time
+
+from chat import ChatTokens
+from rollout import completion_text
+from sample import Sample
+from vllm_client import VLLMError
+
+PINNED = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+          "repetition_penalty")  # sampling an agent may ask for and the trainer sets
+
+
+class Refusal(Exception):
+    """A call the gateway answers with an HTTP error; `fatal` ones leave the episode unscored."""
+
+    def __init__(self, status, message, fatal=False):
+        super().__init__(message)
+        self.status, self.fatal = status, fatal
+
+
+def text_of(content):
+    """A message's content as text: a string, None, or OpenAI's list of text parts."""
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise Refusal(400, f"a message's content must be text or a list of text parts, not {str(content)[:80]}")
+        return "".join(p["text"] for p in content)
+    if content is not None and not isinstance(content, str):
+        raise Refusal(400, f"a message's content must be text, not {type(content).__name__}")
+    return content or ""
+
+
+def arguments(value):
+    """A tool call's arguments as the chat template takes them (a dict), from OpenAI's JSON string."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
+def as_json(value):
+    """Arguments as OpenAI sends them: a JSON string (one the parser could not read stays as it was)."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def plain(message):
+    """A message as the chat template renders it: role, text, name, tool_call_id, tool_calls."""
+    m = {"role": message.get("role"), "content": text_of(message.get("content"))}
+    m.update({k: message[k] for k in ("name", "tool_call_id") if message.get(k)})
+    if message.get("tool_calls"):
+        m["tool_calls"] = [{"id": c.get("id"), "type": "function",
+                            "function": {"name": c["function"]["name"], "arguments": arguments(c["function"].get(
+                                "arguments"))}} for c in message["tool_calls"]]
+    return m
+
+
+def same(a, b):
+    """Whether two plain messages render alike (tool call ids aside)."""
+    calls = lambda m: [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls", [])]  # noqa
+    return (a["role"], a["content"], a.get("name"), calls(a)) == (b["role"], b["content"], b.get("name"), calls(b))
+
+
+def stops(body):
+    """The request's stop strings (vLLM takes at most 4; a fifth is its error, the agent's to see)."""
+    stop = body.get("stop") or ()
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+class Trace:
+    """One episode's calls: its sample, the conversation the sample holds (the messages of the
+    last call and the gateway's reply), and what the reward reads."""
+
+    def __init__(self, temperature, seeds):
+        self.temperature, self.seeds, self.lock = temperature, seeds, threading.Lock()  # held for a whole call
+        self.closed = False
+        self.sample, self.convo, self.eos, self.text = None, None, None, ""
+        self.messages, self.answer, self.calls, self.tool_calls, self.cut = [], "", 0, 0, False
+        self.failure, self.overrides = None, 0
+
+    def add(self, ids, logprobs=None, version=None):
+        s = self.sample
+        s.token_ids += ids
+        s.logprobs += logprobs or [0.0] * len(ids)
+        s.mask += [int(logprobs is not None)] * len(ids)
+        if version is not None:
+            s.versions += (version,)
+
+
+class Gateway:
+    """The endpoint, served on threads in the trainer's rank 0 while episodes play."""
+
+    def __init__(self, tokenizer, cfg, parser=None, reasoning=None, host="127.0.0.1"):
+        self.tokenizer, self.cfg, self.parser, self.reasoning = tokenizer, cfg, parser, reasoning
+        self.client, self.traces, self.chats, self.said = None, {}, {}, set()
+        self.lock = threading.Lock()
+        self.server = http.server.ThreadingHTTPServer((host, 0), handler(self))
+        self.server.daemon_threads = True
+        self.url = f"http://{host}:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True, name="gateway")
+        self.thread.start()
+
+    def open(self, key, temperature, seeds):
+        """Register episode `key`; seeds(t) seeds its call t (None: unseeded). Returns its base URL and API key."""
+        self.traces[str(key)] = Trace(temperature, seeds)
+        return f"{self.url}/e/{key}/v1", str(key)
+
+    def close(self, key):
+        """The episode's trace, final: a call in flight (of a program that timed out, or left a thread
+        behind) is waited for; a later one is answered with an error and adds nothing."""
+        trace = self.traces.pop(str(key))
+        trace.closed = True
+        with trace.lock:
+            return trace
+
+    def shutdown(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+    def chat_tokens(self, tools):
+        """The ChatTokens of one tool list (a template renders tools into the prompt)."""
+        name = json.dumps(tools, sort_keys=True)
+        if name not in self.chats:
+            try:
+                self.chats[name] = ChatTokens(self.tokenizer, tools or None)
+            except ValueError as e:
+                raise Refusal(400, str(e), fatal=True) from None
+        return self.chats[name]
+
+    def pin(self, trace, body):
+        """Refuse what cannot be honoured; count (and say once) the sampling settings overridden."""
+        if body.get("n", 1) != 1:
+            raise Refusal(400, "n > 1 is not served: a group's samples are separate episodes (num_samples_per_prompt_"
+                          "rollout); ask for one completion per call")
+        asked = [k for k in PINNED if body.get(k) is not None and body[k] != {"temperature": trace.temperature,
+                                                                              "top_p": self.cfg.top_p}.get(k)]
+        if asked:
+            trace.overrides += 1
+            if tuple(asked) not in self.said:
+                self.said.add(tuple(asked))
+                print(f"gateway: the agent asked for {', '.join(f'{k}={body[k]}' for k in asked)}; the policy samples "
+                      f"at the trainer's temperature={trace.temperature}, top_p={self.cfg.top_p}, seeded per episode")
+
+    def chat(self, trace, body):
+        """One /v1/chat/completions call: (the assistant message, finish_reason)."""
+        tools = body.get("tools") or []
+        if tools and self.parser is None:
+            raise Refusal(400, "the agent sends tools, and the trainer reads no tool calls: set --tool_call_parser "
+                          "(hermes for Qwen and SmolLM2's demo, llama3_json for Llama-3.1, ...)", fatal=True)
+        messages = [plain(m) for m in body.get("messages") or []]
+        if not messages:
+            raise Refusal(400, "messages is empty")
+        extends = trace.convo is not None and len(messages) > len(trace.convo) and all(
+            map(same, messages, trace.convo))
+        with self.lock:  # one tokenizer for every thread
+            chat = self.chat_tokens(tools)
+            between = chat.ids(messages[len(trace.convo):], trace.eos) if extends else chat.prompt_ids(messages)
+        ids, finish = self.sample(trace, between, extends, body, stops(body))
+        if ids is None:
+            return {"role": "assistant", "content": ""}, finish
+        text = trace.text
+        with self.lock:
+            reasoning, content = self.reasoning.split(text) if self.reasoning else (None, text)
+            reply = self.parser.message(content, trace.calls - 1) if self.parser and tools else \
+                {"role": "assistant", "content": content}
+        trace.tool_calls += bool(reply.get("tool_calls"))
+        trace.convo, trace.messages, trace.answer = messages + [reply], messages + [reply], text
+        if reply.get("tool_calls") and finish == "stop":
+            finish = "tool_calls"
+        out = dict(reply, reasoning_content=reasoning) if reasoning is not None else dict(reply)
+        if reply.get("tool_calls"):  # OpenAI's form: arguments as a JSON string
+            out["tool_calls"] = [dict(c, function=dict(c["function"], arguments=as_json(c["function"]["arguments"])))
+                                 for c in reply["tool_calls"]]
+        return out, finish
+
+    def completion(self, trace, body):
+        """One /v1/completions call: (the text, finish_reason). A prompt (text or token ids) that
+        starts with the sample so far continues it, its new tokens as given (mask 0); a text's
+        new part is tokenized on its own."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+            prompt = prompt[0]
+        so_far = trace.sample.prompt_ids + trace.sample.token_ids if trace.sample else None
+        if isinstance(prompt, str):
+            with self.lock:
+                text = self.tokenizer.decode(so_far) if so_far else None
+                extends = text is not None and len(prompt) > len(text) and prompt.startswith(text)
+                between = self.tokenizer(prompt[len(text):] if extends else prompt,
+                                         add_special_tokens=False)["input_ids"]
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            extends = so_far is not None and len(prompt) > len(so_far) and prompt[:len(so_far)] == so_far
+            between = prompt[len(so_far):] if extends else prompt
+        else:
+            raise Refusal(400, "prompt must be one text or one list of token ids")
+        ids, finish = self.sample(trace, between, extends, body, stops(body))
+        return ("" if ids is None else trace.text), finish
+
+    def sample(self, trace, between, extends, body, stop):
+        """Append `between` (mask 0) to the trace's sample, continuing it or starting a sequence,
+        and sample the next turn after it; (the sampled ids, finish_reason), or (None, "length")
+        when the episode's token or turn budget is spent."""
+        cfg, s = self.cfg, trace.sample
+        if s is None and len(between) > cfg.max_prompt_length:
+            raise Refusal(400, f"the agent's first prompt is {len(between)} tokens, over max_prompt_length="
+                          f"{cfg.max_prompt_length}; raise it (the micro-batch budget follows)", fatal=True)
+        left = cfg.response_length - (len(s.token_ids) + len(between) if s else 0)
+        if left <= 0 or trace.calls >= cfg.episode_turns:
+            trace.cut = True
+            return None, "length"
+        max_tokens = min(left, body.get("max_completion_tokens") or body.get("max_tokens") or left)
+        prompt = s.prompt_ids + s.token_ids + between if s is not None and extends else between
+        try:
+            out = self.client.submit(prompt, 1, max_tokens, trace.temperature, cfg.top_p, trace.seeds(trace.calls),
+                                     stop).result()[0]
+        except VLLMError as e:
+            raise Refusal(502, f"the vLLM server: {e}", fatal=True) from None
+        return self.record(trace, between, extends, out)
+
+    def record(self, trace, between, extends, out):
+        """Append a call's tokens to the trace: between (mask 0), then what vLLM sampled (mask 1)."""
+        s = trace.sample
+        if s is None:
+            trace.sample = Sample(list(between), [], [], [], versions=(), restarts=())
+        else:
+            if not extends:
+                trace.sample.restarts += (len(s.token_ids),)
+            trace.add(list(between))
+        trace.add(out["token_ids"], out["logprobs"], out["version"])
+        trace.convo = None  # until chat() sets the conversation this call ends
+        trace.calls, trace.eos = trace.calls + 1, out["token_ids"][-1] if out.get("eos") else None
+        trace.text = completion_text(self.tokenizer, out)
+        length = out["finish_reason"] == "length"
+        trace.cut = length or len(trace.sample.token_ids) >= self.cfg.response_length
+        return out["token_ids"], "length" if length else "stop"
+
+
+def handler(gateway):
+    """The request handler class of one gateway."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):  # quiet: the trainer's log is its metrics
+            pass
+
+        def do_GET(self):
+            route = self.path.split("/v1", 1)[-1]
+            if route != "/models":
+                return self.reply(404, {"error": {"message": f"no route {self.path}"}})
+            self.reply(200, {"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "trainer"}]})
+
+        def do_POST(self):
+            key = self.path.split("/e/", 1)[1].split("/", 1)[0] if self.path.startswith("/e/") else \
+                self.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+            route, trace = self.path.split("/v1", 1)[-1], gateway.traces.get(key)
+            if trace is None:
+                return self.reply(401, {"error": {"message": "no episode has this key: use the base URL and API key "
+                                                             "the episode was given"}})
+            try:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                with trace.lock:
+                    if trace.closed:
+                        raise Refusal(409, "the episode has ended")
+                    gateway.pin(trace, body)
+                    if route == "/chat/completions":
+                        message, finish = gateway.chat(trace, body)
+                        choice = dict(index=0, message=message, finish_reason=finish, logprobs=None)
+                        kind = "chat.completion"
+                    elif route == "/completions":
+                        text, finish = gateway.completion(trace, body)
+                        choice, kind = dict(index=0, text=text, finish_reason=finish, logprobs=None), "text_completion"
+                    else:
+                        raise Refusal(404, f"no route {self.path}")
+            except Refusal as e:
+                if e.fatal and trace.failure is None:
+                    trace.failure = f"the gateway: {e}"
+                return self.reply(e.status, {"error": {"message": str(e), "type": "invalid_request_error"}})
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                return self.reply(400, {"error": {"message": f"a malformed request ({type(e).__name__}: {e})"}})
+            except Exception as e:  # noqa: BLE001 - ours, not the agent's: its episode is not trained on
+                trace.failure = trace.failure or f"the gateway failed: {type(e).__name__}: {e}"
+                return self.reply(500, {"error": {"message": trace.failure}})
+            done = dict(id=f"{kind}-{key}-{trace.calls}", object=kind, created=int(time.time()),
+                        model=body.get("model") or "policy", choices=[choice])
+            if body.get("stream"):
+                return self.stream(done)
+            self.reply(200, done)
+
+        def reply(self, status, payload):
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def stream(self, done):
+            """The whole answer as one server-sent chunk, then its finish_reason and [DONE]."""
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            choice, kind = done["choices"][0], done["object"] + ".chunk"
+            if "message" in choice:
+                delta = dict(choice["message"])
+                if delta.get("tool_calls"):
+                    delta["tool_calls"] = [dict(c, index=j) for j, c in enumerate(delta["tool_calls"])]
+                first = dict(index=0, delta=delta, finish_reason=None)
+                last = dict(index=0, delta={}, finish_reason=choice["finish_reason"])
+            else:
+                first, last = dict(choice, finish_reason=None), dict(choice, text="")
+            for c in (first, last):
+                self.wfile.write(f"data: {json.dumps(dict(done, object=kind, choices=[c]))}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.close_connection = True
+
+    return Handler

@@ -1,0 +1,131 @@
+"""Agent programs (agent_programs.py) in real worker processes against a scripted server: the
+episodes they play through the gateway, their rewards, and the runs that raise, hang, crash,
+never call the model or are refused, each counted and never trained on. test_agents_e2e.py runs
+them with the real vLLM server and train.py."""
+
+import math
+
+import pytest
+import torch
+
+from agent_programs import Agents
+from config import Config
+from helpers import IM_END, ScriptedClient
+from rollout import score, sample_groups
+from worker_pool import RewardPool
+
+PROGRAMS = '''
+import os, time, openai
+
+def solve(row, base_url, api_key):
+    mode = row["mode"]
+    if mode == "idle":
+        return None
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": row["prompt"]}]
+    for turn in range(2):
+        reply = client.chat.completions.create(model="any-name", messages=messages, temperature=0.3)
+        messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+        if mode == "raise" and turn == 1:
+            raise RuntimeError("the agent broke")
+        if mode == "hang":
+            time.sleep(60)
+        if mode == "crash":
+            os._exit(3)
+    return 0.75 if mode == "reward" else None
+
+async def solve_async(row, base_url, api_key):
+    return solve(row, base_url, api_key)
+'''
+MODES = ["ok", "reward", "raise", "hang", "crash", "idle"]
+
+
+def agents(tmp_path, tiny_model_dir, fn="solve", **overrides):
+    from transformers import AutoTokenizer
+
+    (tmp_path / "programs.py").write_text(PROGRAMS)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = Config(**dict(dict(agent=f"{tmp_path / 'programs.py'}:{fn}", agent_workers=3, agent_timeout=5.0,
+                             max_prompt_length=64, response_length=40, max_turns=3, num_samples_per_prompt_rollout=2),
+                        **overrides))
+    a = Agents(cfg, tok)
+    a.start()
+    return cfg, tok, a
+
+
+def rows(tok):
+    out = []
+    for mode in MODES:
+        prompt = f"say {mode}"
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        out.append(dict(prompt=prompt, answer="ab", mode=mode, prompt_text=text, prompt_ids=tok(text)["input_ids"]))
+    return out
+
+
+def exact_reward(prompt, completion, example):
+    return 1.0 if completion == "cd" and example["messages"][-1]["content"] == "cd" else 0.25
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("fn", ["solve", "solve_async"])
+def test_programs_play_score_and_fail_apart(tmp_path, tiny_model_dir, fn):
+    cfg, tok, a = agents(tmp_path, tiny_model_dir, fn)
+    client = ScriptedClient(tok, ["ab", "cd", "ef"], IM_END)
+    try:
+        episodes, stats = a.play(client, rows(tok), 2, 1000, 1.0)
+        by = {m: episodes[2 * i:2 * i + 2] for i, m in enumerate(MODES)}
+        assert stats["agent_errors"] == 2 and stats["agent_timeouts"] == 2 and stats["agent_crashes"] == 2
+        assert stats["agent_idle"] == 2 and stats["agent_refused"] == 0
+        assert stats["agent_overrides"] == 4 + 4 + 4 + 2 + 2  # temperature=0.3 on every call made (ok, reward, raise: 2)
+        for e in by["ok"] + by["reward"]:  # two calls, the second continuing the first: one sequence
+            s = e.sample
+            assert e.failure is None and e.turns == 2 and s.restarts == ()
+            assert tok.decode(s.prompt_ids) == e.row["prompt_text"]  # the first call's prompt
+            first, second = tok("ab")["input_ids"] + [IM_END], tok("cd")["input_ids"] + [IM_END]
+            between = tok("\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
+            assert s.token_ids == first + between + second
+            assert s.mask == [1] * len(first) + [0] * len(between) + [1] * len(second)
+            assert [round(x, 6) for x, m in zip(s.logprobs, s.mask) if m] == \
+                [round(-0.1 * (j + 1), 6) for j in range(len(first))] * 2
+            assert client.requests[0][1] == s.prompt_ids or any(p == s.prompt_ids for _, p in client.requests)
+        for m in ("raise", "hang", "crash", "idle"):
+            assert all(e.failure for e in by[m]), m
+        assert "RuntimeError: the agent broke" in by["raise"][0].failure
+        assert by["idle"][0].failure == "the agent never called the model"
+        pool = RewardPool(exact_reward, workers=0, fallback=float("nan"))
+        rewards, _ = score(pool, episodes, a)
+        assert rewards[2:4] == [0.75, 0.75]  # the program's own number
+        assert rewards[0:2] == [1.0, 1.0]  # None: the reward scored the final turn, "cd", and the conversation
+        assert all(math.isnan(r) for r in rewards[4:])
+    finally:
+        a.close()
+
+
+@pytest.mark.subprocess
+def test_a_reward_fn_is_added_to_a_returned_reward_and_failed_groups_leave(tmp_path, tiny_model_dir):
+    cfg, tok, a = agents(tmp_path, tiny_model_dir, reward_fn=f"{__file__}:exact_reward", num_unique_prompts_rollout=6)
+    try:
+        pool = RewardPool(exact_reward, workers=0, fallback=float("nan"))
+        samples, stats = sample_groups(cfg, ScriptedClient(tok, ["ab", "cd"], IM_END), rows(tok), 7, 1, pool,
+                                       tok, a)
+        # ok: 1 (the reward of "cd"); reward: 0.75 + 1; the other four groups unscored and gone
+        assert stats["unscored_groups"] == 4 and stats["unscored_episodes"] == 8
+        assert sorted(stats["rewards"].tolist()) == [1.0, 1.0, 1.75, 1.75]
+        assert len(samples) == 0  # both kept groups have equal rewards within: filtered as zero-std
+        assert stats["filtered_groups"] == 2
+        assert all(not math.isnan(s.adv) for s in samples)
+    finally:
+        a.close()
+
+
+@pytest.mark.subprocess
+def test_a_prompt_over_the_budget_is_refused_and_unscored(tmp_path, tiny_model_dir):
+    cfg, tok, a = agents(tmp_path, tiny_model_dir, max_prompt_length=8)
+    try:
+        episodes, stats = a.play(ScriptedClient(tok, ["ab"], IM_END), rows(tok)[:1], 2, None, 0.0)
+        assert stats["agent_refused"] == 2 and stats["agent_errors"] == 0  # the program saw HTTP 400 and raised
+        assert all(e.failure.startswith("the gateway: the agent's first prompt is") for e in episodes)
+        assert all("max_prompt_length=8" in e.failure for e in episodes)
+        assert all(torch.tensor(e.sample.token_ids).numel() == 0 for e in episodes)
+    finally:
+        a.close()

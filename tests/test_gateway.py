@@ -1,0 +1,198 @@
+"""The agent gateway (gateway.py) against a scripted client: what an OpenAI-client agent gets,
+and the episode's Sample recorded as exactly the tokens vLLM saw and sampled, with the real chat
+templates of Qwen2.5, Qwen3 and Llama-3.1."""
+
+import threading
+
+import openai
+import pytest
+
+import gateway
+import packing
+from chat import ChatTokens
+from config import Config
+from helpers import family_tokenizer, ScriptedClient
+
+# importing vLLM (its tool parsers) runs `file` on the interpreter (py-cpuinfo): outside the quick tier
+vllm_import = pytest.mark.subprocess
+
+TOOLS = [{"type": "function", "function": {
+    "name": "calculate", "description": "Evaluate an arithmetic expression.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
+FIRST = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
+
+
+class Recording(ScriptedClient):
+    """ScriptedClient that keeps each submit's arguments and answer."""
+
+    def submit(self, prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=()):
+        future = super().submit(prompt_ids, n, max_tokens, temperature, top_p, seed, stop)
+        self.calls = getattr(self, "calls", []) + [dict(
+            prompt=list(prompt_ids), n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+            out=future.result()[0])]
+        return future
+
+
+@pytest.fixture
+def make():
+    """make(family, script, parser=False, **cfg) -> (gateway, tokenizer, openai client, key); shut down after."""
+    made = []
+
+    def build(family, script, parser=False, **kw):
+        tok = family_tokenizer(family)
+        cfg = Config(agent="tests/agent.py:run", **{"max_turns": 4, "max_prompt_length": 1024,
+                                                    "response_length": 1024, **kw})
+        if parser:
+            import tool_calls
+            parser = tool_calls.Parser("hermes", tok, None)
+        g = gateway.Gateway(tok, cfg, parser=parser or None)
+        made.append(g)
+        g.client = Recording(tok, script, tok.convert_tokens_to_ids(tok.eos_token))
+        url, key = g.open("k1", 1.0, lambda t: 100 + t)
+        return g, tok, openai.OpenAI(base_url=url, api_key=key, max_retries=0), key
+    yield build
+    for g in made:  # serve_forever notices in up to 0.5 s: not waited for
+        threading.Thread(target=g.shutdown, daemon=True).start()
+
+
+@vllm_import
+@pytest.mark.parametrize("family", ["qwen2.5-instruct", "qwen3", "llama-3.1-instruct"])
+def test_an_agent_loop_is_recorded_as_the_tokens_sampled(make, family):
+    """Three calls (a hermes tool call, its answer, a follow-up question): the sample is the first
+    prompt, then each request's prompt extension (mask 0) and each sampled turn (mask 1), token for
+    token; the template's rendering of the conversation differs from what vLLM saw."""
+    call = CALL.replace('{"expression": "2 + 3"}', '{"expression":"2 + 3"}') if family.startswith("llama") else CALL
+    turn0 = ("<think>\nreasoning\n</think>\n\n" if family == "qwen3" else "") + "Let me compute.\n" + call
+    g, tok, client, key = make(family, [turn0, "\\boxed{5}", "Yes."], parser=True)
+    messages = list(FIRST)
+    reply = client.chat.completions.create(model="any", messages=messages, tools=TOOLS)
+    message = reply.choices[0].message
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert message.content == turn0[:turn0.index("<tool_call>")]  # the text before the call, kept
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [
+        ("calculate", '{"expression": "2 + 3"}')]  # OpenAI's JSON string (llama's sampled compact JSON re-serialised)
+    messages += [message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "5"}]
+    reply = client.chat.completions.create(model="any", messages=messages, tools=TOOLS)
+    assert (reply.choices[0].message.content, reply.choices[0].finish_reason) == ("\\boxed{5}", "stop")
+    messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Sure?"}]
+    assert client.chat.completions.create(model="any", messages=messages, tools=TOOLS).choices[0].message.content \
+        == "Yes."
+    s, calls = g.close(key).sample, g.client.calls
+    prompts, sampled = [c["prompt"] for c in calls], [c["out"]["token_ids"] for c in calls]
+    assert len(calls) == 3 and s.prompt_ids == prompts[0] == ChatTokens(tok, TOOLS).prompt_ids(FIRST)
+    for t in (1, 2):  # each request continues the last: its prompt and the tokens it sampled, as they were
+        assert prompts[t][:len(prompts[t - 1]) + len(sampled[t - 1])] == prompts[t - 1] + sampled[t - 1]
+    assert s.token_ids == prompts[2][len(prompts[0]):] + sampled[2]
+    mask, logprobs = [], []
+    for t, ids in enumerate(sampled):
+        extension = prompts[t][len(prompts[t - 1]) + len(sampled[t - 1]):] if t else []
+        mask += [0] * len(extension) + [1] * len(ids)
+        logprobs += [0.0] * len(extension) + [-0.1 * (j + 1) for j in range(len(ids))]
+        if t:  # the new messages as the template writes them after the turn's end-of-sequence token
+            upto = tok.apply_chat_template(messages[:2 * t + 2], tools=TOOLS, tokenize=False,
+                                           add_generation_prompt=True)
+            assert upto.endswith(tok.decode(sampled[t - 1][-1:] + extension))
+    assert s.mask == mask and s.logprobs == pytest.approx(logprobs) and s.restarts == () and s.versions == (0, 0, 0)
+    # why exactness matters: the template renders the same conversation otherwise than it was sampled
+    seen = tok.decode(prompts[2])
+    rendered = tok.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert rendered != seen and turn0 in seen
+    if family == "qwen3":  # reasoning of turns before the last user message dropped
+        assert "<think>\nreasoning\n</think>" in seen and "reasoning" not in rendered
+    if family.startswith("llama"):  # arguments re-serialised (and the call rewritten in Llama's own format)
+        assert '{"expression":"2 + 3"}' in seen and '{"expression":"2 + 3"}' not in rendered
+
+
+def test_a_conversation_that_does_not_extend_starts_a_new_sequence(make):
+    """History rewritten: the new prompt is rendered whole (mask 0) where positions restart."""
+    g, tok, client, key = make("qwen2.5-instruct", ["Four."])  # the fake answers a fresh prompt as turn 0
+    client.chat.completions.create(model="any", messages=FIRST)
+    other = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 3 + 3?"}]
+    assert client.chat.completions.create(model="any", messages=other).choices[0].message.content == "Four."
+    s, calls = g.close(key).sample, g.client.calls
+    first, restart = calls[0]["out"]["token_ids"], ChatTokens(tok).prompt_ids(other)
+    assert calls[1]["prompt"] == restart  # vLLM saw the new conversation alone
+    second = calls[1]["out"]["token_ids"]
+    assert s.prompt_ids == calls[0]["prompt"] and s.token_ids == first + restart + second
+    assert s.restarts == (len(first),) and s.mask == [1] * len(first) + [0] * len(restart) + [1] * len(second)
+    positions = packing.collate([s])["position_ids"][0].tolist()
+    assert positions == list(range(len(s.prompt_ids) + len(first))) + list(range(len(restart) + len(second)))
+
+
+@pytest.mark.parametrize("budget", [dict(max_turns=1), dict(response_length=12)])
+def test_a_call_past_the_budget_is_answered_length_unsampled(make, budget):
+    """Past max_turns or response_length: finish_reason "length", no text, nothing sampled or recorded."""
+    g, tok, client, key = make("qwen2.5-instruct", ["\\boxed{5}", "more"], **budget)
+    messages = FIRST + [{"role": "assistant", "content": "\\boxed{5}"}, {"role": "user", "content": "Again."}]
+    assert client.chat.completions.create(model="any", messages=FIRST).choices[0].finish_reason == "stop"
+    reply = client.chat.completions.create(model="any", messages=messages)
+    assert (reply.choices[0].message.content, reply.choices[0].finish_reason) == ("", "length")
+    trace = g.close(key)
+    first = g.client.calls[0]["out"]["token_ids"]
+    assert len(g.client.requests) == 1 and trace.cut and trace.calls == 1
+    assert trace.sample.token_ids == first and trace.sample.mask == [1] * len(first)
+
+
+def test_sampling_is_pinned_and_n_refused(make):
+    """The agent's temperature, top_p and seed are overridden (counted); n=2 is an HTTP 400."""
+    g, tok, client, key = make("qwen2.5-instruct", ["Five."])
+    g.traces[key].temperature = 0.9
+    client.chat.completions.create(model="any", messages=FIRST, temperature=0.2, top_p=0.5, seed=7)
+    (call,) = g.client.calls
+    assert (call["temperature"], call["top_p"], call["seed"], call["n"]) == (0.9, g.cfg.top_p, 100, 1)
+    assert g.traces[key].overrides == 1
+    with pytest.raises(openai.BadRequestError, match="n > 1 is not served"):
+        client.chat.completions.create(model="any", messages=FIRST, n=2)
+    assert len(g.client.calls) == 1 and g.close(key).failure is None
+
+
+def test_tools_without_a_parser_are_refused_and_the_episode_unscored(make):
+    g, tok, client, key = make("qwen2.5-instruct", ["Five."])
+    with pytest.raises(openai.BadRequestError, match="--tool_call_parser"):
+        client.chat.completions.create(model="any", messages=FIRST, tools=TOOLS)
+    trace = g.close(key)
+    assert "--tool_call_parser" in trace.failure and trace.sample is None and not g.client.requests
+
+
+def test_keys_routes_and_the_authorization_header(make):
+    """An unknown key is a 401; /v1/models lists the policy; the key in the header on the plain URL works."""
+    g, tok, client, key = make("qwen2.5-instruct", ["Five."])
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{g.url}/v1", api_key="nobody", max_retries=0).chat.completions.create(
+            model="any", messages=FIRST)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{g.url}/e/nobody/v1", api_key=key, max_retries=0).chat.completions.create(
+            model="any", messages=FIRST)
+    assert [m.id for m in client.models.list()] == ["policy"]
+    plain = openai.OpenAI(base_url=f"{g.url}/v1", api_key=key, max_retries=0)
+    assert plain.chat.completions.create(model="any", messages=FIRST).choices[0].message.content == "Five."
+    assert g.close(key).sample.prompt_ids == g.client.calls[0]["prompt"]
+
+
+@pytest.mark.parametrize("tools", [False, pytest.param(True, marks=vllm_import)])
+def test_streaming_answers_in_chunks_with_a_finish_reason(make, tools):
+    g, tok, client, key = make("qwen2.5-instruct", ["Ok.\n" + CALL if tools else "Five."], parser=tools)
+    chunks = list(client.chat.completions.create(model="any", messages=FIRST, stream=True,
+                                                 **({"tools": TOOLS} if tools else {})))
+    deltas = [c.choices[0].delta for c in chunks]
+    assert "".join(d.content or "" for d in deltas) == ("Ok.\n" if tools else "Five.")
+    assert [c.choices[0].finish_reason for c in chunks][-1] == ("tool_calls" if tools else "stop")
+    calls = [(c.function.name, c.function.arguments) for d in deltas for c in d.tool_calls or ()]
+    assert calls == ([("calculate", '{"expression": "2 + 3"}')] if tools else [])
+    assert g.close(key).sample.token_ids == g.client.calls[0]["out"]["token_ids"]
+
+
+def test_a_token_completion_that_extends_the_sample_continues_it(make):
+    """/v1/completions with token ids that start with the sample so far: the new ids go in with mask 0."""
+    g, tok, client, key = make("qwen2.5-instruct", ["Five.", "Sure."])
+    client.chat.completions.create(model="any", messages=FIRST)
+    first = g.client.calls[0]["out"]["token_ids"]
+    new = tok("\n<|im_start|>user\nSure?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    prompt = g.client.calls[0]["prompt"] + first + new
+    reply = client.completions.create(model="any", prompt=prompt)
+    assert (reply.choices[0].text, reply.choices[0].finish_reason) == ("Sure.", "stop")
+    s, second = g.close(key).sample, g.client.calls[1]["out"]["token_ids"]
+    assert g.client.calls[1]["prompt"] == prompt and s.restarts == ()
+    assert s.token_ids == first + new + second and s.mask == [1] * len(first) + [0] * len(new) + [1] * len(second)
