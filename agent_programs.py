@@ -33,12 +33,14 @@ its group leaves the batch, and unscored_stop stops a run where that is every ep
 """
 
 import asyncio
+import contextlib
 import inspect
 import json
 import os
 import secrets
 import subprocess
 import time
+import urllib.request
 
 import tool_calls
 from chat import ChatTokens
@@ -70,10 +72,15 @@ class Program:
         self.__init__(**state)
 
     def __call__(self, row, base_url, api_key):
-        if self.cmd:
-            return self.run(row, base_url, api_key)
-        value = self.fn(row, base_url, api_key)
-        return returned(asyncio.run(value) if inspect.isawaitable(value) else value)
+        try:
+            if self.cmd:
+                return self.run(row, base_url, api_key)
+            value = self.fn(row, base_url, api_key)
+            return returned(asyncio.run(value) if inspect.isawaitable(value) else value)
+        finally:  # the episode ends with its run: a call a thread it left makes later is refused, not recorded
+            with contextlib.suppress(OSError):
+                urllib.request.urlopen(urllib.request.Request(f"{base_url}/end", b"{}", method="POST"),
+                                       timeout=self.timeout).close()
 
     def run(self, row, base_url, api_key):
         env = dict(os.environ, OPENAI_BASE_URL=base_url, OPENAI_API_KEY=api_key)
@@ -122,11 +129,13 @@ class Agents:
         shown = [{k: v for k, v in e.row.items() if k not in ("prompt_ids", "messages")} for e in episodes]
         started = time.perf_counter()
         values, failures = self.pool.map([(row, url, key) for row, (url, key) in zip(shown, keys)])
-        why, overrides = {i: (what, text) for i, what, text in failures}, 0
+        why, overrides, down = {i: (what, text) for i, what, text in failures}, 0, None
         for e, value, (_, key) in zip(episodes, values, keys):
             trace = self.gateway.close(key)
-            overrides += trace.overrides
+            overrides, down = overrides + trace.overrides, down or trace.server_error
             self.take(e, value, trace, why.get(e.k))
+        if down:  # the server failed, not the programs: the step stops there, and a server of ours is restarted
+            raise down
         counts = {f"agent_{kind}": sum(e.agent_failure == kind for e in episodes) for kind in FAILURES}
         return episodes, dict(time_generate=time.perf_counter() - started, time_tools=0.0, tool_failures=[],
                               agent_overrides=overrides, **counts)

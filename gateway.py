@@ -29,8 +29,11 @@ The sample's tokens after its first prompt stay within response_length and its c
 max_turns: past either, a call is answered with no text and finish_reason "length", unsampled.
 """
 
+import dataclasses
 import http.server
 import json
+import select
+import socket
 import threading
 import time
 
@@ -107,9 +110,24 @@ class Trace:
     def __init__(self, temperature, seeds):
         self.temperature, self.seeds, self.lock = temperature, seeds, threading.Lock()  # held for a whole call
         self.closed = False
-        self.sample, self.convo, self.eos, self.text = None, None, None, ""
+        self.sample, self.convo, self.tools, self.eos, self.text = None, None, None, None, ""
         self.messages, self.answer, self.calls, self.tool_calls, self.cut = [], "", 0, 0, False
-        self.failure, self.overrides = None, 0
+        self.failure, self.overrides, self.server_error = None, 0, None
+
+    def current(self):
+        """The tokens of the sample's last sequence (what vLLM saw and sampled since its last restart)."""
+        s = self.sample
+        return s.token_ids[s.restarts[-1]:] if s.restarts else s.prompt_ids + s.token_ids
+
+    def save(self):
+        """What one call changes, to take it back if its answer never reached the agent."""
+        s = self.sample
+        state = {k: v for k, v in vars(self).items() if k not in ("lock", "closed")}
+        return dict(state, sample=s and dataclasses.replace(
+            s, token_ids=list(s.token_ids), logprobs=list(s.logprobs), mask=list(s.mask)))
+
+    def load(self, state):
+        vars(self).update(state)
 
     def add(self, ids, logprobs=None, version=None):
         s = self.sample
@@ -183,7 +201,8 @@ class Gateway:
         messages = [plain(m) for m in body.get("messages") or []]
         if not messages:
             raise Refusal(400, "messages is empty")
-        extends = trace.convo is not None and len(messages) > len(trace.convo) and all(
+        name = json.dumps(tools, sort_keys=True)  # tools the template shows: a change is a new prompt
+        extends = trace.convo is not None and trace.tools == name and len(messages) > len(trace.convo) and all(
             map(same, messages, trace.convo))
         with self.lock:  # one tokenizer for every thread
             chat = self.chat_tokens(tools)
@@ -191,7 +210,7 @@ class Gateway:
         ids, finish = self.sample(trace, between, extends, body, stops(body))
         if ids is None:
             return {"role": "assistant", "content": ""}, finish
-        text = trace.text
+        text, trace.tools = trace.text, name
         with self.lock:
             reasoning, content = self.reasoning.split(text) if self.reasoning else (None, text)
             reply = self.parser.message(content, trace.calls - 1) if self.parser and tools else \
@@ -213,7 +232,7 @@ class Gateway:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
             prompt = prompt[0]
-        so_far = trace.sample.prompt_ids + trace.sample.token_ids if trace.sample else None
+        so_far = trace.current() if trace.sample else None
         if isinstance(prompt, str):
             with self.lock:
                 text = self.tokenizer.decode(so_far) if so_far else None
@@ -226,7 +245,10 @@ class Gateway:
         else:
             raise Refusal(400, "prompt must be one text or one list of token ids")
         ids, finish = self.sample(trace, between, extends, body, stops(body))
-        return ("" if ids is None else trace.text), finish
+        if ids is None:
+            return "", finish
+        trace.answer, trace.messages = trace.text, []  # the reward reads this call's text
+        return trace.text, finish
 
     def sample(self, trace, between, extends, body, stop):
         """Append `between` (mask 0) to the trace's sample, continuing it or starting a sequence,
@@ -240,16 +262,21 @@ class Gateway:
         if left <= 0 or trace.calls >= cfg.episode_turns:
             trace.cut = True
             return None, "length"
-        max_tokens = min(left, body.get("max_completion_tokens") or body.get("max_tokens") or left)
-        prompt = s.prompt_ids + s.token_ids + between if s is not None and extends else between
+        asked = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), left)
+        if not isinstance(asked, int) or asked < 1:
+            raise Refusal(400, f"max_tokens={asked!r} must be a whole number of at least 1")
+        prompt = trace.current() + between if extends else between  # a restarted sequence sees itself only
         try:
-            out = self.client.submit(prompt, 1, max_tokens, trace.temperature, cfg.top_p, trace.seeds(trace.calls),
-                                     stop).result()[0]
+            out = self.client.submit(prompt, 1, min(left, asked), trace.temperature, cfg.top_p,
+                                     trace.seeds(trace.calls), stop).result()[0]
         except VLLMError as e:
+            if " HTTP 4" in str(e):  # the server refused this request (the agent's stop strings, say)
+                raise Refusal(400, f"the vLLM server refused the request: {e}") from None
+            trace.server_error = e  # a server that fails: the rollout stops, and ours is restarted (agent_programs)
             raise Refusal(502, f"the vLLM server: {e}", fatal=True) from None
-        return self.record(trace, between, extends, out)
+        return self.record(trace, between, extends, out, stop)
 
-    def record(self, trace, between, extends, out):
+    def record(self, trace, between, extends, out, stop):
         """Append a call's tokens to the trace: between (mask 0), then what vLLM sampled (mask 1)."""
         s = trace.sample
         if s is None:
@@ -261,7 +288,9 @@ class Gateway:
         trace.add(out["token_ids"], out["logprobs"], out["version"])
         trace.convo = None  # until chat() sets the conversation this call ends
         trace.calls, trace.eos = trace.calls + 1, out["token_ids"][-1] if out.get("eos") else None
-        trace.text = completion_text(self.tokenizer, out)
+        text = completion_text(self.tokenizer, out)
+        hit = next((x for x in stop if out["finish_reason"] == "stop" and not out.get("eos") and text.endswith(x)), "")
+        trace.text = text[:len(text) - len(hit)]  # as OpenAI answers: without the stop string (in the tokens, sampled)
         length = out["finish_reason"] == "length"
         trace.cut = length or len(trace.sample.token_ids) >= self.cfg.response_length
         return out["token_ids"], "length" if length else "stop"
@@ -291,33 +320,55 @@ def handler(gateway):
                                                              "the episode was given"}})
             try:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                with trace.lock:
-                    if trace.closed:
-                        raise Refusal(409, "the episode has ended")
-                    gateway.pin(trace, body)
-                    if route == "/chat/completions":
-                        message, finish = gateway.chat(trace, body)
-                        choice = dict(index=0, message=message, finish_reason=finish, logprobs=None)
-                        kind = "chat.completion"
-                    elif route == "/completions":
-                        text, finish = gateway.completion(trace, body)
-                        choice, kind = dict(index=0, text=text, finish_reason=finish, logprobs=None), "text_completion"
-                    else:
-                        raise Refusal(404, f"no route {self.path}")
+            except ValueError as e:
+                return self.reply(400, {"error": {"message": f"the body is not JSON ({e})"}})
+            with trace.lock:  # one call of an episode at a time, its answer written before the next
+                if route == "/end":  # the program's run is over (agent_programs.Program): later calls add nothing
+                    trace.closed = True
+                    return self.reply(200, {})
+                saved = trace.save()
+                status, payload = self.answer(trace, route, body, key)
+                if self.gone():
+                    return trace.load(saved)
+                try:
+                    self.stream(payload) if status == 200 and body.get("stream") else self.reply(status, payload)
+                except (BrokenPipeError, ConnectionResetError):  # the agent gave up on this call (its client's
+                    trace.load(saved)  # timeout) and never saw it: as if it was never made
+
+        def gone(self):
+            """Whether the agent closed the connection while its call was sampled (its client timed out)."""
+            if not select.select([self.connection], [], [], 0)[0]:
+                return False
+            try:
+                return self.connection.recv(1, socket.MSG_PEEK) == b""
+            except OSError:
+                return True
+
+        def answer(self, trace, route, body, key):
+            """(HTTP status, the JSON answer) of one call."""
+            try:
+                if trace.closed:
+                    raise Refusal(409, "the episode has ended")
+                gateway.pin(trace, body)
+                if route == "/chat/completions":
+                    message, finish = gateway.chat(trace, body)
+                    choice, kind = dict(index=0, message=message, finish_reason=finish, logprobs=None), "chat.completion"
+                elif route == "/completions":
+                    text, finish = gateway.completion(trace, body)
+                    choice, kind = dict(index=0, text=text, finish_reason=finish, logprobs=None), "text_completion"
+                else:
+                    raise Refusal(404, f"no route {self.path}")
             except Refusal as e:
                 if e.fatal and trace.failure is None:
                     trace.failure = f"the gateway: {e}"
-                return self.reply(e.status, {"error": {"message": str(e), "type": "invalid_request_error"}})
+                return e.status, {"error": {"message": str(e), "type": "invalid_request_error"}}
             except (ValueError, KeyError, TypeError, AttributeError) as e:
-                return self.reply(400, {"error": {"message": f"a malformed request ({type(e).__name__}: {e})"}})
+                return 400, {"error": {"message": f"a malformed request ({type(e).__name__}: {e})"}}
             except Exception as e:  # noqa: BLE001 - ours, not the agent's: its episode is not trained on
                 trace.failure = trace.failure or f"the gateway failed: {type(e).__name__}: {e}"
-                return self.reply(500, {"error": {"message": trace.failure}})
-            done = dict(id=f"{kind}-{key}-{trace.calls}", object=kind, created=int(time.time()),
-                        model=body.get("model") or "policy", choices=[choice])
-            if body.get("stream"):
-                return self.stream(done)
-            self.reply(200, done)
+                return 500, {"error": {"message": trace.failure}}
+            return 200, dict(id=f"{kind}-{key}-{trace.calls}", object=kind, created=int(time.time()),
+                             model=body.get("model") or "policy", choices=[choice])
 
         def reply(self, status, payload):
             data = json.dumps(payload).encode()

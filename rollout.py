@@ -203,7 +203,7 @@ def score(pool, episodes, env=None):
     failure. Returns the rewards, the counts of reward_errors, reward_timeouts and reward_crashes."""
     examples = [dict(e.row, messages=e.messages) if env else e.row for e in episodes]
     own = env is not None and env.scores  # an environment's reward, or an agent's (a --reward_fn is added)
-    asked = [i for i, e in enumerate(episodes) if not own or env.cfg.reward_fn or e.needs_reward]
+    asked = [i for i, e in enumerate(episodes) if e.failure is None and (not own or env.cfg.reward_fn or e.needs_reward)]
     values, counts = [0.0] * len(episodes), {f"reward_{w}": 0 for w in FAILURES}
     if asked:
         got, counts, first = pool.score([episodes[i].row["prompt_text"] for i in asked],

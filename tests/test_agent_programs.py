@@ -15,7 +15,7 @@ from rollout import score, sample_groups
 from worker_pool import RewardPool
 
 PROGRAMS = '''
-import os, time, openai
+import os, threading, time, openai
 
 def solve(row, base_url, api_key):
     mode = row["mode"]
@@ -23,6 +23,11 @@ def solve(row, base_url, api_key):
         return None
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     messages = [{"role": "user", "content": row["prompt"]}]
+    if mode == "late":  # a call from a thread left running after the run returned: refused, not recorded
+        client.chat.completions.create(model="any-name", messages=messages, temperature=0.3)
+        late = lambda: (time.sleep(0.5), client.chat.completions.create(model="x", messages=messages))
+        threading.Thread(target=late, daemon=True).start()
+        return None
     for turn in range(2):
         reply = client.chat.completions.create(model="any-name", messages=messages, temperature=0.3)
         messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
@@ -37,7 +42,7 @@ def solve(row, base_url, api_key):
 async def solve_async(row, base_url, api_key):
     return solve(row, base_url, api_key)
 '''
-MODES = ["ok", "reward", "raise", "hang", "crash", "idle"]
+MODES = ["ok", "reward", "raise", "hang", "crash", "idle", "late"]
 
 
 def agents(tmp_path, tiny_model_dir, fn="solve", **overrides):
@@ -76,7 +81,8 @@ def test_programs_play_score_and_fail_apart(tmp_path, tiny_model_dir, fn):
         by = {m: episodes[2 * i:2 * i + 2] for i, m in enumerate(MODES)}
         assert stats["agent_errors"] == 2 and stats["agent_timeouts"] == 2 and stats["agent_crashes"] == 2
         assert stats["agent_idle"] == 2 and stats["agent_refused"] == 0
-        assert stats["agent_overrides"] == 4 + 4 + 4 + 2 + 2  # temperature=0.3 on every call made (ok, reward, raise: 2)
+        assert stats["agent_overrides"] == 4 + 4 + 4 + 2 + 2 + 2  # temperature=0.3 on every call made
+        assert [e.turns for e in by["late"]] == [1, 1] and not any(e.failure for e in by["late"])
         for e in by["ok"] + by["reward"]:  # two calls, the second continuing the first: one sequence
             s = e.sample
             assert e.failure is None and e.turns == 2 and s.restarts == ()
@@ -96,23 +102,23 @@ def test_programs_play_score_and_fail_apart(tmp_path, tiny_model_dir, fn):
         rewards, _ = score(pool, episodes, a)
         assert rewards[2:4] == [0.75, 0.75]  # the program's own number
         assert rewards[0:2] == [1.0, 1.0]  # None: the reward scored the final turn, "cd", and the conversation
-        assert all(math.isnan(r) for r in rewards[4:])
+        assert all(math.isnan(r) for r in rewards[4:12])
     finally:
         a.close()
 
 
 @pytest.mark.subprocess
 def test_a_reward_fn_is_added_to_a_returned_reward_and_failed_groups_leave(tmp_path, tiny_model_dir):
-    cfg, tok, a = agents(tmp_path, tiny_model_dir, reward_fn=f"{__file__}:exact_reward", num_unique_prompts_rollout=6)
+    cfg, tok, a = agents(tmp_path, tiny_model_dir, reward_fn=f"{__file__}:exact_reward", num_unique_prompts_rollout=7)
     try:
         pool = RewardPool(exact_reward, workers=0, fallback=float("nan"))
         samples, stats = sample_groups(cfg, ScriptedClient(tok, ["ab", "cd"], IM_END), rows(tok), 7, 1, pool,
                                        tok, a)
-        # ok: 1 (the reward of "cd"); reward: 0.75 + 1; the other four groups unscored and gone
+        # ok: 1 (the reward of "cd"); reward: 0.75 + 1; late: 0.25 ("ab"); the other four groups unscored and gone
         assert stats["unscored_groups"] == 4 and stats["unscored_episodes"] == 8
-        assert sorted(stats["rewards"].tolist()) == [1.0, 1.0, 1.75, 1.75]
-        assert len(samples) == 0  # both kept groups have equal rewards within: filtered as zero-std
-        assert stats["filtered_groups"] == 2
+        assert sorted(stats["rewards"].tolist()) == [0.25, 0.25, 1.0, 1.0, 1.75, 1.75]
+        assert len(samples) == 0  # the kept groups have equal rewards within: filtered as zero-std
+        assert stats["filtered_groups"] == 3
         assert all(not math.isnan(s.adv) for s in samples)
     finally:
         a.close()
@@ -129,3 +135,33 @@ def test_a_prompt_over_the_budget_is_refused_and_unscored(tmp_path, tiny_model_d
         assert all(torch.tensor(e.sample.token_ids).numel() == 0 for e in episodes)
     finally:
         a.close()
+
+
+def test_a_run_ends_its_episode_at_the_gateway(tmp_path, tiny_model_dir):
+    """Program (what a worker runs) posts /end when the run returns, or raises: a call a thread of
+    it makes later is refused, not recorded."""
+    from transformers import AutoTokenizer
+
+    from agent_programs import Program
+    from gateway import Gateway
+
+    (tmp_path / "programs.py").write_text(PROGRAMS)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    g = Gateway(tok, Config(agent="x.py:f", max_prompt_length=64, response_length=40, max_turns=3))
+    g.client = ScriptedClient(tok, ["ab", "cd"], IM_END)
+    try:
+        for mode in ("late", "raise"):
+            url, key = g.open(mode, 1.0, lambda t: None)
+            program = Program(f"{tmp_path / 'programs.py'}:solve", None, 5.0)
+            try:
+                program(dict(rows(tok)[0], mode=mode), url, key)
+            except RuntimeError:
+                assert mode == "raise"
+            assert g.traces[key].closed, mode
+            late = g.traces[key].calls
+            import time
+
+            time.sleep(1.0)  # the late thread's call is refused
+            assert g.close(key).calls == late == (1 if mode == "late" else 2)
+    finally:
+        g.shutdown()

@@ -196,3 +196,107 @@ def test_a_token_completion_that_extends_the_sample_continues_it(make):
     s, second = g.close(key).sample, g.client.calls[1]["out"]["token_ids"]
     assert g.client.calls[1]["prompt"] == prompt and s.restarts == ()
     assert s.token_ids == first + new + second and s.mask == [1] * len(first) + [0] * len(new) + [1] * len(second)
+
+
+def test_a_call_after_a_restart_sees_its_own_sequence_only(make):
+    """A sub-agent's conversation (a restart), then a call extending it: vLLM gets that sequence
+    and its new messages, nothing of the first conversation."""
+    g, tok, client, key = make("qwen2.5-instruct", ["Five.", "Done."])
+    client.chat.completions.create(model="any", messages=FIRST)
+    other = [{"role": "user", "content": "Sub-task?"}]
+    reply = client.chat.completions.create(model="any", messages=other).choices[0].message  # turn 0 again: "Five."
+    client.chat.completions.create(model="any", messages=other + [reply.model_dump(exclude_none=True),
+                                                                  {"role": "user", "content": "And?"}])
+    s, calls = g.close(key).sample, g.client.calls
+    restart = ChatTokens(tok).prompt_ids(other)
+    assert calls[2]["prompt"][:len(restart)] == restart and calls[2]["prompt"][:len(calls[0]["prompt"])] != \
+        calls[0]["prompt"]
+    assert s.restarts == (len(calls[0]["out"]["token_ids"]),) and calls[2]["prompt"] == s.token_ids[s.restarts[0]:][
+        :len(calls[2]["prompt"])]
+
+
+def test_a_completion_is_the_answer_the_reward_reads(make):
+    g, tok, client, key = make("qwen2.5-instruct", ["\\boxed{5}"])
+    assert client.completions.create(model="any", prompt="2 + 3 = ").choices[0].text == "\\boxed{5}"
+    trace = g.close(key)
+    assert trace.answer == "\\boxed{5}" and trace.messages == []
+
+
+def test_a_stop_string_is_sampled_and_left_out_of_the_text(make):
+    """As OpenAI answers: the text ends before the stop string; the sample keeps its tokens."""
+    g, tok, client, key = make("qwen2.5-instruct", ["Thought: add\nAction: calc"])
+    reply = client.chat.completions.create(model="any", messages=FIRST, stop=["Action: calc"]).choices[0]
+    assert reply.message.content == "Thought: add\n"
+    with pytest.raises(openai.BadRequestError, match="max_tokens=0"):
+        client.chat.completions.create(model="any", messages=FIRST, max_tokens=0)
+    assert tok.decode(g.close(key).sample.token_ids) == "Thought: add\nAction: calc"
+
+
+class Failing(Recording):
+    def __init__(self, tokenizer, message):
+        super().__init__(tokenizer, ["x"])
+        self.message = message
+
+    def submit(self, *args, **kwargs):
+        import vllm_client
+
+        raise vllm_client.VLLMError(self.message)
+
+
+@pytest.mark.parametrize("message,status", [("failed /v1/completions after 1 attempt(s): HTTP 400: too_long", 400),
+                                            ("failed /v1/completions after 4 attempt(s): URLError: refused", 502)])
+def test_a_request_the_server_refuses_is_the_agents_a_server_that_fails_is_ours(make, message, status):
+    """A 4xx from vLLM is the agent's to see (a 400, the episode goes on); a server that fails
+    leaves the episode unscored and its error for the rollout to raise (agent_programs: the server
+    of ours is restarted)."""
+    g, tok, client, key = make("qwen2.5-instruct", ["x"])
+    g.client = Failing(tok, message)
+    with pytest.raises(openai.APIStatusError) as e:
+        client.chat.completions.create(model="any", messages=FIRST)
+    trace = g.close(key)
+    assert e.value.status_code == status
+    assert (trace.failure is None and trace.server_error is None) if status == 400 else \
+        ("URLError" in trace.failure and "URLError" in str(trace.server_error))
+
+
+def test_a_call_the_agent_gave_up_on_is_not_recorded(make):
+    """The agent's client times out while the call samples: the answer nobody saw is taken back;
+    its retry is the episode's first call."""
+    g, tok, client, key = make("qwen2.5-instruct", ["Five."])
+    slow, fast = g.client.submit, g.client.submit
+
+    def submit(*args, **kwargs):
+        import time
+
+        time.sleep(1.5)
+        return slow(*args, **kwargs)
+    g.client.submit = submit
+    impatient = openai.OpenAI(base_url=client.base_url, api_key=key, max_retries=0, timeout=0.3)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.chat.completions.create(model="any", messages=FIRST)
+    g.client.submit = fast
+    client.chat.completions.create(model="any", messages=FIRST)
+    trace = g.close(key)
+    assert trace.calls == 1 and trace.sample.restarts == () and len(g.client.calls) == 2
+    assert trace.sample.token_ids == g.client.calls[1]["out"]["token_ids"]
+
+
+def test_calls_after_the_run_ended_are_refused(make):
+    """The program's run posts /end (agent_programs.Program): a thread it left behind adds nothing."""
+    g, tok, client, key = make("qwen2.5-instruct", ["Five.", "Late."])
+    client.chat.completions.create(model="any", messages=FIRST)
+    client.post("/end", body={}, cast_to=object)
+    with pytest.raises(openai.APIStatusError, match="the episode has ended"):
+        client.chat.completions.create(model="any", messages=FIRST)
+    assert g.close(key).calls == 1 and len(g.client.calls) == 1
+
+
+@vllm_import
+def test_new_tools_are_a_new_prompt(make):
+    """A call that adds tools the earlier prompt did not show starts a new sequence, rendered with them."""
+    g, tok, client, key = make("qwen2.5-instruct", ["Plan.", "Five."], parser=True)
+    reply = client.chat.completions.create(model="any", messages=FIRST).choices[0].message
+    client.chat.completions.create(model="any", tools=TOOLS, messages=FIRST + [
+        reply.model_dump(exclude_none=True), {"role": "user", "content": "Now use the tool."}])
+    trace = g.close(key)
+    assert trace.sample.restarts and "calculate" in tok.decode(g.client.calls[1]["prompt"])
