@@ -145,8 +145,8 @@ class Gateway:
         self.tokenizer, self.cfg, self.parser, self.reasoning = tokenizer, cfg, parser, reasoning
         self.client, self.traces, self.chats, self.said = None, {}, {}, set()
         self.lock = threading.Lock()
-        self.server = http.server.ThreadingHTTPServer((host, 0), handler(self))
-        self.server.daemon_threads = True
+        self.server = http.server.ThreadingHTTPServer((host, 0), Handler)
+        self.server.daemon_threads, self.server.gateway = True, self
         self.url = f"http://{host}:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True, name="gateway")
         self.thread.start()
@@ -296,106 +296,104 @@ class Gateway:
         return out["token_ids"], "length" if length else "stop"
 
 
-def handler(gateway):
-    """The request handler class of one gateway."""
+class Handler(http.server.BaseHTTPRequestHandler):
+    """One HTTP request to the gateway (self.server.gateway)."""
+    protocol_version = "HTTP/1.1"
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    def log_message(self, *args):  # quiet: the trainer's log is its metrics
+        pass
 
-        def log_message(self, *args):  # quiet: the trainer's log is its metrics
-            pass
+    def do_GET(self):
+        route = self.path.split("/v1", 1)[-1]
+        if route != "/models":
+            return self.reply(404, {"error": {"message": f"no route {self.path}"}})
+        self.reply(200, {"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "trainer"}]})
 
-        def do_GET(self):
-            route = self.path.split("/v1", 1)[-1]
-            if route != "/models":
-                return self.reply(404, {"error": {"message": f"no route {self.path}"}})
-            self.reply(200, {"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "trainer"}]})
-
-        def do_POST(self):
-            key = self.path.split("/e/", 1)[1].split("/", 1)[0] if self.path.startswith("/e/") else \
-                self.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-            route, trace = self.path.split("/v1", 1)[-1], gateway.traces.get(key)
-            if trace is None:
-                return self.reply(401, {"error": {"message": "no episode has this key: use the base URL and API key "
-                                                             "the episode was given"}})
+    def do_POST(self):
+        key = self.path.split("/e/", 1)[1].split("/", 1)[0] if self.path.startswith("/e/") else \
+            self.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        route, trace = self.path.split("/v1", 1)[-1], self.server.gateway.traces.get(key)
+        if trace is None:
+            return self.reply(401, {"error": {"message": "no episode has this key: use the base URL and API key "
+                                                         "the episode was given"}})
+        try:
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        except ValueError as e:
+            return self.reply(400, {"error": {"message": f"the body is not JSON ({e})"}})
+        with trace.lock:  # one call of an episode at a time, its answer written before the next
+            if route == "/end":  # the program's run is over (agent_programs.Program): later calls add nothing
+                trace.closed = True
+                return self.reply(200, {})
+            saved = trace.save()
+            status, payload = self.answer(trace, route, body, key)
+            if self.gone():
+                return trace.load(saved)
             try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-            except ValueError as e:
-                return self.reply(400, {"error": {"message": f"the body is not JSON ({e})"}})
-            with trace.lock:  # one call of an episode at a time, its answer written before the next
-                if route == "/end":  # the program's run is over (agent_programs.Program): later calls add nothing
-                    trace.closed = True
-                    return self.reply(200, {})
-                saved = trace.save()
-                status, payload = self.answer(trace, route, body, key)
-                if self.gone():
-                    return trace.load(saved)
-                try:
-                    self.stream(payload) if status == 200 and body.get("stream") else self.reply(status, payload)
-                except (BrokenPipeError, ConnectionResetError):  # the agent gave up on this call (its client's
-                    trace.load(saved)  # timeout) and never saw it: as if it was never made
+                self.stream(payload) if status == 200 and body.get("stream") else self.reply(status, payload)
+            except (BrokenPipeError, ConnectionResetError):  # the agent gave up on this call (its client's
+                trace.load(saved)  # timeout) and never saw it: as if it was never made
 
-        def gone(self):
-            """Whether the agent closed the connection while its call was sampled (its client timed out)."""
-            if not select.select([self.connection], [], [], 0)[0]:
-                return False
-            try:
-                return self.connection.recv(1, socket.MSG_PEEK) == b""
-            except OSError:
-                return True
+    def gone(self):
+        """Whether the agent closed the connection while its call was sampled (its client timed out)."""
+        if not select.select([self.connection], [], [], 0)[0]:
+            return False
+        try:
+            return self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
 
-        def answer(self, trace, route, body, key):
-            """(HTTP status, the JSON answer) of one call."""
-            try:
-                if trace.closed:
-                    raise Refusal(409, "the episode has ended")
-                gateway.pin(trace, body)
-                if route == "/chat/completions":
-                    message, finish = gateway.chat(trace, body)
-                    choice, kind = dict(index=0, message=message, finish_reason=finish, logprobs=None), "chat.completion"
-                elif route == "/completions":
-                    text, finish = gateway.completion(trace, body)
-                    choice, kind = dict(index=0, text=text, finish_reason=finish, logprobs=None), "text_completion"
-                else:
-                    raise Refusal(404, f"no route {self.path}")
-            except Refusal as e:
-                if e.fatal and trace.failure is None:
-                    trace.failure = f"the gateway: {e}"
-                return e.status, {"error": {"message": str(e), "type": "invalid_request_error"}}
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
-                return 400, {"error": {"message": f"a malformed request ({type(e).__name__}: {e})"}}
-            except Exception as e:  # noqa: BLE001 - ours, not the agent's: its episode is not trained on
-                trace.failure = trace.failure or f"the gateway failed: {type(e).__name__}: {e}"
-                return 500, {"error": {"message": trace.failure}}
-            return 200, dict(id=f"{kind}-{key}-{trace.calls}", object=kind, created=int(time.time()),
-                             model=body.get("model") or "policy", choices=[choice])
-
-        def reply(self, status, payload):
-            data = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def stream(self, done):
-            """The whole answer as one server-sent chunk, then its finish_reason and [DONE]."""
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            choice, kind = done["choices"][0], done["object"] + ".chunk"
-            if "message" in choice:
-                delta = dict(choice["message"])
-                if delta.get("tool_calls"):
-                    delta["tool_calls"] = [dict(c, index=j) for j, c in enumerate(delta["tool_calls"])]
-                first = dict(index=0, delta=delta, finish_reason=None)
-                last = dict(index=0, delta={}, finish_reason=choice["finish_reason"])
+    def answer(self, trace, route, body, key):
+        """(HTTP status, the JSON answer) of one call."""
+        gateway = self.server.gateway
+        try:
+            if trace.closed:
+                raise Refusal(409, "the episode has ended")
+            gateway.pin(trace, body)
+            if route == "/chat/completions":
+                message, finish = gateway.chat(trace, body)
+                choice, kind = dict(index=0, message=message, finish_reason=finish, logprobs=None), "chat.completion"
+            elif route == "/completions":
+                text, finish = gateway.completion(trace, body)
+                choice, kind = dict(index=0, text=text, finish_reason=finish, logprobs=None), "text_completion"
             else:
-                first, last = dict(choice, finish_reason=None), dict(choice, text="")
-            for c in (first, last):
-                self.wfile.write(f"data: {json.dumps(dict(done, object=kind, choices=[c]))}\n\n".encode())
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.close_connection = True
+                raise Refusal(404, f"no route {self.path}")
+        except Refusal as e:
+            if e.fatal and trace.failure is None:
+                trace.failure = f"the gateway: {e}"
+            return e.status, {"error": {"message": str(e), "type": "invalid_request_error"}}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            return 400, {"error": {"message": f"a malformed request ({type(e).__name__}: {e})"}}
+        except Exception as e:  # noqa: BLE001 - ours, not the agent's: its episode is not trained on
+            trace.failure = trace.failure or f"the gateway failed: {type(e).__name__}: {e}"
+            return 500, {"error": {"message": trace.failure}}
+        return 200, dict(id=f"{kind}-{key}-{trace.calls}", object=kind, created=int(time.time()),
+                         model=body.get("model") or "policy", choices=[choice])
 
-    return Handler
+    def reply(self, status, payload):
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def stream(self, done):
+        """The whole answer as one server-sent chunk, then its finish_reason and [DONE]."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        choice, kind = done["choices"][0], done["object"] + ".chunk"
+        if "message" in choice:
+            delta = dict(choice["message"])
+            if delta.get("tool_calls"):
+                delta["tool_calls"] = [dict(c, index=j) for j, c in enumerate(delta["tool_calls"])]
+            first = dict(index=0, delta=delta, finish_reason=None)
+            last = dict(index=0, delta={}, finish_reason=choice["finish_reason"])
+        else:
+            first, last = dict(choice, finish_reason=None), dict(choice, text="")
+        for c in (first, last):
+            self.wfile.write(f"data: {json.dumps(dict(done, object=kind, choices=[c]))}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.close_connection = True
+
