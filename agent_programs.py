@@ -98,7 +98,6 @@ class Agents:
     episodes played as rollout.Episode objects (rollout.play hands them here)."""
 
     scores = True  # its episodes come with their reward (or ask for one: Episode.needs_reward)
-    stop, tools, factory = [], None, False
 
     def __init__(self, cfg, tokenizer):
         self.cfg, self.tokenizer, self.pool, self.gateway = cfg, tokenizer, None, None
@@ -155,12 +154,6 @@ class Agents:
         elif trace.sample is None:
             e.agent_failure, e.failure = "idle", "the agent never called the model"
         e.env_reward, e.needs_reward = value, value is None and e.failure is None
-
-    def finish(self, episodes):  # rollout.play's environment methods: nothing to do here
-        return [], [], []
-
-    def discard(self, episodes):
-        pass
 
     def close(self):
         if self.pool:
