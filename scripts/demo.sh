@@ -48,31 +48,24 @@ if [ "${1:-}" = "--tools" ]; then
         # policy back from 1.0 to 0.61-0.72 after it gets there; this one moves with it).
         args+=(--beta 1.0 --load_ref_policy true --alpha 0.05 --ref_policy_update_freq 1)
     fi
-elif [ "${1:-}" = "--tool-calls" ]; then
-    shift
-    out=${OUT:-output/demo-tool-calls}
-    .venv/bin/python scripts/prepare_smollm2.py
+elif [ "${1:-}" = "--tool-calls" ] || [ "${1:-}" = "--agent" ]; then
     # As --tools, but the calculator is a Python function the policy calls in the hermes format
     # (<tool_call>{"name": "calculate", "arguments": {"expression": ...}}</tool_call>, as Qwen2.5
     # and Qwen3 do), read by vLLM's hermes parser: a call is 34 tokens where <calc> is 13, so the
     # prompt (181 tokens) and the episode's budget are longer.
-    task=(--dataset calc --environment environments:calculator_tool --tool_call_parser hermes --math_digits 3
-          --math_operations "+-*")
-    args=(--model_name_or_path models/smollm2-135m-instruct --max_prompt_length 192 --response_length 128
-          --max_turns 3 --num_training_steps 20 --eval_freq 10 --num_eval_prompts 64 --temperature 0.7
-          --learning_rate 5e-6 --warm_up_steps 5
-          --num_unique_prompts_rollout 4 --num_samples_per_prompt_rollout 8
-          --beta 0 --load_ref_policy false)
-elif [ "${1:-}" = "--agent" ]; then
+    play=(--environment environments:calculator_tool)
+    out=${OUT:-output/demo-tool-calls}
+    if [ "$1" = "--agent" ]; then
+        # The same episodes played by a plain OpenAI-client program (examples/calculator_agent.py:
+        # its own messages and loop, the calculator as a function tool) through the trainer's
+        # OpenAI-compatible gateway (gateway.py), which records the tokens vLLM sampled. The
+        # program returns None: number_reward scores its final answer.
+        play=(--agent examples/calculator_agent.py:solve)
+        out=${OUT:-output/demo-agent}
+    fi
     shift
-    out=${OUT:-output/demo-agent}
     .venv/bin/python scripts/prepare_smollm2.py
-    # As --tool-calls, but the episodes are played by a plain OpenAI-client program
-    # (examples/calculator_agent.py: its own messages, its own loop, the calculator as a function
-    # tool) through the trainer's OpenAI-compatible gateway (gateway.py), which records the
-    # tokens vLLM sampled. The program returns None: number_reward scores its final answer.
-    task=(--dataset calc --agent examples/calculator_agent.py:solve --tool_call_parser hermes --math_digits 3
-          --math_operations "+-*")
+    task=(--dataset calc "${play[@]}" --tool_call_parser hermes --math_digits 3 --math_operations "+-*")
     args=(--model_name_or_path models/smollm2-135m-instruct --max_prompt_length 192 --response_length 128
           --max_turns 3 --num_training_steps 20 --eval_freq 10 --num_eval_prompts 64 --temperature 0.7
           --learning_rate 5e-6 --warm_up_steps 5
