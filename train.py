@@ -112,6 +112,8 @@ def load_inputs(cfg):
     except ValueError as e:
         if rank0:
             print(f"error: {e}", file=sys.stderr)
+        else:  # torchrun ends every rank when one exits: rank 0 says why first
+            time.sleep(5)
         sys.exit(2)
 
 
