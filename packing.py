@@ -5,7 +5,6 @@
       balance         sequences onto ranks (or micro-batches), longest first onto the lightest
       collate         one packed row (1, L) per micro-batch, position_ids restarting at 0
     collate_padded    the right-padded (B, T) twin the tests and benchmarks compare against
-    piece             this rank's contiguous part of a packed row under sequence parallelism
 
 Padding-free packing: a micro-batch is one row of sequences laid end to end, with no attention
 mask and position_ids that restart at 0 at every sequence. transformers (masking_utils,
@@ -179,8 +178,8 @@ def assign(items, world_size, budget, share):
 
 
 # What a micro-batch carries per loss token (N,), in the mask's order, and its dtype. A new
-# per-token field is a row here and a line in loss_tokens; collate, the sequence-parallel
-# pieces and update.py then carry it as b[name].
+# per-token field is a row here and a line in loss_tokens; collate, sequence_parallel.piece
+# and update.py then carry it as b[name].
 PER_TOKEN = {"vllm_logp": torch.float32,  # the sampler's logprob
              "adv": torch.float32,  # the sample's advantage
              "fresh": torch.bool,  # sampled by the weights the trainer holds (the sync check reads these)
@@ -277,26 +276,3 @@ def collate_padded(samples, pad_id):
             for k, values in loss_tokens(s, i).items():
                 per[k] += values
     return dict(input_ids=input_ids, attention_mask=attention_mask, mask=mask, **per_token(per))
-
-
-def piece(b, sp_rank, size):
-    """This rank's piece of one packed micro-batch of packing.collate. The row (1, L) is padded to
-    a multiple of `size` by a tail that is its own sequence (position_ids from 0, out of the
-    loss) and cut into `size` contiguous pieces. Position j predicts token j+1, so the last
-    position of a piece predicts the first token of the next: the piece carries its targets
-    (1, L/size) and its mask over them, and the per-token tensors of the completion tokens
-    it predicts (those of the whole row, in order, fall into consecutive runs by piece).
-    row_position_ids (1, L) go to the attention, which sees the whole row."""
-    ids, positions, mask = b["input_ids"], b["position_ids"], b["mask"]
-    length = -(-ids.shape[1] // size) * size
-    tail = length - ids.shape[1]
-    ids = torch.cat([ids, ids.new_zeros(1, tail)], 1)
-    positions = torch.cat([positions, torch.arange(tail, dtype=positions.dtype)[None]], 1)
-    targets = torch.cat([ids[:, 1:], ids.new_zeros(1, 1)], 1)  # (1, L): the last position predicts nothing
-    mask = torch.cat([mask, mask.new_zeros(1, length - mask.shape[1])], 1)  # (1, L)
-    lo, hi = sp_rank * length // size, (sp_rank + 1) * length // size
-    first, n = int(mask[:, :lo].sum()), int(mask[:, lo:hi].sum())
-    out = dict(input_ids=ids[:, lo:hi], position_ids=positions[:, lo:hi], targets=targets[:, lo:hi],
-               mask=mask[:, lo:hi], row_position_ids=positions)
-    out.update({k: b[k][first:first + n] for k in PER_TOKEN})
-    return out

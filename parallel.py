@@ -43,7 +43,6 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, Offl
                                     register_fsdp_forward_method)
 
 import lora
-import sequence_parallel
 from policy import check_architecture, sequence_logprobs
 
 
@@ -68,7 +67,9 @@ def setup_distributed(cfg):
     # so the all-gathers stay on the fast links and only the gradient all-reduce crosses nodes.
     mesh = init_device_mesh(device.type, (shard,), mesh_dim_names=("shard",)) if replicas == 1 else \
         init_device_mesh(device.type, (replicas, shard), mesh_dim_names=("replicate", "shard"))
-    sequence_parallel.init_groups(cfg.sequence_parallel_size)  # consecutive ranks too: inside a shard group
+    if cfg.sequence_parallel_size > 1:  # consecutive ranks too: inside a shard group
+        import sequence_parallel
+        sequence_parallel.init_groups(cfg.sequence_parallel_size)
     return dist.get_rank(), dist.get_world_size(), device, mesh
 
 
@@ -104,11 +105,14 @@ def load_model(cfg, device, mesh, reference=False):
     offloaded with offload_ref_policy instead of offload_params."""
     from transformers import AutoModelForCausalLM
 
-    sp = cfg.sequence_parallel_size > 1  # packed_sdpa over whole rows, between two all-to-alls
-    model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=torch.float32,
-                                                 attn_implementation="ulysses" if sp else cfg.attn_implementation)
+    attn, sp = cfg.attn_implementation, cfg.sequence_parallel_size
+    if sp > 1:  # packed_sdpa over whole rows, between two all-to-alls: every model built here runs it
+        import sequence_parallel
+        attn = sequence_parallel.register_attention()
+    model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=torch.float32, attn_implementation=attn)
     check_architecture(model)
-    sequence_parallel.check_heads(model.config, cfg.sequence_parallel_size)  # train.py checked it already
+    if sp > 1:
+        sequence_parallel.check_heads(model.config, sp)  # train.py checked it already
     if not reference:  # before the wrappers and the sharding: each adapter is sharded with its layer
         lora.add_adapters(model, cfg)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" \

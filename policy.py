@@ -10,22 +10,15 @@ logits of a chunk of tokens at a time in float32, with an autograd kernel that r
 backward, so (N, V) logits never exist. The LM heads whose logits vLLM scales (Cohere, Granite)
 are scaled the same way; the heads it cannot follow are refused at start-up (check_architecture).
 
-The attention kernels the forward runs are here too, registered with transformers on import:
+The attention kernel the forward runs is here too, registered with transformers on import:
 packed_sdpa (attn_implementation="packed_sdpa": sdpa on each sequence of a packed row, see
-packing.py) and ulysses_attention ("ulysses": the same over a whole row split over ranks, see
-sequence_parallel.py).
+packing.py; sequence_parallel.py runs it on a whole row split over ranks).
 """
 
-import math
-import types
-
 import torch
-import torch.distributed as dist
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-import sequence_parallel
 
 
 def sequence_logprobs(self, input_ids, mask, temperature, position_ids=None, attention_mask=None, head_ids=None,
@@ -33,7 +26,7 @@ def sequence_logprobs(self, input_ids, mask, temperature, position_ids=None, att
     """logp and entropy (N,) of the completion tokens selected by mask (B, T-1), and logp at
     head_ids (or this policy's top-k) (N, k). Packed rows (packing.py) pass position_ids that
     restart at 0 per sequence and no attention_mask; padded rows pass attention_mask. A piece of
-    a row under sequence parallelism (packing.piece) passes its targets (B, T), the
+    a row under sequence parallelism (sequence_parallel.piece) passes its targets (B, T), the
     mask (B, T) over them and the whole row's position ids. A forward method of the model, so
     FSDP2 gathers the LM head for it as for forward()."""
     if position_ids is not None and attention_mask is not None:
@@ -41,7 +34,8 @@ def sequence_logprobs(self, input_ids, mask, temperature, position_ids=None, att
                          "skips the per-sequence mask of packed position_ids when a 2-D attention mask is given")
     # use_cache=False: no KV cache is reused here, and a checkpointed layer would append
     # to it a second time when it recomputes in backward (a cache would also turn packing off).
-    row = {} if row_position_ids is None else dict(row_position_ids=row_position_ids)  # to ulysses_attention
+    # row_position_ids: the whole row's, for the attention of sequence_parallel.py
+    row = {} if row_position_ids is None else dict(row_position_ids=row_position_ids)
     hidden = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                         use_cache=False, **row)
     hidden = hidden.last_hidden_state  # (B, T, H)
@@ -249,7 +243,7 @@ def packed_sdpa(module, query, key, value, attention_mask, position_ids=None, sl
     query (1, heads, L, head_dim); returns (1, L, heads, head_dim) as the sdpa it stands for."""
     row = position_ids is not None and len(query) == 1 and key.shape[2] == query.shape[2]  # not a KV cache's step
     spans = layout(position_ids, sliding_window, query.device) if row else []
-    # one sequence and no mask (ulysses_attention builds none) still needs its window here
+    # one sequence and no mask (sequence_parallel.ulysses_attention builds none) still needs its window here
     if len(spans) < 2 and (attention_mask is not None or not sliding_window or not spans):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     outs = []
@@ -285,30 +279,5 @@ def window_mask(n, sliding_window, device):
     return ((back >= 0) & (back < sliding_window))[None, None]
 
 
-def ulysses_attention(module, query, key, value, attention_mask, position_ids=None, row_position_ids=None, **kwargs):
-    """packed_sdpa over the whole row with heads/S heads per rank. query (1, heads, L/S, d) and
-    key, value (1, KV heads, L/S, d) are this rank's piece after RoPE; returns (1, L/S, heads, d)
-    as transformers' attention functions do. attention_mask is ignored (ulysses_mask builds none:
-    packed_sdpa cuts the row at row_position_ids == 0)."""
-    size = dist.get_world_size(sequence_parallel.GROUP)
-    kv_heads = key.shape[1]
-    repeats = math.lcm(kv_heads, size) // kv_heads
-    key, value = repeat_kv(key, repeats), repeat_kv(value, repeats)
-    query, key, value = (sequence_parallel.heads_to_sequence(x, size) for x in (query, key, value))
-    # the local heads: query head i uses KV head i // groups, as in the model's own grouping
-    local = types.SimpleNamespace(num_key_value_groups=query.shape[1] // key.shape[1], training=module.training,
-                                  is_causal=True, layer_idx=getattr(module, "layer_idx", None))
-    out, _ = packed_sdpa(local, query, key, value, None, position_ids=row_position_ids, **kwargs)  # (1, L, h/S, d)
-    return sequence_parallel.sequence_to_heads(out.transpose(1, 2), size).transpose(1, 2).contiguous(), None
-
-
-def ulysses_mask(*args, **kwargs):
-    """No mask: the attention cuts the whole row into sequences itself (a mask built for one
-    piece would not fit the row)."""
-    return None
-
-
 AttentionInterface.register("packed_sdpa", packed_sdpa)
 AttentionMaskInterface.register("packed_sdpa", sdpa_mask)  # padded rows keep their mask
-AttentionInterface.register("ulysses", ulysses_attention)
-AttentionMaskInterface.register("ulysses", ulysses_mask)

@@ -48,7 +48,6 @@ import checkpoint
 import lora
 import packing
 import vllm_client
-import sequence_parallel
 import tracking
 from cli import parse_args_or_exit
 from config import Config
@@ -70,7 +69,9 @@ def check_outside(cfg):
     model_config = load_model_config(cfg)
     cfg.check_model(model_config)
     lora.check(check_model_config(model_config), cfg)  # an LM head or layout the logprobs do not implement, LoRA targets
-    sequence_parallel.check_heads(model_config, cfg.sequence_parallel_size)
+    if cfg.sequence_parallel_size > 1:
+        from sequence_parallel import check_heads
+        check_heads(model_config, cfg.sequence_parallel_size)
     for name in ("output_dir", "checkpoint_state_dir", "weight_sync_dir"):
         path = getattr(cfg, name)
         if path is None:

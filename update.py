@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import lora
 from loss import OBJECTIVES, ess_from_sums, ess_sums, grpo_loss, mismatch_mask, step_denominator
-from packing import PER_TOKEN, micro_batches, piece
+from packing import PER_TOKEN, micro_batches
 from reference import Reference
 
 
@@ -192,6 +192,8 @@ def train_on_batch(cfg, state, samples, rank, world_size, device):
     size = cfg.sequence_parallel_size
     minis = micro_batches(samples, cfg, world_size // size, rank // size)
     if size > 1:
+        from sequence_parallel import piece
+
         minis = [([piece(b, rank % size, size) for b in mbs], n_tokens, n_seqs) for mbs, n_tokens, n_seqs in minis]
     micro = [mbs for mbs, _, _ in minis]
     for b in (b for mbs in micro for b in mbs):

@@ -7,7 +7,7 @@ Builds the 24 M Qwen2 shape (make_tiny_model.SHAPES["24m"]: hidden 512, 8 layers
 2 KV heads, vocabulary 64) in code and, for each S, runs one torchrun job of S ranks with
 sequence_parallel_size=S (S = 1: one plain process): FSDP2 shards the model over the S
 ranks (train.load_model), every rank takes its piece of one packed row of --tokens tokens
-(a 256-token prompt, the rest completion; packing.piece), runs
+(a 256-token prompt, the rest completion; sequence_parallel.piece), runs
 policy.sequence_logprobs (the all-to-alls around attention), a CISPO loss over the step's
 tokens and backward, as update.py does for one micro-batch. Memory is torch's MemTracker
 (bytes of live tensors by category, the allocator's cache not counted): activations are
@@ -39,7 +39,7 @@ def one_step(policy, cfg, tokens, rank, size, device):
 
     from loss import grpo_loss
     from packing import collate
-    from packing import piece
+    from sequence_parallel import piece
 
     g = torch.Generator().manual_seed(0)
     sample = Sample(prompt_ids=torch.randint(3, 64, (PROMPT,), generator=g).tolist(),

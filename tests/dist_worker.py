@@ -145,8 +145,8 @@ elif mode == "grads":
 elif mode == "attention":
     import types
 
-    from policy import packed_sdpa, ulysses_attention
-    from sequence_parallel import GROUP
+    from policy import packed_sdpa
+    from sequence_parallel import GROUP, ulysses_attention
 
     size, sp_rank = dist.get_world_size(GROUP), dist.get_rank(GROUP)
     g = torch.Generator().manual_seed(0)

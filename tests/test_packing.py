@@ -203,9 +203,9 @@ def windowed_model(arch):
 @pytest.mark.parametrize("arch", ["mistral", "qwen2", "gemma3"])
 def test_packed_rows_keep_the_sliding_window(arch):
     """Sequences of 9 to 20 tokens (longer than the window of 5) packed in one row under
-    packed_sdpa, and each one alone in the ulysses_attention pattern (packed_sdpa, no mask, one
-    sequence): the logprobs of each sequence alone through the model's own eager attention with
-    its own sliding-window mask, to 1e-5. A full-attention twin differs, so the window matters."""
+    packed_sdpa, and each one alone in the pattern of sequence_parallel.ulysses_attention
+    (packed_sdpa, no mask, one sequence): the logprobs of each sequence alone through the
+    model's own eager attention with its own sliding-window mask, to 1e-5. A full-attention twin differs, so the window matters."""
     model = windowed_model(arch).eval()
     samples = rollouts(3, seed=4, prompt=(4, 6), completion=(5, 14))
     b = packing.collate(samples)

@@ -28,7 +28,7 @@ def test_pieces_cover_the_row_once(size):
     own sequence; each completion token's target, mask and per-token values sit in exactly one
     piece, in the row's order (position j predicts token j+1, across a piece's end too)."""
     from packing import collate
-    from packing import piece
+    from sequence_parallel import piece
 
     b = collate(rollouts())
     L = b["input_ids"].shape[1]
