@@ -20,7 +20,7 @@ sampled: the episode's sample, exactly. The plainest agent:
 What is trained (docs/data.md):
 - the tokens the policy sampled in each call (mask 1), with the tokens between calls (tool results,
   new user turns, as the chat template renders them) in context, out of the loss; a call that
-  rewrote the history starts a new sequence of the same sample (gateway.py);
+  rewrote the history starts a new sequence of the same sample (agent_trace.py);
 - the reward: the number the program returned (a --reward_fn you set is added, as to an
   environment's reward), or, when it returned None, the reward of the final conversation: the
   policy's last turn as the completion, the whole conversation as example["messages"];
@@ -44,9 +44,9 @@ import urllib.request
 
 import tool_calls
 from chat import ChatTokens
+from episodes import Episode
 from gateway import Gateway
 from rewards import load_object, to_float
-from rollout import Episode
 from worker_pool import CallPool
 
 FAILURES = ("errors", "timeouts", "crashes", "refused", "idle")  # agent_<kind>: how an episode was lost
@@ -95,7 +95,7 @@ class Program:
 
 class Agents:
     """The --agent or --agent_cmd on the trainer's side: its gateway and worker processes, and its
-    episodes played as rollout.Episode objects (rollout.play hands them here)."""
+    episodes played as episodes.Episode objects (episodes.play hands them here)."""
 
     scores = True  # its episodes come with their reward (or ask for one: Episode.needs_reward)
 
@@ -117,7 +117,7 @@ class Agents:
 
     def play(self, client, rows, n, seed, temperature):
         """n runs of the program on each row, all at once as workers allow. Call t of episode k is
-        seeded seed + t * len(rows) * n + k, as rollout.play seeds turns. Returns the episodes and
+        seeded seed + t * len(rows) * n + k, as episodes.play seeds turns. Returns the episodes and
         their counts."""
         self.gateway.client = client
         episodes = [Episode(k, row, self.cfg.response_length) for k, row in enumerate(r for r in rows for _ in range(n))]

@@ -13,23 +13,9 @@ its base URL (http://host:port/e/KEY/v1) or by its API key (Authorization: Beare
 name is served by the policy. The trainer's sampling settings are pinned: an agent's temperature,
 top_p, seed or penalties are overridden (counted as agent_overrides, and said once), n > 1 refused.
 
-What is recorded, per episode, is one Sample (sample.py) of the tokens vLLM saw and sampled:
-- the first call's prompt, rendered by the chat template (with the call's tools), is the
-  sample's prompt;
-- a call whose messages extend the previous call's messages and the reply the gateway gave
-  (compared as the template reads them: role, text, tool calls' names and arguments, ids
-  aside) continues the sample: its new messages are appended as the chat template renders them
-  after an assistant turn (chat.ChatTokens, mask 0) and the sampled tokens follow (mask 1). The
-  earlier turns stay the tokens sampled, whatever the template would now render for them
-  (Qwen3 drops past reasoning; JSON arguments re-serialise);
-- a call that does not extend (history rewritten, compacted, a sub-agent's) starts a new
-  sequence in the same sample: its prompt rendered whole (mask 0) where positions restart
-  (Sample.restarts), so it attends to nothing before it and shares the episode's advantage.
-The sample's tokens after its first prompt stay within response_length and its calls within
-max_turns: past either, a call is answered with no text and finish_reason "length", unsampled.
+What a call records, and when it continues the episode's sample: agent_trace.py.
 """
 
-import dataclasses
 import http.server
 import json
 import select
@@ -37,42 +23,12 @@ import socket
 import threading
 import time
 
+from agent_trace import Refusal, Trace, plain
 from chat import ChatTokens
-from rollout import completion_text
-from sample import Sample
 from vllm_client import VLLMError
 
 PINNED = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
           "repetition_penalty")  # sampling an agent may ask for and the trainer sets
-
-
-class Refusal(Exception):
-    """A call the gateway answers with an HTTP error; `fatal` ones leave the episode unscored."""
-
-    def __init__(self, status, message, fatal=False):
-        super().__init__(message)
-        self.status, self.fatal = status, fatal
-
-
-def text_of(content):
-    """A message's content as text: a string, None, or OpenAI's list of text parts."""
-    if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            raise Refusal(400, f"a message's content must be text or a list of text parts, not {str(content)[:80]}")
-        return "".join(p["text"] for p in content)
-    if content is not None and not isinstance(content, str):
-        raise Refusal(400, f"a message's content must be text, not {type(content).__name__}")
-    return content or ""
-
-
-def arguments(value):
-    """A tool call's arguments as the chat template takes them (a dict), from OpenAI's JSON string."""
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except ValueError:
-            return value
-    return value
 
 
 def as_json(value):
@@ -80,62 +36,10 @@ def as_json(value):
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def plain(message):
-    """A message as the chat template renders it: role, text, name, tool_call_id, tool_calls."""
-    m = {"role": message.get("role"), "content": text_of(message.get("content"))}
-    m.update({k: message[k] for k in ("name", "tool_call_id") if message.get(k)})
-    if message.get("tool_calls"):
-        m["tool_calls"] = [{"id": c.get("id"), "type": "function",
-                            "function": {"name": c["function"]["name"], "arguments": arguments(c["function"].get(
-                                "arguments"))}} for c in message["tool_calls"]]
-    return m
-
-
-def same(a, b):
-    """Whether two plain messages render alike (tool call ids aside)."""
-    calls = lambda m: [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls", [])]  # noqa
-    return (a["role"], a["content"], a.get("name"), calls(a)) == (b["role"], b["content"], b.get("name"), calls(b))
-
-
 def stops(body):
     """The request's stop strings (vLLM takes at most 4; a fifth is its error, the agent's to see)."""
     stop = body.get("stop") or ()
     return [stop] if isinstance(stop, str) else list(stop)
-
-
-class Trace:
-    """One episode's calls: its sample, the conversation the sample holds (the messages of the
-    last call and the gateway's reply), and what the reward reads."""
-
-    def __init__(self, temperature, seeds):
-        self.temperature, self.seeds, self.lock = temperature, seeds, threading.Lock()  # held for a whole call
-        self.closed = False
-        self.sample, self.convo, self.tools, self.eos, self.text = None, None, None, None, ""
-        self.messages, self.answer, self.calls, self.tool_calls, self.cut = [], "", 0, 0, False
-        self.failure, self.overrides, self.server_error = None, 0, None
-
-    def current(self):
-        """The tokens of the sample's last sequence (what vLLM saw and sampled since its last restart)."""
-        s = self.sample
-        return s.token_ids[s.restarts[-1]:] if s.restarts else s.prompt_ids + s.token_ids
-
-    def save(self):
-        """What one call changes, to take it back if its answer never reached the agent."""
-        s = self.sample
-        state = {k: v for k, v in vars(self).items() if k not in ("lock", "closed")}
-        return dict(state, sample=s and dataclasses.replace(
-            s, token_ids=list(s.token_ids), logprobs=list(s.logprobs), mask=list(s.mask)))
-
-    def load(self, state):
-        vars(self).update(state)
-
-    def add(self, ids, logprobs=None, version=None):
-        s = self.sample
-        s.token_ids += ids
-        s.logprobs += logprobs or [0.0] * len(ids)
-        s.mask += [int(logprobs is not None)] * len(ids)
-        if version is not None:
-            s.versions += (version,)
 
 
 class Gateway:
@@ -202,8 +106,7 @@ class Gateway:
         if not messages:
             raise Refusal(400, "messages is empty")
         name = json.dumps(tools, sort_keys=True)  # tools the template shows: a change is a new prompt
-        extends = trace.convo is not None and trace.tools == name and len(messages) > len(trace.convo) and all(
-            map(same, messages, trace.convo))
+        extends = trace.continues(messages, name)
         with self.lock:  # one tokenizer for every thread
             chat = self.chat_tokens(tools)
             between = chat.ids(messages[len(trace.convo):], trace.eos) if extends else chat.prompt_ids(messages)
@@ -274,26 +177,7 @@ class Gateway:
                 raise Refusal(400, f"the vLLM server refused the request: {e}") from None
             trace.server_error = e  # a server that fails: the rollout stops, and ours is restarted (agent_programs)
             raise Refusal(502, f"the vLLM server: {e}", fatal=True) from None
-        return self.record(trace, between, extends, out, stop)
-
-    def record(self, trace, between, extends, out, stop):
-        """Append a call's tokens to the trace: between (mask 0), then what vLLM sampled (mask 1)."""
-        s = trace.sample
-        if s is None:
-            trace.sample = Sample(list(between), [], [], [], versions=(), restarts=())
-        else:
-            if not extends:
-                trace.sample.restarts += (len(s.token_ids),)
-            trace.add(list(between))
-        trace.add(out["token_ids"], out["logprobs"], out["version"])
-        trace.convo = None  # until chat() sets the conversation this call ends
-        trace.calls, trace.eos = trace.calls + 1, out["token_ids"][-1] if out.get("eos") else None
-        text = completion_text(self.tokenizer, out)
-        hit = next((x for x in stop if out["finish_reason"] == "stop" and not out.get("eos") and text.endswith(x)), "")
-        trace.text = text[:len(text) - len(hit)]  # as OpenAI answers: without the stop string (in the tokens, sampled)
-        length = out["finish_reason"] == "length"
-        trace.cut = length or len(trace.sample.token_ids) >= self.cfg.response_length
-        return out["token_ids"], "length" if length else "stop"
+        return trace.record(between, extends, out, stop, self.tokenizer, cfg.response_length)
 
 
 class Handler(http.server.BaseHTTPRequestHandler):

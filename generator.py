@@ -19,8 +19,9 @@ from tqdm import tqdm
 
 import vllm_client
 import vllm_server
-from data import stop_token_ids
-from rollout import Refused, Rollouts, drop_stale, evaluate, rollout_batch
+from episodes import Refused
+from model_files import stop_token_ids
+from rollout import Rollouts, drop_stale, evaluate, rollout_batch
 from weight_sync import AdapterSync, launch_state_dict, make_weight_sync, write_serving_dir
 
 

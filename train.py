@@ -51,13 +51,14 @@ import vllm_client
 import tracking
 from cli import parse_args_or_exit
 from config import Config
-from data import PromptSampler, load_model_config, load_prompts, load_tokenizer, locate_model
+from data import PromptSampler, load_prompts
 from environments import Environment
+from episodes import Refused
 from generator import Generator, claim_output_dir
 from parallel import close_distributed, load_model, setup_distributed
+from model_files import load_model_config, load_tokenizer, locate_model
 from policy import check_model_config
 from reference import make_reference
-from rollout import Refused
 from update import SyncError, TrainState, make_optimizer, train_on_batch
 from weight_sync import full_state_dict
 from worker_pool import RewardPool

@@ -6,7 +6,7 @@ vLLM CPU server (what train.py launches) in one invocation.
     .venv/bin/python benchmarks/bench_multiturn.py --server_args "--block-size 128"
     .venv/bin/python benchmarks/bench_multiturn.py --prompts 16   # 128 episodes at once
 
-Both play the tools demo's batch through rollout.play: 4 prompts (--prompts) x 8 samples of
+Both play the tools demo's batch through episodes.play: 4 prompts (--prompts) x 8 samples of
 the `calc` task (3 digits, + - *) with the calculator's first messages, at most 96 tokens
 after the prompt, T 0.7. "multi-turn": the calculator answers, at most 3 assistant turns;
 "single-turn": no environment, one turn on the same prompts. tokens/s counts the policy's
@@ -29,9 +29,10 @@ import vllm_client  # noqa: E402
 import vllm_server  # noqa: E402
 from bench_generation import cpu_name  # noqa: E402
 from config import Config  # noqa: E402
-from data import load_prompts, load_tokenizer, stop_token_ids  # noqa: E402
+from data import load_prompts  # noqa: E402
 from environments import Environment  # noqa: E402
-from rollout import play  # noqa: E402
+from episodes import play  # noqa: E402
+from model_files import load_tokenizer, stop_token_ids  # noqa: E402
 
 
 def main(argv=None):

@@ -167,10 +167,11 @@ class InitialPolicy:
 
         import cli
         import data
+        import model_files
         from environments import Environment
 
         cfg = cli.parse_args(cmd_flags)
-        self.tokenizer = data.load_tokenizer(cfg)
+        self.tokenizer = model_files.load_tokenizer(cfg)
         env = Environment(cfg.environment, self.tokenizer, cfg) if cfg.environment else None
         evals = data.load_prompts(cfg, self.tokenizer, env)[1]
         self.prompts = [r["prompt_ids"] for r in evals[:KL_PROMPTS]]

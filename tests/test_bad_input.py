@@ -127,7 +127,7 @@ def test_a_model_that_is_nowhere_fails_in_seconds(monkeypatch, tmp_path):
 
     from huggingface_hub import constants
 
-    import data
+    import model_files
 
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
@@ -136,17 +136,17 @@ def test_a_model_that_is_nowhere_fails_in_seconds(monkeypatch, tmp_path):
     start = time.monotonic()
     with pytest.raises(ValueError, match=r"'models/nowhere' is not a local directory, and the hub .* cannot be "
                                          r"reached .*make_tiny_model.py --out models/nowhere"):
-        data.locate_model("models/nowhere")
+        model_files.locate_model("models/nowhere")
     assert time.monotonic() - start < 20
     with pytest.raises(ValueError, match="not a local directory, nor a hub model id"):
-        data.locate_model("./models/nowhere")
-    data.locate_model(str(tmp_path))
+        model_files.locate_model("./models/nowhere")
+    model_files.locate_model(str(tmp_path))
     snapshot = tmp_path / "hub" / "models--org--cached" / "snapshots" / ("0" * 40)
     snapshot.mkdir(parents=True)
     (snapshot / "config.json").write_text("{}")
     (tmp_path / "hub" / "models--org--cached" / "refs").mkdir()
     (tmp_path / "hub" / "models--org--cached" / "refs" / "main").write_text("0" * 40)
-    data.locate_model("org/cached")
+    model_files.locate_model("org/cached")
     assert constants.HF_HUB_OFFLINE and os.environ["HF_HUB_OFFLINE"] == "1"
 
 

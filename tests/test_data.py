@@ -3,6 +3,7 @@ import json
 import pytest
 
 import data
+import model_files
 from config import Config
 
 
@@ -152,8 +153,8 @@ def llama_like_dir(tiny_model_dir, tmp_path_factory):
 def test_stop_token_ids_join_tokenizer_eos_and_generation_config(tiny_model_dir, llama_like_dir, tokenizer):
     from transformers import AutoTokenizer
 
-    assert data.stop_token_ids(tokenizer, tiny_model_dir) == [2]
-    assert data.stop_token_ids(AutoTokenizer.from_pretrained(llama_like_dir), llama_like_dir) == [2, 4]
+    assert model_files.stop_token_ids(tokenizer, tiny_model_dir) == [2]
+    assert model_files.stop_token_ids(AutoTokenizer.from_pretrained(llama_like_dir), llama_like_dir) == [2, 4]
 
 
 def test_completion_text_strips_any_stop_id(llama_like_dir):
@@ -161,7 +162,7 @@ def test_completion_text_strips_any_stop_id(llama_like_dir):
     limit keeps its last token, whatever it is."""
     from transformers import AutoTokenizer
 
-    from rollout import completion_text
+    from episodes import completion_text
 
     tok = AutoTokenizer.from_pretrained(llama_like_dir)
     a, b = tok.convert_tokens_to_ids(["a", "b"])
@@ -182,8 +183,9 @@ class KeepExamples:
 def test_messages_column_in_a_single_turn_dataset(tmp_path, tokenizer):
     """Without an environment a dataset's own "messages" column is no episode's conversation: it
     reaches the reward as written, a list, a missing value (None) or a string. (Before: the None row
-    crashed rollout.Episode with a TypeError, and the string reached the reward as characters.)"""
-    from rollout import Episode, score
+    crashed episodes.Episode with a TypeError, and the string reached the reward as characters.)"""
+    from episodes import Episode
+    from rollout import score
 
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "2"}]
     path = tmp_path / "d.jsonl"

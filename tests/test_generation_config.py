@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 import vllm_client
 import vllm_server
 import weight_sync
-from data import stop_token_ids
-from rollout import completion_text
+from episodes import completion_text
+from model_files import stop_token_ids
 from helpers import VLLM_CFG
 
 # Far from neutral, each of them: every one left to the server moves the sampling logprobs.

@@ -191,7 +191,7 @@ def test_the_server_we_launch_starts_from_the_base_when_it_loads_the_adapter(tin
     from transformers import AutoModelForCausalLM
 
     import generator
-    from data import load_tokenizer
+    from model_files import load_tokenizer
 
     class Launched(Exception):
         pass

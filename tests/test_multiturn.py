@@ -1,4 +1,4 @@
-"""Multi-turn episodes (rollout.play, environments.py) against a scripted server: the tokens
+"""Multi-turn episodes (episodes.play, environments.py) against a scripted server: the tokens
 appended turn by turn are the chat template's rendering of the final conversation, only the
 policy's tokens reach the loss, tools that hang, crash or raise become error messages, and
 budgets cut episodes with ids, mask and logprobs aligned. test_smollm2.py runs the calculator
@@ -19,7 +19,7 @@ from chat import ChatTokens
 from environments import Environment
 from loss import grpo_loss
 from policy import sequence_logprobs
-from rollout import play
+from episodes import play
 from sample import Sample
 from helpers import documented, IM_END, ScriptedClient, with_prompts
 
@@ -676,7 +676,8 @@ def test_a_reward_that_fails_on_every_sample_stops_the_run_in_one_line(tiny_mode
     exception, where it used to score 0 everywhere and train nothing, exit 0."""
     from transformers import AutoTokenizer
 
-    from rollout import Refused, sample_groups
+    from episodes import Refused
+    from rollout import sample_groups
     from worker_pool import RewardPool
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -812,7 +813,7 @@ def test_an_environments_reward_that_hangs_is_a_reward_timeout(tiny_model_dir, t
     worker", counted nowhere, and never stopped the run)."""
     from transformers import AutoTokenizer
 
-    from rollout import Refused
+    from episodes import Refused
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     with pytest.raises(Refused, match=r"2 of 2 episodes could not be scored \(unscored_stop=1\); first: the "

@@ -7,7 +7,7 @@ import pytest
 
 from config import Config
 from environments import Environment
-from rollout import play
+from episodes import play
 from helpers import documented, family_tokenizer, ScriptedClient, with_prompts
 
 pytest.importorskip("med_safety_gym", reason="openenv-dipg-safety is installed by scripts/install.sh")

@@ -20,7 +20,7 @@ import pytest
 import sandbox
 from config import Config
 from environments import Environment
-from rollout import play
+from episodes import play
 from sandbox import Interpreter, Limits
 from helpers import ScriptedClient, with_prompts
 
@@ -404,7 +404,7 @@ def test_without_bwrap_it_refuses_to_start_unless_asked_to_run_unisolated(monkey
 
 
 def test_the_python_tool_keeps_each_episodes_variables_and_counts_its_errors(tiny_model_dir, monkeypatch):
-    """Two rows of two episodes through rollout.play with two tool workers: each episode counts
+    """Two rows of two episodes through episodes.play with two tool workers: each episode counts
     in its own interpreter and /tmp, its failing cell is told and counted as tool_bad_calls,
     and every episode plays to its end, leaving nothing behind."""
     from transformers import AutoTokenizer

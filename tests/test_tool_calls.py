@@ -8,7 +8,7 @@ import pytest
 
 from config import Config
 from environments import Environment
-from rollout import play
+from episodes import play
 from tool_calls import Parser, answer_calls, schemas
 from helpers import documented, family_tokenizer, ScriptedClient, with_prompts
 

@@ -1,0 +1,72 @@
+"""One door per optional concept: delete a concept's files from a copy of the trainer and the
+rest still imports, parses its flags and (with everything optional gone) trains a plain run.
+Each concept's docstring lists its doors; this is the test that they are the only ones."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ENV, ROOT, flags
+
+# A concept and the files that are it. Core files name it only at their doors, lazily.
+CONCEPTS = {
+    "lora": ["lora.py", "lora_sync.py"],
+    "sequence_parallel": ["sequence_parallel.py"],
+    "environments": ["envs"],
+    "sandbox": ["envs/sandbox.py", "envs/python_tool.py"],
+    "openenv": ["envs/openenv_adapter.py"],
+    "agents": ["gateway.py", "agent_trace.py", "agent_programs.py", "examples"],
+}
+OPTIONAL = [m for files in CONCEPTS.values() for f in files if f.endswith(".py") for m in [f[:-3].replace("/", ".")]]
+
+
+def copy_without(tmp_path, deleted):
+    """The trainer's files (no tests) in tmp_path, less `deleted`."""
+    out = tmp_path / "repo"
+    shutil.copytree(ROOT, out, ignore=shutil.ignore_patterns("tests", ".*", "__pycache__", "models", "output",
+                                                             "*.egg-info", "benchmarks", "experiments", "docs"))
+    for path in deleted:
+        target = out / path
+        shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+    return out
+
+
+def python(repo, *args, timeout=120):
+    env = dict(ENV, PYTHONPATH=str(repo))
+    return subprocess.run([sys.executable, *args], cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("concept", sorted(CONCEPTS))
+def test_a_concept_deleted_leaves_the_trainer_working(concept, tmp_path):
+    repo = copy_without(tmp_path, CONCEPTS[concept])
+    out = python(repo, "-c", "import train")
+    assert out.returncode == 0, out.stderr[-2000:]
+    out = python(repo, "train.py", "--help")
+    assert out.returncode == 0 and "--model_name_or_path" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.subprocess
+def test_a_plain_run_imports_no_optional_concept():
+    """Importing the trainer and reading a plain run's config loads none of the optional modules."""
+    code = ("import sys, train; from cli import parse_args_or_exit; parse_args_or_exit(['--beta', '0.1']); "
+            f"print(sorted(m for m in {OPTIONAL!r} if m in sys.modules))")
+    out = python(ROOT, "-c", code)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_the_plain_trainer_trains_with_every_optional_concept_deleted(tiny_model_dir, tmp_path):
+    """2 steps on 2 ranks with an EMA reference, a checkpoint and an export, in a copy that has no
+    LoRA, no sequence parallelism, no environments and no agents: the core is whole without them."""
+    repo = copy_without(tmp_path, [f for files in CONCEPTS.values() for f in files])
+    run_dir = tmp_path / "run"
+    args = flags(tiny_model_dir, run_dir, 2, "--checkpoint_state_freq", "2", "--num_unique_prompts_rollout", "2",
+                 "--num_samples_per_prompt_rollout", "4", "--response_length", "8")
+    out = python(repo, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29655", "train.py",
+                 *args, timeout=600)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert os.path.isdir(run_dir / "ckpt" / "step_00000002") and os.path.isdir(run_dir / "out" / "final")
