@@ -56,7 +56,8 @@ from data import PromptSampler, load_model_config, load_prompts, load_tokenizer,
 from environments import Environment
 from generator import Generator, claim_output_dir
 from parallel import close_distributed, load_model, setup_distributed
-from policy import check_model_config
+from plan import batch_plan, check_launch
+from policy import check_model_config, check_vocabulary
 from reference import make_reference
 from rollout import Refused
 from update import SyncError, TrainState, make_optimizer, train_on_batch
@@ -68,7 +69,7 @@ def check_outside(cfg):
     """What the config names outside this process: the model's config.json, the directories
     the run writes and the servers you run. ValueError with one line naming the fix."""
     model_config = load_model_config(cfg)
-    cfg.check_model(model_config)
+    check_vocabulary(model_config, cfg.kl_topk)
     lora.check(check_model_config(model_config), cfg)  # an LM head or layout the logprobs do not implement, LoRA targets
     sequence_parallel.check_heads(model_config, cfg.sequence_parallel_size)
     for name in ("output_dir", "checkpoint_state_dir", "weight_sync_dir"):
@@ -97,8 +98,8 @@ def load_inputs(cfg):
     before any process group, model or server."""
     rank0 = int(os.environ.get("RANK", 0)) == 0
     try:
-        cfg.check_launch(torch.cuda.is_available())  # where our vLLM server would go, before any model
-        cfg.batch_plan(int(os.environ.get("WORLD_SIZE", 1)))
+        check_launch(cfg, torch.cuda.is_available())  # where our vLLM server would go, before any model
+        batch_plan(cfg, int(os.environ.get("WORLD_SIZE", 1)))
         locate_model(cfg.model_name_or_path)  # in seconds offline, not after the hub's minute of retries
         tokenizer = load_tokenizer(cfg)
         check_outside(cfg)
@@ -258,7 +259,7 @@ def main(cfg: Config):
     tokenizer, env, train_rows, eval_rows, skipped, reward_fn, tracker = load_inputs(cfg)
     sigterm = Sigterm()
     rank, world_size, device, mesh = setup_distributed(cfg)
-    plan = cfg.batch_plan(world_size)
+    plan = batch_plan(cfg, world_size)
     torch.manual_seed(cfg.seed)  # before the models: LoRA's lora_A is drawn, the same on every rank
     state = build_state(cfg, device, mesh, plan)
     sampler = PromptSampler(train_rows, cfg.seed)
