@@ -1,62 +1,31 @@
 """One flat config for the whole trainer: every field has a default and a line of help (its
-metadata, which `python train.py --help` prints; cli.py reads the command line and TOML file).
+metadata, options.option; `python train.py --help` prints it, cli.py reads the command line and TOML file).
 A step is one rollout batch; an update is one optimizer step (num_mini_batches x num_epochs a step). The field name, the
 flag and the metric key are the same string; names follow open-instruct's grpo_fast where it has
 one. `Config.__post_init__` refuses every contradiction before any process group, model or server starts.
+Importing config.py needs no torch; checking a Config imports loss.py (loss.OBJECTIVES), and torch with it.
 """
 
+import importlib.util
 import math
-from dataclasses import MISSING, dataclass, field, fields
-from typing import Literal, Optional, get_args, get_origin
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from options import check_fields, default, option
+from plan import check_batch, check_distributed, max_seed
 
 
 def flash_attention_available() -> bool:
-    import importlib.util
+    import torch  # here, not above: importing config.py needs no torch
 
-    import torch
     return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
 
 
-def option(default, help, low=None, above=None, high=None, below=None, note="", only_with=None, resumable=False):
-    """A Config field and its facts (field metadata): the default, the line `train.py --help` prints,
-    its bounds (value >= low or > above, <= high or < below; None passes; `note` says what an edge
-    means), the field that must be set for it to act (only_with: left at its default otherwise),
-    and whether a resumed run may change it (resumable; checkpoint.check_resumable).
-    Config.__post_init__ checks them."""
-    meta = dict(help=help, low=low, above=above, high=high, below=below, note=note, only_with=only_with,
-                resumable=resumable)
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
 def objectives():
-    """loss.OBJECTIVES, imported on first use: reading a config needs no torch."""
+    """loss.OBJECTIVES, imported on first use (loss.py imports torch)."""
     from loss import OBJECTIVES
 
     return OBJECTIVES
-
-
-def bounds(meta):
-    """A field's bounds as a reader writes them: ">= 1", "> 0", "in [0, 1)", ...; None without any."""
-    lo = f"[{meta['low']}" if meta["low"] is not None else f"({meta['above']}" if meta["above"] is not None else ""
-    hi = f"{meta['high']}]" if meta["high"] is not None else f"{meta['below']})" if meta["below"] is not None else ""
-    if lo and hi:
-        return f"in {lo}, {hi}"
-    return (f"{'>=' if lo[0] == '[' else '>'} {lo[1:]}" if lo
-            else f"{'<=' if hi[-1] == ']' else '<'} {hi[:-1]}" if hi else None)
-
-
-def in_bounds(value, meta):
-    low, above, high, below = (meta[k] for k in ("low", "above", "high", "below"))
-    return value is None or ((low is None or value >= low) and (above is None or value > above)
-                             and (high is None or value <= high) and (below is None or value < below))
-
-
-def default(name):
-    """A Config field's default value."""
-    f = Config.__dataclass_fields__[name]
-    return f.default_factory() if f.default_factory is not MISSING else f.default
 
 
 @dataclass
@@ -282,27 +251,12 @@ class Config:
                           "64-bit seeds)")
 
     def __post_init__(self):
-        """Refuse a contradiction before any process group, model or server starts: first each field alone (the
-        values its Literal lists, lower bounds), then each section's _check_, which returns a message or None."""
+        """Refuse a contradiction before any process group, model or server starts: first each field alone
+        (options.check_fields), then each section's check, which returns a message or None."""
         self.loss_denominator = str(self.loss_denominator)
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.type is float and not math.isfinite(value):  # nan passes every < and > below
-                raise ValueError(f"{f.name}={value} must be a finite number")
-            if get_origin(f.type) is Literal and value not in get_args(f.type):
-                raise ValueError(f"{f.name}={value!r} is not one of {', '.join(get_args(f.type))}")
-            if not in_bounds(value, f.metadata):  # the field's bounds (option)
-                raise ValueError(f"{f.name}={value} must be {bounds(f.metadata)}{f.metadata['note']}")
-        idle = {}  # fields set away from their default while the field they act with is not set
-        for f in fields(self):
-            if (w := f.metadata["only_with"]) and not getattr(self, w) and getattr(self, f.name) != default(f.name):
-                idle.setdefault(w, []).append(f.name)
-        for w, names in idle.items():
-            w = {"multi_turn": "environment, agent or agent_cmd", "agent_program": "agent or agent_cmd"}.get(w, w)
-            raise ValueError(f"{', '.join(names)} act only with {w} set: set {w}, or leave them at their defaults")
-        if problem := (self._check_data() or self._check_rollouts() or self._check_batch() or self._check_objective()
-                       or self._check_reference() or self._check_lora() or self._check_distributed()
-                       or self._check_output()):
+        check_fields(self, {"multi_turn": "environment, agent or agent_cmd", "agent_program": "agent or agent_cmd"})
+        if problem := (self._check_data() or self._check_rollouts() or check_batch(self) or self._check_objective()
+                       or self._check_reference() or self._check_lora() or check_distributed(self) or self._check_output()):
             raise ValueError(problem)
 
     def _check_data(self):
@@ -337,8 +291,8 @@ class Config:
                     "ratios against the weights that sampled the batch")
         if bad := [u for u in self.vllm_server_urls if not u.startswith(("http://", "https://"))]:
             return f"vllm_server_urls: {bad[0]!r} is not a URL; write it as http://host:port"
-        if not 0 <= self.seed <= self.max_seed:
-            return (f"seed={self.seed} must be in 0..{self.max_seed}: rollout requests are seeded with "
+        if not 0 <= self.seed <= max_seed(self):
+            return (f"seed={self.seed} must be in 0..{max_seed(self)}: rollout requests are seeded with "
                     "seed * 2**32 plus a per-step, per-sample offset, and vLLM takes 64-bit seeds")
         if self.weight_sync_dir is not None and self.weight_sync_transport != "filesystem":
             return ("weight_sync_dir is where the filesystem transport writes; with weight_sync_transport="
@@ -346,15 +300,6 @@ class Config:
         if self.weight_sync_transport == "nccl" and len(self.vllm_server_urls) > 1:
             return ("weight_sync_transport='nccl' supports one vLLM server; give one vllm_server_urls entry "
                     "or use weight_sync_transport='filesystem'")
-
-    def _check_batch(self):
-        if self.max_tokens_per_micro_batch < self.max_prompt_length + self.response_length:
-            return (f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} cannot hold one sequence of "
-                    f"max_prompt_length + response_length = {self.max_prompt_length + self.response_length} tokens; "
-                    f"raise it to at least {self.max_prompt_length + self.response_length}")
-        if self.num_unique_prompts_rollout % self.num_mini_batches:
-            return (f"num_unique_prompts_rollout={self.num_unique_prompts_rollout} must be divisible by "
-                    f"num_mini_batches={self.num_mini_batches} (each mini-batch takes whole groups)")
 
     def _check_objective(self):
         if self.objective is None:
@@ -367,10 +312,10 @@ class Config:
             return (f"loss_denominator={self.loss_denominator!r} must be 'token' or a finite positive number "
                     "such as 1024")
         if (idle := [f for f in ("clip_lower", "clip_higher") if f not in self.objective.clip
-                     and getattr(self, f) != default(f)]):
+                     and getattr(self, f) != default(self, f)]):
             return (f"loss_fn={self.loss_fn!r} does not read {' or '.join(idle)} (loss.OBJECTIVES lists the clip "
                     f"fields each objective reads: {', '.join(self.objective.clip) or 'none'}); leave it at its default")
-        if not self.objective.ess and self.ess_scope != default("ess_scope"):
+        if not self.objective.ess and self.ess_scope != default(self, "ess_scope"):
             return (f"ess_scope={self.ess_scope!r} only applies to an objective that reads the batch's ESS "
                     f"(loss_fn={', '.join(repr(n) for n, o in objectives().items() if o.ess)})")
         if self.kl_topk != 0 and self.kl_estimator != "topk":
@@ -420,73 +365,12 @@ class Config:
             return ("offload_ref_policy=True with lora_rank > 0: the reference is an adapter of the policy, there is "
                     "no separate model to offload; set offload_ref_policy=False")
 
-    def _check_distributed(self):
-        if problem := self._check_sequence_parallel():
-            return problem
-        if self.single_gpu_mode and self.vllm_server_urls:
-            return ("single_gpu_mode=True shares the trainer's GPU with a server we launch (in sleep mode); "
-                    "remove vllm_server_urls or set single_gpu_mode=False")
-        if self.single_gpu_mode and self.weight_sync_transport == "nccl":
-            return ("single_gpu_mode=True cannot use weight_sync_transport='nccl' (NCCL cannot link two processes "
-                    "on one GPU); use weight_sync_transport='filesystem'")
-        if self.single_gpu_mode and self.vllm_gpu_memory_utilization > 0.5:
-            return (f"single_gpu_mode=True with vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} "
-                    "leaves too little of the GPU for the trainer's weights and AdamW state, which stay on it "
-                    "while vLLM generates; set it to at most 0.5 (0.3 is a start)")
-        if self.weight_sync_timeout >= 60 * self.backend_timeout:
-            return (f"weight_sync_timeout={self.weight_sync_timeout}s must be below backend_timeout="
-                    f"{self.backend_timeout} min: the other ranks wait for rank 0's sync in a collective that "
-                    "backend_timeout ends first; lower weight_sync_timeout or raise backend_timeout")
-
-    def _check_sequence_parallel(self):
-        sp = self.sequence_parallel_size
-        if sp > 1 and self.fsdp_shard_size and self.fsdp_shard_size % sp:
-            return (f"sequence_parallel_size={sp} must divide fsdp_shard_size={self.fsdp_shard_size}: a sequence's "
-                    "ranks sit in one shard group (one node), where the all-to-alls run on the fast links")
-        if sp > 1 and self.attn_implementation != "packed_sdpa":
-            return (f"sequence_parallel_size={sp} runs packed_sdpa on whole rows between its all-to-alls; "
-                    f"attn_implementation={self.attn_implementation!r} is not supported with it: set packed_sdpa")
-        if sp > 1 and self.objective and self.objective.sequences:
-            return (f"loss_fn={self.loss_fn!r} with sequence_parallel_size={sp}: the sequence ratio needs all of a sequence's "
-                    "tokens, which may sit on two ranks; pick another loss_fn or sequence_parallel_size=1")
-        if sp > 1 and self.vllm_importance_sampling_mask == "sequence":
-            return (f"vllm_importance_sampling_mask='sequence' with sequence_parallel_size={sp}: a sequence's tokens "
-                    "may sit on two ranks; use the token mask or sequence_parallel_size=1")
-        if sp > 1 and self.single_gpu_mode:
-            return f"single_gpu_mode=True runs one trainer process; sequence_parallel_size={sp} needs {sp} ranks"
-
     def _check_output(self):
         if (self.checkpoint_state_dir is None) != (self.checkpoint_state_freq <= 0):
             return ("checkpoint_state_dir and checkpoint_state_freq go together: set both "
                     "(a directory and a frequency > 0) or neither")
         if self.save_freq == 0 or self.save_freq < -1:
             return f"save_freq={self.save_freq} must be a positive number of steps, or -1 for only the final export"
-
-    @property
-    def max_seed(self) -> int:
-        """The largest seed whose every rollout request seed fits vLLM's int64: rollout.rollout_batch seeds a
-        request seed * 2**32 + (step * (rounds + 1) + round) * turns * prompts * n + offset within the round
-        (below turns * prompts * n), and vLLM seeds its sample j with that + j
-        (vllm/v1/engine/parallel_sampling.py), so the largest offset is (steps+1)(rounds+1)TPN - 1."""
-        offset = ((self.num_training_steps + 1) * (self.active_sampling_max_rounds + 1) * self.episode_turns
-                  * self.num_unique_prompts_rollout * self.num_samples_per_prompt_rollout - 1)
-        return (2**63 - 1 - offset) // 2**32
-
-    def check_launch(self, cuda: bool):
-        """Refuse, before any model loads, a GPU run that would launch its vLLM server on a training GPU:
-        launch_server starts it on the first visible GPU, rank 0's, to take vllm_gpu_memory_utilization of
-        a GPU the policy already fills. In a world of one as well, where single_gpu_mode is the way to share."""
-        if cuda and not self.vllm_server_urls and not self.single_gpu_mode:
-            raise ValueError("on GPUs, without vllm_server_urls rank 0 would launch its vLLM server on its own "
-                             "training GPU; give the servers GPUs of their own with bash scripts/launch_8gpu.sh (or "
-                             "pass vllm_server_urls of servers you run), or set single_gpu_mode=True to share one GPU "
-                             "in a single process")
-
-    def check_model(self, model_config):
-        """Refusals that need the model's config.json (transformers' AutoConfig), at start-up."""
-        if self.kl_topk > model_config.vocab_size:
-            raise ValueError(f"kl_topk={self.kl_topk} exceeds the model's vocabulary of {model_config.vocab_size} "
-                             f"tokens; use at most {model_config.vocab_size}")
 
     @property
     def objective(self):
@@ -511,33 +395,3 @@ class Config:
     def uses_reference(self) -> bool:
         """Whether the run builds, updates and checkpoints a reference: only the KL term reads it."""
         return self.load_ref_policy and self.beta > 0
-
-    def mesh_shape(self, world_size: int) -> tuple:
-        """(replicas, shard size) of the device mesh; refuse sizes the world does not fit."""
-        if self.single_gpu_mode and world_size != 1:
-            raise ValueError(f"single_gpu_mode=True runs one trainer process beside the server, got {world_size} "
-                             "ranks; run `python train.py` without torchrun or set single_gpu_mode=False")
-        shard = self.fsdp_shard_size or world_size
-        if shard > world_size or world_size % shard:
-            raise ValueError(f"fsdp_shard_size={self.fsdp_shard_size} does not divide the world of {world_size} "
-                             f"ranks into equal groups; pick a divisor of {world_size} (ranks per node is usual) "
-                             "or 0 to shard over all ranks")
-        if world_size % self.sequence_parallel_size:
-            raise ValueError(f"sequence_parallel_size={self.sequence_parallel_size} does not divide the world of "
-                             f"{world_size} ranks into sequence-parallel groups; pick a divisor of {world_size}")
-        return world_size // shard, shard
-
-    def batch_plan(self, world_size: int) -> dict:
-        """Derive the per-rank batch arithmetic; refuse meshes that do not fit the world (mesh_shape). Rollout:
-        prompts x samples sequences, split into num_mini_batches optimizer steps of whole groups, each spread over
-        world_size ranks by tokens (packing.py) and packed into micro-batches of at most max_tokens_per_micro_batch
-        tokens (gradient accumulation). How many depends on the completions' lengths: the plan gives the count
-        when every sequence has its full length, an upper estimate."""
-        self.mesh_shape(world_size)
-        seqs = self.num_unique_prompts_rollout * self.num_samples_per_prompt_rollout
-        per_mini = seqs // self.num_mini_batches
-        per_rank = -(-per_mini // (world_size // self.sequence_parallel_size))  # a sequence-parallel group shares its rows
-        full = per_rank * (self.max_prompt_length + self.response_length)
-        return dict(sequences=seqs, mini_batches=self.num_mini_batches, per_mini_batch=per_mini, per_rank=per_rank,
-                    micro_batches_at_full_length=-(-full // self.max_tokens_per_micro_batch),
-                    optimizer_steps=self.num_mini_batches * self.num_epochs)

@@ -43,6 +43,7 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, Offl
                                     register_fsdp_forward_method)
 
 import lora
+from plan import mesh_shape
 from policy import check_architecture, sequence_logprobs
 
 
@@ -62,7 +63,7 @@ def setup_distributed(cfg):
     if device.type == "cuda" and (cfg.offload_params or cfg.offload_ref_policy):
         backend = "cuda:nccl,cpu:gloo"  # offloaded gradients are CPU tensors: their norm is reduced over gloo
     dist.init_process_group(backend, timeout=timedelta(minutes=cfg.backend_timeout))
-    replicas, shard = cfg.mesh_shape(dist.get_world_size())
+    replicas, shard = mesh_shape(cfg, dist.get_world_size())
     # Consecutive ranks share a shard group: with torchrun they are the GPUs of one node,
     # so the all-gathers stay on the fast links and only the gradient all-reduce crosses nodes.
     mesh = init_device_mesh(device.type, (shard,), mesh_dim_names=("shard",)) if replicas == 1 else \

@@ -88,6 +88,13 @@ def check_model_config(model_config):
     return model
 
 
+def check_vocabulary(model_config, kl_topk):
+    """The top-k head (kl_topk tokens a position, token_logprobs' head_size) fits the model's vocabulary."""
+    if kl_topk > model_config.vocab_size:
+        raise ValueError(f"kl_topk={kl_topk} exceeds the model's vocabulary of {model_config.vocab_size} "
+                         f"tokens; use at most {model_config.vocab_size}")
+
+
 # --- the chunked logprob kernel
 
 

@@ -35,7 +35,7 @@ What is reduced, and how: the ranks of a group hold disjoint tokens, so every pe
 the token denominator is the mini-batch's count as before. Each rank's loss over its own tokens,
 divided by that count and multiplied by the world size against FSDP's mean (update.py), sums to
 the gradient of one loss. FSDP still shards over every rank: an SP group is a set of
-data-parallel ranks that share rows. Anything per sequence is refused (config.py: an objective
+data-parallel ranks that share rows. Anything per sequence is refused (plan.py: an objective
 whose row in loss.OBJECTIVES has sequences=True, and the sequence-level mismatch mask): a sequence may straddle two pieces.
 
 KV heads: repeated (each one in place, as grouped-query attention shares them) up to

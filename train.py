@@ -57,7 +57,8 @@ from episodes import Refused
 from generator import Generator, claim_output_dir
 from parallel import close_distributed, load_model, setup_distributed
 from model_files import load_model_config, load_tokenizer, locate_model
-from policy import check_model_config
+from plan import batch_plan, check_launch
+from policy import check_model_config, check_vocabulary
 from reference import make_reference
 from update import SyncError, TrainState, make_optimizer, train_on_batch
 from weight_sync import full_state_dict
@@ -68,7 +69,7 @@ def check_outside(cfg):
     """What the config names outside this process: the model's config.json, the directories
     the run writes and the servers you run. ValueError with one line naming the fix."""
     model_config = load_model_config(cfg)
-    cfg.check_model(model_config)
+    check_vocabulary(model_config, cfg.kl_topk)
     lora.check(check_model_config(model_config), cfg)  # an LM head or layout the logprobs do not implement, LoRA targets
     if cfg.sequence_parallel_size > 1:
         from sequence_parallel import check_heads
@@ -99,8 +100,8 @@ def load_inputs(cfg):
     before any process group, model or server."""
     rank0 = int(os.environ.get("RANK", 0)) == 0
     try:
-        cfg.check_launch(torch.cuda.is_available())  # where our vLLM server would go, before any model
-        cfg.batch_plan(int(os.environ.get("WORLD_SIZE", 1)))
+        check_launch(cfg, torch.cuda.is_available())  # where our vLLM server would go, before any model
+        batch_plan(cfg, int(os.environ.get("WORLD_SIZE", 1)))
         locate_model(cfg.model_name_or_path)  # in seconds offline, not after the hub's minute of retries
         tokenizer = load_tokenizer(cfg)
         check_outside(cfg)
@@ -260,7 +261,7 @@ def main(cfg: Config):
     tokenizer, env, train_rows, eval_rows, skipped, reward_fn, tracker = load_inputs(cfg)
     sigterm = Sigterm()
     rank, world_size, device, mesh = setup_distributed(cfg)
-    plan = cfg.batch_plan(world_size)
+    plan = batch_plan(cfg, world_size)
     torch.manual_seed(cfg.seed)  # before the models: LoRA's lora_A is drawn, the same on every rank
     state = build_state(cfg, device, mesh, plan)
     sampler = PromptSampler(train_rows, cfg.seed)

@@ -71,6 +71,7 @@ def worker(args):
     import train
     import update
     from config import Config
+    from plan import batch_plan
     from reference import EMAReference
 
     cfg = Config(model_name_or_path=args.model_dir, num_unique_prompts_rollout=args.prompts,
@@ -79,7 +80,7 @@ def worker(args):
                  beta=args.beta, ref_policy_update_freq=1, learning_rate=1e-6,
                  vllm_logp_tolerance=1e9)  # random vLLM logprobs: no sync to check
     rank, world, device, mesh = train.setup_distributed(cfg)
-    cfg.batch_plan(world)
+    batch_plan(cfg, world)
     torch.manual_seed(0)
     policy = train.load_model(cfg, device, mesh)
     ref = EMAReference(train.load_model(cfg, device, mesh), policy, cfg.alpha)

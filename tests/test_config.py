@@ -9,6 +9,7 @@ import pytest
 from cli import help_text, parse_args
 import config
 from config import Config
+from plan import batch_plan, check_launch, max_seed, mesh_shape
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -135,10 +136,10 @@ def test_defaults_are_open_instructs_polyak_reference_and_daposs_token_loss():
 def test_batch_plan_names_the_numbers():
     c = Config(num_unique_prompts_rollout=16, num_samples_per_prompt_rollout=8, num_mini_batches=2,
                max_prompt_length=64, response_length=8, max_tokens_per_micro_batch=1000)
-    plan = c.batch_plan(world_size=2)  # 32 sequences of up to 72 tokens per rank: 2304 tokens, 3 micro-batches
+    plan = batch_plan(c, world_size=2)  # 32 sequences of up to 72 tokens per rank: 2304 tokens, 3 micro-batches
     assert plan == dict(sequences=128, mini_batches=2, per_mini_batch=64, per_rank=32, micro_batches_at_full_length=3,
                         optimizer_steps=2)
-    assert c.batch_plan(world_size=3)["per_rank"] == 22  # ranks are balanced by tokens: no need to divide evenly
+    assert batch_plan(c, world_size=3)["per_rank"] == 22  # ranks are balanced by tokens: no need to divide evenly
     with pytest.raises(ValueError, match="raise it to at least 72"):
         Config(max_prompt_length=64, response_length=8, max_tokens_per_micro_batch=71)
 
@@ -150,16 +151,16 @@ def test_batch_plan_names_the_numbers():
 ])
 def test_world_size_rules_refuse_in_batch_plan(cfg, world, fragment):
     with pytest.raises(ValueError, match=fragment):
-        Config(num_unique_prompts_rollout=16, **cfg).batch_plan(world_size=world)
+        batch_plan(Config(num_unique_prompts_rollout=16, **cfg), world_size=world)
 
 
 def test_mesh_shape():
-    assert Config().mesh_shape(4) == (1, 4)  # shard over all ranks
-    assert Config(fsdp_shard_size=4).mesh_shape(4) == (1, 4)
-    assert Config(fsdp_shard_size=2).mesh_shape(4) == (2, 2)  # hybrid: 2 replicas of a 2-way shard
-    assert Config(fsdp_shard_size=8).mesh_shape(32) == (4, 8)  # 4 nodes of 8 GPUs
-    assert Config(fsdp_shard_size=1).mesh_shape(2) == (2, 1)  # full replication (DDP's memory)
-    assert Config(single_gpu_mode=True, vllm_gpu_memory_utilization=0.3).mesh_shape(1) == (1, 1)
+    assert mesh_shape(Config(), 4) == (1, 4)  # shard over all ranks
+    assert mesh_shape(Config(fsdp_shard_size=4), 4) == (1, 4)
+    assert mesh_shape(Config(fsdp_shard_size=2), 4) == (2, 2)  # hybrid: 2 replicas of a 2-way shard
+    assert mesh_shape(Config(fsdp_shard_size=8), 32) == (4, 8)  # 4 nodes of 8 GPUs
+    assert mesh_shape(Config(fsdp_shard_size=1), 2) == (2, 1)  # full replication (DDP's memory)
+    assert mesh_shape(Config(single_gpu_mode=True, vllm_gpu_memory_utilization=0.3), 1) == (1, 1)
 
 
 @pytest.mark.subprocess
@@ -261,8 +262,8 @@ def test_max_seed_keeps_every_request_seed_in_int64(tiny_model_dir):
     T, R, P, N = 3, 2, 2, 4
     cfg = Config(num_training_steps=T, active_sampling=True, active_sampling_max_rounds=R,
                  num_unique_prompts_rollout=P, num_samples_per_prompt_rollout=N)
-    assert cfg.max_seed == (2**63 - 1 - ((T + 1) * (R + 1) * P * N - 1)) // 2**32 == 2**31 - 1
-    cfg = Config(**{**dataclasses.asdict(cfg), "seed": cfg.max_seed})
+    assert max_seed(cfg) == (2**63 - 1 - ((T + 1) * (R + 1) * P * N - 1)) // 2**32 == 2**31 - 1
+    cfg = Config(**{**dataclasses.asdict(cfg), "seed": max_seed(cfg)})
     sent = []
 
     def submit(prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=()):  # vLLM: seed + j
@@ -285,10 +286,10 @@ def test_a_gpu_run_launches_no_server_on_a_training_gpu():
     naming the launcher, unless servers are given or single_gpu_mode shares the GPU on purpose.
     Before: nothing refused it (Config had no such check)."""
     with pytest.raises(ValueError, match="bash scripts/launch_8gpu.sh"):
-        Config().check_launch(cuda=True)
-    Config().check_launch(cuda=False)  # CPU: the server we launch takes the CPU's cores
-    Config(vllm_server_urls=["http://gpu-node:8000"]).check_launch(cuda=True)
-    Config(single_gpu_mode=True, vllm_gpu_memory_utilization=0.3).check_launch(cuda=True)
+        check_launch(Config(), cuda=True)
+    check_launch(Config(), cuda=False)  # CPU: the server we launch takes the CPU's cores
+    check_launch(Config(vllm_server_urls=["http://gpu-node:8000"]), cuda=True)
+    check_launch(Config(single_gpu_mode=True, vllm_gpu_memory_utilization=0.3), cuda=True)
 
 
 @pytest.mark.parametrize("bad,message", [

@@ -112,12 +112,13 @@ def test_world_and_heads_must_divide():
     from types import SimpleNamespace
 
     from config import Config
+    from plan import batch_plan, mesh_shape
     from sequence_parallel import check_heads
 
     cfg = Config(sequence_parallel_size=2, fsdp_shard_size=2)
-    assert cfg.mesh_shape(4) == (2, 2) and cfg.batch_plan(4)["per_rank"] == 64  # 2 data ranks share 128 sequences
+    assert mesh_shape(cfg, 4) == (2, 2) and batch_plan(cfg, 4)["per_rank"] == 64  # 2 data ranks share 128 sequences
     with pytest.raises(ValueError, match="does not divide the world of 3"):
-        Config(sequence_parallel_size=2).mesh_shape(3)
+        mesh_shape(Config(sequence_parallel_size=2), 3)
     check_heads(SimpleNamespace(num_attention_heads=14), 2)
     with pytest.raises(ValueError, match="must divide the model's 14 attention heads"):
         check_heads(SimpleNamespace(num_attention_heads=14), 4)
