@@ -30,7 +30,7 @@ from sample import Sample
 
 SAMPLES_SHOWN = 4  # episodes a step logs every log_samples_freq steps
 FAILURES = ("errors", "timeouts", "crashes")  # how a call in a worker fails (worker_pool.CallPool)
-# an environment's calls: its own failures, the policy's bad calls (environments.ToolError), and
+# an environment's calls: its own failures, the policy's bad calls (tool_calls.ToolError), and
 # episodes whose per-episode environment was lost with its worker
 TOOL_FAILURES = (*FAILURES, "bad_calls", "lost")
 
@@ -164,7 +164,7 @@ def take_turn(e, out, tokenizer, env):
 
 
 def take_answers(episodes, answers):
-    """Append each episode's answer (environments.Environment.answer: messages and their token ids)
+    """Append each episode's answer (envs.environment.Environment.answer: messages and their token ids)
     with mask 0; returns the episodes still going. No answer ends an episode, and so does one
     that leaves no room for another turn (the conversation, and the sample, end with the
     policy's turn)."""
