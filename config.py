@@ -62,7 +62,7 @@ class Config:
                                        "with its worker); above 1 = never stop (their groups still leave the batch)",
                                   above=0, resumable=True)
     environment: Optional[str] = option(None, "multi-turn episodes: \"module:name\" or \"file.py:name\" "
-                                              "(environments.py; built-in: environments:calculator); None = one "
+                                              "(envs/environment.py; built-in: envs.calculator:calculator); None = one "
                                               "completion per prompt")
     max_turns: int = option(4, "with an environment or an agent: assistant turns (model calls) per episode at most",
                             low=1, only_with="multi_turn")

@@ -13,7 +13,7 @@ Built-in tasks (deterministic by seed; evaluation prompts are disjoint from trai
         final answer in \\boxed{}." as a chat message -> "12", scored by rewards.math_reward.
         Difficulty: math_digits, math_operations, math_steps.
   calc  "What is 214 + 659?" -> "873", for the calculator environment
-        (--environment environments:calculator), scored by rewards.number_reward. The same knobs;
+        (--environment envs.calculator:calculator), scored by rewards.number_reward. The same knobs;
         a factor of * has 2 digits.
 
 User data: `--dataset` names a local .jsonl/.json/.parquet/.csv file or a hub dataset;

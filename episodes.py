@@ -151,7 +151,7 @@ def take_turn(e, out, tokenizer, env):
 
 
 def take_answers(episodes, answers):
-    """Append each episode's answer (environments.Environment.answer: messages and their token ids)
+    """Append each episode's answer (envs.environment.Environment.answer: messages and their token ids)
     with mask 0; returns the episodes still going. No answer ends an episode, and so does one
     that leaves no room for another turn (the conversation, and the sample, end with the
     policy's turn)."""

@@ -55,7 +55,7 @@ def claim_output_dir(output_dir):
 class Generator:
     def __init__(self, cfg, policy, tokenizer, sampler, pool, rank, device, env=None):
         self.cfg, self.tokenizer, self.sampler, self.pool, self.rank, self.device = cfg, tokenizer, sampler, pool, rank, device
-        self.env = env  # an --environment (environments.Environment) or None: one turn per episode
+        self.env = env  # an --environment (envs.environment.Environment) or None: one turn per episode
         if env and rank == 0:
             env.start()  # its steps (tool calls) in worker processes with a per-call timeout
         self.client = self.server = self.weight_sync = self.rollouts = None

@@ -19,7 +19,7 @@ from rewards import has_answer_format
 
 SAMPLES_SHOWN = 4  # episodes a step logs every log_samples_freq steps
 FAILURES = ("errors", "timeouts", "crashes")  # how a call in a worker fails (worker_pool.CallPool)
-# an environment's calls: its own failures, the policy's bad calls (environments.ToolError), and
+# an environment's calls: its own failures, the policy's bad calls (tool_calls.ToolError), and
 # episodes whose per-episode environment was lost with its worker
 TOOL_FAILURES = (*FAILURES, "bad_calls", "lost")
 

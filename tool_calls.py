@@ -29,7 +29,7 @@ and an environment without a step method of its own answers it with `answer_call
 runs with its parsed arguments and its result comes back as {"role": "tool", "name": ...,
 "tool_call_id": ..., "content": ...}; a turn without calls ends the episode. A call that names no
 tool, has arguments its function does not take or of other types than its schema's, or raises
-environments.ToolError is answered with an error message and counted (tool_bad_calls), as is a
+ToolError is answered with an error message and counted (tool_bad_calls), as is a
 turn that opens a call the parser cannot read (the parser's start marker, as <tool_call>, with no call parsed); any other
 exception of a tool is the environment's failure (tool_errors, printed).
 """

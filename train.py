@@ -52,7 +52,6 @@ import tracking
 from cli import parse_args_or_exit
 from config import Config
 from data import PromptSampler, load_prompts
-from environments import Environment
 from episodes import Refused
 from generator import Generator, claim_output_dir
 from parallel import close_distributed, load_model, setup_distributed
@@ -105,7 +104,11 @@ def load_inputs(cfg):
         locate_model(cfg.model_name_or_path)  # in seconds offline, not after the hub's minute of retries
         tokenizer = load_tokenizer(cfg)
         check_outside(cfg)
-        env = Environment(cfg.environment, tokenizer, cfg) if cfg.environment else None
+        env = None
+        if cfg.environment:  # episodes of several turns, answered by an environment
+            from envs.environment import Environment  # noqa: PLC0415 - the optional concept's one door
+
+            env = Environment(cfg.environment, tokenizer, cfg)
         train_rows, eval_rows, skipped, reward_fn = load_prompts(cfg, tokenizer, env)
         if cfg.agent_program:  # episodes played by a program, through the gateway
             from agent_programs import Agents  # noqa: PLC0415 - the optional concept's one door

@@ -5,7 +5,7 @@ reward of every sample, and an environment's answer to every assistant turn (its
     values, counts, first_failure = pool.score(prompts, completions, examples, completion_ids)
     pool.close()
 
-    tools = CallPool(environments.Calls(spec), workers=2, timeout=5.0, kind="tool", check=None, fallback=None)
+    tools = CallPool(envs.calls.Calls(spec), workers=2, timeout=5.0, kind="tool", check=None, fallback=None)
     replies, failures = tools.map([(key, first, "step", row, messages), ...], pin=[key, ...])
     # failures: [(index, "timeouts", why), ...]; pin: the worker that must run each call (None: any)
 
@@ -27,7 +27,7 @@ Workers come from a forkserver: a clean process started once, not a fork of the
 multi-threaded trainer, with the training script, rewards.py and math-verify preloaded
 so that a replacement worker starts in milliseconds. The function reaches a worker pickled
 (a module-level function, or an object that loads itself when unpickled, like
-environments.Calls), or as the `--reward_fn` string, which each worker loads itself (a
+envs.calls.Calls), or as the `--reward_fn` string, which each worker loads itself (a
 function from `file.py` cannot be pickled by name).
 
 workers=0 calls in the calling process: no timeout (a hanging reward hangs the run),
@@ -128,7 +128,7 @@ class CallPool:
         self.workers = []
         if workers:
             self.ctx = multiprocessing.get_context("forkserver")
-            self.ctx.set_forkserver_preload(["__main__", "rewards", "worker_pool", "environments", "math_verify"])
+            self.ctx.set_forkserver_preload(["__main__", "rewards", "worker_pool", "envs.calls", "math_verify"])
             # The forkserver and its workers ignore SIGTERM (an ignored signal stays ignored across
             # fork and exec): torchrun and schedulers signal the trainer's whole process group, and
             # the trainer finishes its step, scores included, before it stops. They still end with

@@ -30,7 +30,7 @@ import vllm_server  # noqa: E402
 from bench_generation import cpu_name  # noqa: E402
 from config import Config  # noqa: E402
 from data import load_prompts  # noqa: E402
-from environments import Environment  # noqa: E402
+from envs.environment import Environment  # noqa: E402
 from episodes import play  # noqa: E402
 from model_files import load_tokenizer, stop_token_ids  # noqa: E402
 
@@ -45,7 +45,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.prompts < 1:
         p.error(f"--prompts {args.prompts}: give at least 1 prompt a batch")
-    cfg = Config(model_name_or_path=args.model, dataset="calc", environment="environments:calculator", math_digits=3,
+    cfg = Config(model_name_or_path=args.model, dataset="calc", environment="envs.calculator:calculator", math_digits=3,
                  math_operations="+-*", max_prompt_length=160, response_length=96, max_turns=3, temperature=0.7,
                  num_unique_prompts_rollout=args.prompts, num_samples_per_prompt_rollout=8, vllm_port=args.port)
     tok = load_tokenizer(cfg)

@@ -11,7 +11,7 @@ Question. The EMA anchor is claimed to be a trust region that moves: it should h
 at step sizes that wreck an unanchored run, without a fixed anchor's brake on how far and how fast
 the policy can go. The math experiment (reference_experiment.py) was a null in a regime where
 neither matters. Two regimes where each can:
-  tools     the tools demo's task (`--dataset calc --environment environments:calculator`, 3 digits,
+  tools     the tools demo's task (`--dataset calc --environment envs.calculator:calculator`, 3 digits,
             + - *, at most 3 turns): the policy must move far, from 0.34 to about 1.0 held-out
             accuracy in 20 steps (calling the tool, in its format, and boxing its answer); lr 5e-6
             after 5 warm-up steps, 20 steps. The end is near the ceiling, so the measure is how
@@ -87,7 +87,7 @@ BETA, LARGE_LR = "1.0", "3e-4"  # from the probes (see the docstring and docs/al
 COMMON = ["--temperature", "0.7", "--num_eval_prompts", "64", "--num_unique_prompts_rollout", "4",
           "--num_samples_per_prompt_rollout", "8", "--log_samples_freq", "0", "--save_freq", "5"]
 REGIMES = {  # name -> (train.py's flags, steps, arms)
-    "tools": (["--dataset", "calc", "--environment", "environments:calculator", "--math_digits", "3",
+    "tools": (["--dataset", "calc", "--environment", "envs.calculator:calculator", "--math_digits", "3",
                "--math_operations", "+-*", "--max_prompt_length", "160", "--response_length", "96", "--max_turns", "3",
                "--learning_rate", "5e-6", "--warm_up_steps", "5", "--eval_freq", "1"], 20,
               ("no KL", "fixed", "EMA 0.05/step", "EMA-PG 0.05/10")),
@@ -168,7 +168,7 @@ class InitialPolicy:
         import cli
         import data
         import model_files
-        from environments import Environment
+        from envs.environment import Environment
 
         cfg = cli.parse_args(cmd_flags)
         self.tokenizer = model_files.load_tokenizer(cfg)

@@ -34,7 +34,7 @@ if [ "${1:-}" = "--tools" ]; then
     # environment describes <calc>...</calc> in a system message with one worked example; an
     # episode is at most 3 assistant turns and 96 tokens after the prompt, the tool's answers
     # included (out of the loss). The reward is number_reward: the final turn's \boxed{} number.
-    task=(--dataset calc --environment environments:calculator --math_digits 3 --math_operations "+-*")
+    task=(--dataset calc --environment envs.calculator:calculator --math_digits 3 --math_operations "+-*")
     args=(--model_name_or_path models/smollm2-135m-instruct --max_prompt_length 160 --response_length 96
           --max_turns 3 --num_training_steps 20 --eval_freq 10 --num_eval_prompts 64 --temperature 0.7
           --learning_rate 5e-6 --warm_up_steps 5
@@ -53,7 +53,7 @@ elif [ "${1:-}" = "--tool-calls" ] || [ "${1:-}" = "--agent" ]; then
     # (<tool_call>{"name": "calculate", "arguments": {"expression": ...}}</tool_call>, as Qwen2.5
     # and Qwen3 do), read by vLLM's hermes parser: a call is 34 tokens where <calc> is 13, so the
     # prompt (181 tokens) and the episode's budget are longer.
-    play=(--environment environments:calculator_tool)
+    play=(--environment envs.calculator:calculator_tool)
     out=${OUT:-output/demo-tool-calls}
     if [ "$1" = "--agent" ]; then
         # The same episodes played by a plain OpenAI-client program (examples/calculator_agent.py:

@@ -6,9 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
-# bubblewrap runs the policy's code in sandbox.py, which refuses to start without it. Cheap when
+# bubblewrap runs the policy's code in envs/sandbox.py, which refuses to start without it. Cheap when
 # it is there; where apt-get cannot (not root, another distribution) the sandbox says what to do.
-command -v bwrap >/dev/null || { { apt-get install -y -q bubblewrap || { apt-get update -q && apt-get install -y -q bubblewrap; }; } >/dev/null 2>&1 || echo "install.sh: could not install bubblewrap, which sandbox.py needs: install it with your package manager" >&2; }
+command -v bwrap >/dev/null || { { apt-get install -y -q bubblewrap || { apt-get update -q && apt-get install -y -q bubblewrap; }; } >/dev/null 2>&1 || echo "install.sh: could not install bubblewrap, which envs/sandbox.py needs: install it with your package manager" >&2; }
 stamp="$VENV/.installed-$(sha256sum pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ]; then exit 0; fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"

@@ -1,4 +1,4 @@
-"""Multi-turn episodes (episodes.play, environments.py) against a scripted server: the tokens
+"""Multi-turn episodes (episodes.play, envs/environment.py) against a scripted server: the tokens
 appended turn by turn are the chat template's rendering of the final conversation, only the
 policy's tokens reach the loss, tools that hang, crash or raise become error messages, and
 budgets cut episodes with ids, mask and logprobs aligned. test_smollm2.py runs the calculator
@@ -16,7 +16,7 @@ import torch
 import packing
 from config import Config
 from chat import ChatTokens
-from environments import Environment
+from envs.environment import Environment
 from loss import grpo_loss
 from policy import sequence_logprobs
 from episodes import play
@@ -195,10 +195,11 @@ def test_tools_that_hang_crash_or_raise_become_error_messages(tiny_model_dir):
     assert all(e.turns == 2 and e.answer == "done." for e in episodes)
 
 
-@pytest.mark.parametrize("spec,fragment", [("environments:OPS", "has no step(row, messages) method"),
-                                           ("environments:arithmetic", "must build an environment with no arguments"),
-                                           ("environments:nope", "has no environment 'nope'"),
-                                           ("environments:calculator_tool", "has no step(row, messages) method, "
+@pytest.mark.parametrize("spec,fragment", [("envs.calculator:OPS", "has no step(row, messages) method"),
+                                           ("envs.calculator:arithmetic",
+                                            "must build an environment with no arguments"),
+                                           ("envs.calculator:nope", "has no environment 'nope'"),
+                                           ("envs.calculator:calculator_tool", "has no step(row, messages) method, "
                                             "and its tools are called only in a format a parser reads: set "
                                             "--tool_call_parser")])
 def test_a_wrong_environment_is_refused_in_one_line(tiny_model_dir, spec, fragment):
@@ -428,11 +429,11 @@ def test_the_first_environment_failure_of_a_step_is_printed(tiny_model_dir, caps
     from worker_pool import RewardPool
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    cfg = Config(environment="environments:calculator", tool_workers=0, max_prompt_length=300, response_length=64,
+    cfg = Config(environment="envs.calculator:calculator", tool_workers=0, max_prompt_length=300, response_length=64,
                  max_turns=2, num_samples_per_prompt_rollout=2)
     pool = RewardPool("rewards:number_reward", workers=0)
-    for spec, tool, script in [("environments:calculator", None, "<calc>2+</calc>"), ("test_multiturn:adder", "raise",
-                                                                                      "<calc>2+3</calc>")]:
+    for spec, tool, script in [("envs.calculator:calculator", None, "<calc>2+</calc>"),
+                               ("test_multiturn:adder", "raise", "<calc>2+3</calc>")]:
         env = Environment(spec, tok, cfg)
         env.start()
         rows = [dict(prompt="q", answer="5", tool=tool)]
@@ -452,7 +453,7 @@ def test_a_long_reply_is_cut_before_it_is_tokenized(tiny_model_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    cfg = Config(environment="environments:calculator", tool_output_max_tokens=6)
+    cfg = Config(environment="envs.calculator:calculator", tool_output_max_tokens=6)
     env = Environment(cfg.environment, tok, cfg)
     seen = []
     encode = env.tokenizer.__class__.__call__
@@ -578,7 +579,7 @@ def test_a_failed_play_closes_its_episodes(tiny_model_dir, tmp_path, monkeypatch
 
     from transformers import AutoTokenizer
 
-    import environments
+    from envs import calls
     from vllm_client import VLLMError
 
     monkeypatch.setenv("CLOSE_LOG", str(tmp_path / "log"))
@@ -602,7 +603,7 @@ def test_a_failed_play_closes_its_episodes(tiny_model_dir, tmp_path, monkeypatch
     (tmp_path / "log").write_text("")
     with pytest.raises(VLLMError):
         play(cfg, Dying(tok, ["x", "y", "z"]), rows, 2, 0, tok, env)
-    assert environments.INSTANCES == {} and (tmp_path / "log").read_text().count("closed") == 2
+    assert calls.INSTANCES == {} and (tmp_path / "log").read_text().count("closed") == 2
 
 
 class FakeObservation:
@@ -625,7 +626,7 @@ class FakeOpenEnvEnvironment:
 
 
 def fake_openenv():
-    from openenv_adapter import OpenEnv
+    from envs.openenv_adapter import OpenEnv
     from tool_calls import ToolError
 
     class Fake(OpenEnv):

@@ -1,12 +1,12 @@
 """Environments others wrote: DIPG Safety Gym (openenv-dipg-safety), an OpenEnv environment from
-its own package, unmodified, through openenv_adapter.OpenEnv as docs/data.md writes it: each
+its own package, unmodified, through envs.openenv_adapter.OpenEnv as docs/data.md writes it: each
 episode's reward is the one the environment itself gives the same text, with the episode ended
 by the environment (max_turns 2) or by max_turns (1), in worker processes."""
 
 import pytest
 
 from config import Config
-from environments import Environment
+from envs.environment import Environment
 from episodes import play
 from helpers import documented, family_tokenizer, ScriptedClient, with_prompts
 

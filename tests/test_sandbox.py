@@ -1,4 +1,4 @@
-"""The sandbox (sandbox.py): each limit fires on the code that needs it, ends as a counted error
+"""The sandbox (envs/sandbox.py): each limit fires on the code that needs it, ends as a counted error
 with the interpreter (or the next one) working, and leaves no process behind; the attacks of a
 hostile review fail (files, network, /tmp and /dev/shm, an owner killed mid-cell, a forged reply,
 processes after the cell, memory of several processes), as root and, in one script, as a user;
@@ -17,11 +17,12 @@ import time
 
 import pytest
 
-import sandbox
 from config import Config
-from environments import Environment
+from envs import sandbox, sandbox_process
+from envs.environment import Environment
+from envs.python_tool import PythonTool
+from envs.sandbox import Interpreter, Limits
 from episodes import play
-from sandbox import Interpreter, Limits
 from helpers import ScriptedClient, with_prompts
 
 pytestmark = pytest.mark.subprocess  # every test here starts sandboxed processes
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.subprocess  # every test here starts sandboxed processe
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a checkout in /tmp (a venv there): the interpreter's own directories are bound, read-only, into the sandbox's
 # /tmp; a cell lists what else is there
-OWN = {p.split("/")[2] for p in sandbox.python_dirs() if p.startswith("/tmp/")}
+OWN = {p.split("/")[2] for p in sandbox_process.python_dirs() if p.startswith("/tmp/")}
 TMP = f"sorted(set(os.listdir('/tmp')).difference(({''.join(repr(d) + ', ' for d in sorted(OWN))})))"  # no braces:
 # the tiny model's tokenizer, which writes PythonTool's cells below, has none
 QUICK = Limits(cpu=1, wall=30.0)  # a CPU limit of 1 s comes well before the wall clock, even on a busy machine
@@ -186,7 +187,7 @@ def test_a_memory_hog_fails_and_the_trainer_is_fine(py):
 
 def test_the_memory_of_several_processes_together_is_bounded_where_a_cgroup_can_be_made():
     limits = Limits(cpu=5, wall=60.0, memory=256 << 20)
-    if (probe := sandbox.memory_cgroup(1 << 30)) is None:
+    if (probe := sandbox_process.memory_cgroup(1 << 30)) is None:
         pytest.skip("no memory cgroup can be made here (not root, or cgroup v2 without memory delegated): "
                     "memory is limited per process only")
     os.rmdir(probe)
@@ -245,7 +246,7 @@ def test_the_code_reads_no_dataset_checkout_output_or_token_and_writes_nowhere_o
         with open(path, "w") as f:
             f.write('{"answer": 42}\n')
     os.chmod(token, 0o600)  # the trainer's own, as a HF token file is
-    secrets = [answers, samples, token, os.path.join(ROOT, "sandbox.py"), os.path.join(ROOT, "pyproject.toml"),
+    secrets = [answers, samples, token, os.path.join(ROOT, "envs", "sandbox.py"), os.path.join(ROOT, "pyproject.toml"),
                "/etc/passwd", "/etc/hostname", os.path.expanduser("~/.bashrc")]
     result = py.run(READ.format(secrets))
     assert result.error is None and result.stdout == "", result.stdout
@@ -294,7 +295,8 @@ def test_a_forged_reply_kills_the_sandbox_and_answers_the_cell_as_an_error(py):
 
 
 # a process that starts a sandbox whose cell runs `sleep SECONDS` (a command line of the test's own) and waits
-OWNER = """import sys, sandbox
+OWNER = """import sys
+from envs import sandbox
 py = sandbox.Interpreter(sandbox.Limits(wall=300))
 py.run(f"import subprocess, time\\nsubprocess.Popen(['sleep', '{sys.argv[1]}'], start_new_session=True)\\ntime.sleep(999)")
 """
@@ -317,7 +319,7 @@ def test_a_sandbox_dies_with_its_owner_killed_mid_cell():
 # the trainer's files being that user's own (a 0600 token, a checkout it may write).
 AS_USER = r"""
 import json, os, socket, subprocess, sys, time
-import sandbox
+from envs import sandbox
 
 
 def running(marker, until):  # the pids whose command line holds marker, polled until some are or none are
@@ -369,8 +371,9 @@ def test_the_attacks_fail_as_a_user_too(host_dir):
     python = "/usr/bin/python3"
     if os.geteuid() != 0 or not shutil.which("setpriv") or not os.access(python, os.X_OK):
         pytest.skip("needs root (to become uid 65534), setpriv and a Python that uid can read at /usr/bin/python3")
-    for name in ("sandbox.py", "tool_calls.py"):
-        shutil.copy(os.path.join(ROOT, name), host_dir)
+    os.mkdir(os.path.join(host_dir, "envs"))
+    for name in ("__init__.py", "sandbox.py", "sandbox_process.py"):
+        shutil.copy(os.path.join(ROOT, "envs", name), os.path.join(host_dir, "envs"))
     os.mkdir(os.path.join(host_dir, "checkout"))
     for name, mode in (("token", 0o600), ("answers.jsonl", 0o644), ("checkout/train.py", 0o644)):
         with open(os.path.join(host_dir, name), "w") as f:
@@ -410,7 +413,7 @@ def test_the_python_tool_keeps_each_episodes_variables_and_counts_its_errors(tin
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    cfg = Config(environment="sandbox:PythonTool", tool_workers=2, tool_timeout=20.0, max_prompt_length=400,
+    cfg = Config(environment="envs.python_tool:PythonTool", tool_workers=2, tool_timeout=20.0, max_prompt_length=400,
                  response_length=1024, max_turns=4, num_samples_per_prompt_rollout=2)
     env = Environment(cfg.environment, tok, cfg)
     token = f"SANDBOX_TEST={os.getpid()}"  # the workers' environment, so their bwraps' (not the code's)
@@ -431,4 +434,4 @@ def test_the_python_tool_keeps_each_episodes_variables_and_counts_its_errors(tin
     assert all(a[2].startswith("error: ZeroDivisionError: division by zero") for a in answers)
     assert sorted(kind for kind, _ in stats["tool_failures"]) == ["bad_calls"] * 4
     assert alive(bwraps(token)) == []  # every sandbox ended
-    assert sandbox.PythonTool.call_time <= Config().tool_timeout  # the default timeout lets a call finish
+    assert PythonTool.call_time <= Config().tool_timeout  # the default timeout lets a call finish

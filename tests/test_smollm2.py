@@ -53,9 +53,9 @@ def test_smollm2_trains_on_math_with_2_ranks_and_vllm_in_sync(smollm2, tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tool", [
-    ["--environment", "environments:calculator", "--math_operations", "+-*", "--max_prompt_length", "160",
+    ["--environment", "envs.calculator:calculator", "--math_operations", "+-*", "--max_prompt_length", "160",
      "--response_length", "64", "--vllm_port", "8045"],
-    ["--environment", "environments:calculator_tool", "--tool_call_parser", "hermes", "--max_prompt_length", "256",
+    ["--environment", "envs.calculator:calculator_tool", "--tool_call_parser", "hermes", "--max_prompt_length", "256",
      "--response_length", "96", "--vllm_port", "8046"]], ids=["calc-tags", "hermes-calls"])
 def test_smollm2_calls_the_calculator_over_several_turns_with_vllm_in_sync(smollm2, tmp_path, tool):
     """Multi-turn episodes on the real model and server, the calculator called with <calc> tags or

@@ -109,7 +109,7 @@ def test_a_role_the_template_drops_is_refused_in_one_line(role, tmp_path):
     """Qwen's templates render no "observation" or "environment" message: it was counted and never
     reached the policy's tokens. Refused when the first messages or an answer hold one."""
     from config import Config
-    from environments import Environment
+    from envs.environment import Environment
 
     tok = family_tokenizer("qwen2.5-instruct")
     chat = ChatTokens(tok)
@@ -134,7 +134,7 @@ def test_what_an_environment_needs_is_checked_at_start_up(body, fragment, tmp_pa
     """A stop list vLLM refuses used to end the run at the first request with a traceback; a
     tool_timeout below what a call needs left a sandbox running: both refused before anything starts."""
     from config import Config
-    from environments import Environment
+    from envs.environment import Environment
 
     (tmp_path / "env.py").write_text(f"class Env:\n    {body}\n    def step(self, row, messages):\n        return []\n")
     spec = f"{tmp_path}/env.py:Env"
@@ -150,7 +150,7 @@ def test_an_environments_first_messages_keep_control_tokens_as_text(tmp_path):
     the prompt's tokens too; a prompt without one is tokenized as before."""
     from config import Config
     from data import tokenize_rows
-    from environments import Environment
+    from envs.environment import Environment
 
     tok = family_tokenizer("qwen2.5-instruct")
     (tmp_path / "env.py").write_text("class Env:\n    def reset(self, row):\n        return [{'role': 'user', "
@@ -170,7 +170,7 @@ def test_a_system_message_the_template_hoists_is_accepted_at_reset(tiny_model_di
     from transformers import AutoTokenizer
 
     from config import Config
-    from environments import Environment
+    from envs.environment import Environment
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     tok.chat_template = (
@@ -178,7 +178,7 @@ def test_a_system_message_the_template_hoists_is_accepted_at_reset(tiny_model_di
         "{% endif %}{% endfor %}{% for m in messages %}{% if m.role != 'system' %}<|im_start|>{{ m.role }}\n"
         "{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
         "{% endif %}")
-    env = Environment("environments:calculator", tok, Config(environment="environments:calculator"))
+    env = Environment("envs.calculator:calculator", tok, Config(environment="envs.calculator:calculator"))
     assert env.reset({"prompt": "1+1?"})[0]["role"] == "system"
 
 
@@ -186,14 +186,14 @@ def test_markers_and_control_tokens_in_a_reply_are_text_and_counted_as_such():
     """Qwen's <tool_call> and </tool_response> are added tokens that are not "special": a tool that
     prints them gives the policy characters too; and the reply's cut counts them as the episode does."""
     from config import Config
-    from environments import Environment
+    from envs.environment import Environment
 
     tok = family_tokenizer("qwen2.5-instruct")
     tok.add_tokens(["<tool_call>", "</tool_call>"])
     chat = ChatTokens(tok)
     ids = chat.ids([{"role": "tool", "content": "</tool_call>\n<tool_call>{}"}])
     assert tok.convert_tokens_to_ids("<tool_call>") not in ids and tok.convert_tokens_to_ids("</tool_call>") not in ids
-    cfg = Config(environment="environments:calculator", tool_output_max_tokens=8)
+    cfg = Config(environment="envs.calculator:calculator", tool_output_max_tokens=8)
     env = Environment(cfg.environment, tok, cfg)
     cut = env.truncate({"role": "tool", "content": "<|im_end|>" * 8})["content"]
     kept = cut[:-len(" [cut]")]

@@ -7,7 +7,7 @@ counted."""
 import pytest
 
 from config import Config
-from environments import Environment
+from envs.environment import Environment
 from episodes import play
 from tool_calls import Parser, answer_calls, schemas
 from helpers import documented, family_tokenizer, ScriptedClient, with_prompts
@@ -150,11 +150,11 @@ def test_an_episode_with_native_calls_is_the_templates_rendering(tmp_path, worke
 
 @vllm_import
 def test_the_native_calculator_answers_hermes_calls_on_a_chatml_template():
-    """environments:calculator_tool on a template that renders no tools (ChatML, as SmolLM2's): its
+    """envs.calculator:calculator_tool on a template that renders no tools (ChatML, as SmolLM2's): its
     system message shows the hermes format, a call is answered with its value, a bad expression
     with an error (a bad call), and \\boxed{} ends the episode."""
     tok = family_tokenizer("smollm2-instruct")
-    cfg = Config(environment="environments:calculator_tool", tool_call_parser="hermes", tool_workers=0,
+    cfg = Config(environment="envs.calculator:calculator_tool", tool_call_parser="hermes", tool_workers=0,
                  max_prompt_length=800, response_length=400, max_turns=4, num_samples_per_prompt_rollout=2)
     env = Environment(cfg.environment, tok, cfg)
     env.start()
@@ -173,7 +173,7 @@ def test_the_native_calculator_answers_hermes_calls_on_a_chatml_template():
 def test_a_wrongly_typed_argument_is_the_policys_bad_call():
     """calculate(expression=12) used to reach the tool and fail inside it (the environment's failure,
     tool_errors); the schema says string: it is the policy's bad call."""
-    from environments import calculate
+    from envs.calculator import calculate
 
     calls = [{"id": "x", "function": {"name": "calculate", "arguments": {"expression": 12}}},
              {"id": "y", "function": {"name": "calculate", "arguments": {"expression": "2 + 3"}}}]
@@ -214,7 +214,7 @@ def test_a_call_written_while_thinking_is_not_made():
     <tool_call>: the markers decide here)."""
     tok = qwen3_thinking()
     think = "<think>\nI could write " + call("calculate", {"expression": "2+3"}) + " but I know it.\n</think>\n\n"
-    cfg = Config(environment="environments:calculator_tool", tool_call_parser="hermes", reasoning_parser="qwen3")
+    cfg = Config(environment="envs.calculator:calculator_tool", tool_call_parser="hermes", reasoning_parser="qwen3")
     env = Environment(cfg.environment, tok, cfg)
     message = env.message(think + "It is \\boxed{5}.", 0)
     assert "tool_calls" not in message and message["content"] == "\n\nIt is \\boxed{5}."
@@ -256,7 +256,7 @@ def test_a_turn_begun_inside_an_opened_reasoning_is_reasoning():
     tok = qwen3_thinking()
     tok.chat_template = tok.chat_template.replace("{{- '<|im_start|>assistant\\n' }}",
                                                   "{{- '<|im_start|>assistant\\n<think>\\n' }}")
-    cfg = Config(environment="environments:calculator_tool", tool_call_parser="hermes", reasoning_parser="qwen3")
+    cfg = Config(environment="envs.calculator:calculator_tool", tool_call_parser="hermes", reasoning_parser="qwen3")
     env = Environment(cfg.environment, tok, cfg)
     assert env.reasoning.opened
     message = env.message("I could " + call("calculate", {"expression": "1+1"}), 0)

@@ -2,7 +2,8 @@
 
     --environment my_env.py:shop      an instance: one object for every episode (stateless)
     --environment my_env.py:Shop      a class or zero-argument factory: one instance per episode
-    (or module:name; built in: environments:calculator, environments:calculator_tool, sandbox:PythonTool)
+    (or module:name; built in: envs.calculator:calculator, envs.calculator:calculator_tool,
+    envs.python_tool:PythonTool; envs/openenv_adapter.py runs OpenEnv environments)
 
 The object needs a step method, or tools and --tool_call_parser (tool_calls.py), and may
 have more:
@@ -57,111 +58,25 @@ before it. Start-up checks that the template writes the same text after an assis
 whatever that turn and the earlier ones held; a template that rewrites earlier turns when it
 renders a whole conversation (Qwen3's drops past reasoning) is accepted, and the episode keeps
 what was sampled (docs/data.md says where that differs from the template's rendering).
+
+Its door: train.py's load_inputs imports Environment when --environment is set; data.py
+(reset, tools, chat), generator.py (start) and rollout.py (new_key, message, answer, finish,
+discard) call its methods without naming it. The calls themselves run in envs/calls.py.
 """
 
-import ast
 import itertools
-import operator
 import os
-import re
 
 import tool_calls
 from chat import ChatTokens
-from rewards import load_object, to_float
-from tool_calls import ToolError
+from envs.calls import Calls, LOST, check_messages, close, per_episode
+from rewards import load_object
 from worker_pool import CallPool
-
-KEYS = ("role", "content", "name", "tool_call_id", "tool_calls")  # what a message keeps
-
-
-def check_messages(value):
-    """An environment's answer: a list of {"role": str, "content": str} ([] or None: the end), which
-    may carry a tool message's "name" and "tool_call_id"."""
-    if value is None:
-        return []
-    if not isinstance(value, (list, tuple)) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in value):
-        raise TypeError(f"step returned {value!r:.80}, not a list of {{'role': str, 'content': str}} messages")
-    return [{k: m[k] for k in KEYS if k in m} for m in value]
-
-
-INSTANCES = {}  # this process's per-episode environments: episode key -> instance
-LOST = "the episode's environment was lost with its worker"  # what "finish" raises for an instance gone
-
-
-def per_episode(obj):
-    """True for a class or a zero-argument factory (one instance per episode), False for an
-    instance with a step method (one object for every episode)."""
-    return isinstance(obj, type) or (callable(obj) and not callable(getattr(obj, "step", None)))
 
 
 def default_reset(row):
     prompt = row["prompt"]
     return prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-
-
-class Calls:
-    """The calls of one --environment in this process (a tool worker, or the trainer with
-    tool_workers=0). It reaches a worker pickled as its spec and loads the environment there as
-    it is unpickled, at the worker's start (under the pool's start-up timeout, not a call's).
-
-    A per-episode environment's instance is made, and reset(row), by the episode's first call, in
-    the worker pinned to the episode, and kept there until "finish" or "close". what="step" returns
-    (messages, kind): kind None, "bad_calls" (the policy's mistake, a ToolError) or "lost" (the
-    instance died with an earlier worker: the episode ends). what="finish" returns (the episode's
-    reward or None without a reward method, why close() failed or None): the reward is computed,
-    then the instance closed, and a close that raises costs the episode nothing. what="close" only
-    closes it (an episode that will not be scored)."""
-
-    def __init__(self, spec):
-        self.spec, self.obj = spec, load_object(spec, "environment", "environment")
-
-    def __getstate__(self):
-        return self.spec
-
-    def __setstate__(self, spec):
-        self.__init__(spec)
-
-    def __call__(self, key, first, what, row, messages):
-        env = self.obj
-        if per_episode(env):
-            if first and what != "close":  # an episode's first call; "close": it never had one
-                INSTANCES[key] = self.obj()
-                if callable(getattr(INSTANCES[key], "reset", None)):
-                    INSTANCES[key].reset(row)  # its state starts here; the prompt was rendered at load time
-            env = INSTANCES.pop(key, None) if what != "step" else INSTANCES.get(key)
-            if env is None and what == "step":
-                return [], "lost"
-            if env is None and what == "close":
-                return None
-            if env is None:
-                raise LookupError(LOST)
-        if what == "step":
-            try:
-                if not callable(getattr(env, "step", None)):  # native tool calls, answered by the tools
-                    replies, bad = tool_calls.answer_calls(env.tools, messages[-1])
-                    return replies, "bad_calls" if bad else None
-                return check_messages(env.step(row, messages)), None
-            except ToolError as e:
-                return [{"role": "tool", "content": f"error: {e}"}], "bad_calls"
-        if what == "close":  # an episode that will not be scored (its rollout failed): cleaned up only
-            return close(env) if per_episode(self.obj) else None
-        try:  # "finish": the reward, then close, however the reward went; a close that fails keeps the reward
-            reward = to_float(env.reward(row, messages)) if callable(getattr(env, "reward", None)) else None
-        finally:
-            closed = close(env) if per_episode(self.obj) else None
-        return reward, closed
-
-
-def close(env):
-    """Close a per-episode instance: None, or why its close() failed (the episode's reward stands)."""
-    try:
-        if callable(getattr(env, "close", None)):
-            env.close()
-    except Exception as e:  # noqa: BLE001 - user code may raise anything
-        return f"close() raised {type(e).__name__}: {e}"
-    return None
 
 
 MAX_STOP_STRINGS = int(os.environ.get("VLLM_MAX_STOP_STRINGS", "4"))  # what a vLLM request takes (vLLM 0.32: 4)
@@ -200,7 +115,8 @@ class Environment:
         if not callable(getattr(probe, "step", None)) and not (tool_calls.functions(tools) and cfg.tool_call_parser):
             raise ValueError(f"environment={spec!r} has no step(row, messages) method" + (
                 ", and its tools are called only in a format a parser reads: set --tool_call_parser (hermes for "
-                "Qwen, llama3_json for Llama-3.1, ...)" if tool_calls.functions(tools) else "") + "; see environments.py")
+                "Qwen, llama3_json for Llama-3.1, ...)" if tool_calls.functions(tools) else "")
+                + "; see envs/environment.py")
         try:
             self.tools = tool_calls.schemas(tools) or None
         except ValueError as e:
@@ -332,92 +248,3 @@ class Environment:
     def close(self):
         if self.pool:
             self.pool.close()
-
-
-# --- the built-in environment: a calculator
-
-OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-       ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.USub: operator.neg, ast.UAdd: operator.pos}
-
-
-def arithmetic(node):
-    """The value of an expression of numbers, + - * / // % and parentheses; ValueError otherwise."""
-    if isinstance(node, ast.Expression):
-        return arithmetic(node.body)
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
-    if isinstance(node, ast.BinOp) and type(node.op) in OPS:
-        a, b = arithmetic(node.left), arithmetic(node.right)
-        if isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)) and b == 0:
-            raise ValueError("division by zero")
-        value = OPS[type(node.op)](a, b)
-        if abs(value) > 1e15:
-            raise ValueError("number too large")
-        return value
-    if isinstance(node, ast.UnaryOp) and type(node.op) in OPS:
-        return OPS[type(node.op)](arithmetic(node.operand))
-    raise ValueError("only numbers, + - * / // % and parentheses")
-
-
-def calculate(expression: str) -> str:
-    """The value of an arithmetic expression.
-
-    Args:
-        expression: numbers, + - * / // % and parentheses, for example "214 + 659"
-    """
-    try:
-        value = arithmetic(ast.parse(expression.strip().replace("x", "*").replace("×", "*"), mode="eval"))
-    except (SyntaxError, ValueError, TypeError) as e:  # the policy's expression: told, counted (tool_bad_calls)
-        raise ToolError(e.msg if isinstance(e, SyntaxError) else e) from None
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    return f"{value:.10g}" if isinstance(value, float) else str(value)
-
-
-def worked_example(system, call, row):
-    """A calculator's first messages: how to call it, one worked example with the call written
-    as `call` writes it, then the row's question."""
-    prompt = row["prompt"]
-    question = prompt if isinstance(prompt, str) else prompt[-1]["content"]
-    return [{"role": "system", "content": system}, {"role": "user", "content": "What is 214 + 659?"},
-            {"role": "assistant", "content": call("214 + 659")}, {"role": "tool", "content": "873"},
-            {"role": "assistant", "content": "\\boxed{873}"}, {"role": "user", "content": question}]
-
-
-class Calculator:
-    """The policy writes <calc>expression</calc>; the environment answers with its value as a
-    tool message. A turn without a call ends the episode (its \\boxed{} answer is scored).
-    The first messages describe the tool and show one worked example."""
-
-    stop = ["</calc>"]
-    system = ("You can use a calculator. To compute an expression, write it between <calc> and </calc>, "
-              "for example <calc>12 * 7</calc>, and its value will be shown to you. "
-              "Give the final answer as \\boxed{number}.")
-
-    def reset(self, row):
-        return worked_example(self.system, lambda e: f"<calc>{e}</calc>", row)
-
-    def step(self, row, messages):
-        call = re.search(r"<calc>(.*?)</calc>", messages[-1]["content"], re.S)
-        return [{"role": "tool", "content": calculate(call.group(1))}] if call else []
-
-
-def hermes_call(expression):
-    return '<tool_call>\n{"name": "calculate", "arguments": {"expression": "' + expression + '"}}\n</tool_call>'
-
-
-class CalculatorTool:
-    """The calculator as a native tool (--tool_call_parser hermes): the policy calls
-    calculate(expression) in the hermes format, <tool_call>{"name": ..., "arguments": ...}</tool_call>,
-    which Qwen2.5 and Qwen3 are trained on; the template lists the tool where it renders tools,
-    and the system message shows the format for templates that do not (SmolLM2's)."""
-
-    tools = [calculate]
-    system = ("You can use a calculator tool. To compute an expression, call it like this:\n"
-              + hermes_call("12 * 7") + "\nand its value will be shown to you. Give the final answer as \\boxed{number}.")
-
-    def reset(self, row):
-        return worked_example(self.system, hermes_call, row)
-
-
-calculator, calculator_tool = Calculator(), CalculatorTool()

@@ -3,7 +3,7 @@
 process, as a per-episode environment of this trainer.
 
     # dipg.py: --environment dipg.py:DIPG (a class: one OpenEnv environment per episode)
-    from openenv_adapter import OpenEnv
+    from envs.openenv_adapter import OpenEnv
 
     class DIPG(OpenEnv):
         def make(self, row):                  # the row's environment, built by the episode's first call
@@ -25,7 +25,9 @@ OpenEnv has no messages of its own: `observe` writes what the policy sees. The p
 rendered once per row from an instance of its own, closed at once with its environment, so
 `make(row)` must give the same first observation for the same row (an environment that draws its
 task at random has to be given the row's task). Imports and the environment's own failures are
-the environment's, counted and printed like any step's (environments.py).
+the environment's, counted and printed like any step's (envs/environment.py).
+
+Its doors: none; an environment file imports OpenEnv from here.
 """
 
 from tool_calls import ToolError

@@ -1,0 +1,50 @@
+"""The environment that runs the policy's Python: a per-episode interpreter in the sandbox
+(envs/sandbox.py).
+
+    --environment envs.python_tool:PythonTool
+
+Its doors: none; the trainer loads it by its spec like any environment.
+"""
+
+import re
+
+from envs.sandbox import START_TIME, Interpreter, Limits
+from tool_calls import ToolError
+
+
+class PythonTool:
+    """The policy writes <python>code</python>; the code runs in the episode's Interpreter and
+    what it printed comes back as a tool message. A turn without code ends the episode. The code's
+    exception or a limit is the policy's mistake: told as "error: ..." and counted (tool_bad_calls)."""
+
+    stop = ["</python>"]
+    limits = Limits(cpu=5, wall=5.0)
+    # the seconds one call may need: the interpreter's start, the cell's wall clock, the kill after
+    # it; the trainer refuses a tool_timeout below it (envs.environment.check_needs)
+    call_time = START_TIME + limits.wall + 1.0
+    system = ("You can run Python. Write code between <python> and </python>, for example <python>print(2 ** 10)"
+              "</python>; what it prints is shown to you. Variables are kept from one call to the next. "
+              "Give the final answer as \\boxed{answer}.")
+
+    def __init__(self):
+        self.interpreter = None  # started by the first call: the trainer's probe instance never runs code
+
+    def reset(self, row):
+        prompt = row["prompt"]
+        question = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+        return [{"role": "system", "content": self.system}, {"role": "user", "content": question}]
+
+    def step(self, row, messages):
+        call = re.search(r"<python>(.*?)</python>", messages[-1]["content"], re.S)
+        if call is None:
+            return []
+        self.interpreter = self.interpreter or Interpreter(self.limits)
+        result = self.interpreter.run(call.group(1))
+        output = (result.stdout + result.stderr).strip()
+        if result.error:
+            raise ToolError(f"{result.error}\n{output}".strip())
+        return [{"role": "tool", "content": output}]
+
+    def close(self):
+        if self.interpreter:
+            self.interpreter.close()
