@@ -144,7 +144,7 @@ class Agents:
         reward and the logged samples see the prompt of its first call as the prompt."""
         e.agent_failure = None
         if trace.sample is not None:
-            e.sample, e.messages, e.answer = trace.sample, trace.messages, trace.answer
+            e.sample, e.messages, e.completion = trace.sample, trace.messages, trace.completion
             e.row = dict(e.row, prompt_text=self.tokenizer.decode(trace.sample.prompt_ids))
             e.turns, e.tool_calls, e.cut, e.eos = trace.calls, trace.tool_calls, trace.cut, trace.eos is not None
         if trace.failure:  # the cause, when the program then failed on the gateway's answer

@@ -82,7 +82,7 @@ class Trace:
         self.temperature, self.seeds, self.lock = temperature, seeds, threading.Lock()  # held for a whole call
         self.closed = False
         self.sample, self.convo, self.tools, self.eos, self.text = None, None, None, None, ""
-        self.messages, self.answer, self.calls, self.tool_calls, self.cut = [], "", 0, 0, False
+        self.messages, self.completion, self.calls, self.tool_calls, self.cut = [], "", 0, 0, False
         self.failure, self.overrides, self.server_error = None, 0, None
 
     def current(self):

@@ -1,5 +1,5 @@
 """Episodes, played on rank 0: an `Episode` is one sample in the making, and `play` plays n episodes
-of each prompt against the vLLM server and, with an --environment, its answers, turn after turn.
+of each prompt against the vLLM server and, with an --environment, its replies, turn after turn.
 
 An episode is token-in, token-out and append-only: each turn sends the episode's ids so far
 to vLLM and appends the ids it sampled (mask 1, with their logprobs); the environment's
@@ -44,7 +44,7 @@ class Episode:
         self.k, self.row, self.budget, self.done, self.cut, self.eos = k, row, budget, False, False, False
         self.sample = Sample(list(row["prompt_ids"]), [], [], [], versions=())
         self.messages = []  # with an environment, the conversation so far (play)
-        self.answer, self.turns, self.tool_calls = "", 0, 0
+        self.completion, self.turns, self.tool_calls = "", 0, 0
         self.key, self.env_reward = None, None  # the environment's key for its calls, and its reward
         self.failure = None  # why the infrastructure could not play or score it: then it is never trained on
         self.reward_failed = None  # how its reward failed ("errors", "timeouts", "crashes"), if that is why
@@ -104,10 +104,10 @@ def play(cfg, client, rows, n, seed, tokenizer, env=None, temperature=None):
             if going:
                 t = time.perf_counter()
                 try:
-                    answers, lost = env.answer(going)
+                    replies, lost = env.reply(going)
                 except ValueError as e:  # an answer the policy would never see (chat.ChatTokens.check_roles)
                     raise Refused(str(e)) from None
-                going = take_answers(going, answers)
+                going = take_replies(going, replies)
                 failures, tools = failures + lost, tools + time.perf_counter() - t
                 for e in going:
                     pending[send(e.ids, 1, e.budget, e.turns * len(episodes) + e.k)] = [e]
@@ -144,28 +144,28 @@ def take_turn(e, out, tokenizer, env):
     """Append one sampled turn (mask 1, its logprobs) to episode e; with an environment, to its
     conversation too, however the episode ends."""
     e.add(out["token_ids"], out["logprobs"], True, out["version"])
-    e.answer, e.eos, e.turns = completion_text(tokenizer, out), out.get("eos", False), e.turns + 1
+    e.completion, e.eos, e.turns = completion_text(tokenizer, out), out.get("eos", False), e.turns + 1
     e.done = e.cut = out["finish_reason"] == "length" or e.budget <= 0  # cut by the token budget
     if env:
-        e.messages.append(env.message(e.answer, e.turns - 1))
+        e.messages.append(env.message(e.completion, e.turns - 1))
 
 
-def take_answers(episodes, answers):
-    """Append each episode's answer (envs.environment.Environment.answer: messages and their token ids)
-    with mask 0; returns the episodes still going. No answer ends an episode, and so does one
+def take_replies(episodes, replies):
+    """Append each episode's reply (envs.environment.Environment.reply: messages and their token ids)
+    with mask 0; returns the episodes still going. No reply ends an episode, and so does one
     that leaves no room for another turn (the conversation, and the sample, end with the
     policy's turn)."""
     going = []
-    for e, answer in zip(episodes, answers):
-        if isinstance(answer, str):  # the infrastructure lost the episode: it ends unscored
-            e.done, e.failure = True, answer
+    for e, reply in zip(episodes, replies):
+        if isinstance(reply, str):  # the infrastructure lost the episode: it ends unscored
+            e.done, e.failure = True, reply
             continue
-        if answer is None or len(answer[1]) >= e.budget:
-            e.done, e.cut = True, answer is not None
+        if reply is None or len(reply[1]) >= e.budget:
+            e.done, e.cut = True, reply is not None
             continue
-        e.messages += answer[0]
+        e.messages += reply[0]
         e.tool_calls += 1
-        e.add(answer[1], None, sampled=False)
+        e.add(reply[1], None, sampled=False)
         going.append(e)
     return going
 

@@ -119,7 +119,7 @@ class Gateway:
             reply = self.parser.message(content, trace.calls - 1) if self.parser and tools else \
                 {"role": "assistant", "content": content}
         trace.tool_calls += bool(reply.get("tool_calls"))
-        trace.convo, trace.messages, trace.answer = messages + [reply], messages + [reply], text
+        trace.convo, trace.messages, trace.completion = messages + [reply], messages + [reply], text
         if reply.get("tool_calls") and finish == "stop":
             finish = "tool_calls"
         out = dict(reply, reasoning_content=reasoning) if reasoning is not None else dict(reply)
@@ -150,7 +150,7 @@ class Gateway:
         ids, finish = self.sample(trace, between, extends, body, stops(body))
         if ids is None:
             return "", finish
-        trace.answer, trace.messages = trace.text, []  # the reward reads this call's text
+        trace.completion, trace.messages = trace.text, []  # the reward reads this call's text
         return trace.text, finish
 
     def sample(self, trace, between, extends, body, stop):
@@ -209,7 +209,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 trace.closed = True
                 return self.reply(200, {})
             saved = trace.save()
-            status, payload = self.answer(trace, route, body, key)
+            status, payload = self.respond(trace, route, body, key)
             if self.gone():
                 return trace.load(saved)
             try:
@@ -226,7 +226,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         except OSError:
             return True
 
-    def answer(self, trace, route, body, key):
+    def respond(self, trace, route, body, key):
         """(HTTP status, the JSON answer) of one call."""
         gateway = self.server.gateway
         try:

@@ -3,7 +3,7 @@
 Tokens are handled flat: every function takes the N valid (completion) tokens of a
 micro-batch as 1-D tensors, so padding never enters a sum. Each loss returns the *sum*
 over its tokens divided by the denominator of the whole optimizer step, so gradients
-accumulated over micro-batches and summed over ranks (train.py undoes FSDP's averaging)
+accumulated over micro-batches and summed over ranks (update.py undoes FSDP's averaging)
 equal the gradient of one loss over the whole step.
 """
 

@@ -1,7 +1,7 @@
 """The rollout: the scored, grouped samples the trainer learns from, made on rank 0.
 
 `rollout_batch` is one step's batch: prompts -> episodes (episodes.py: vLLM completions, and with
-an --environment its answers, turn after turn) -> rewards -> group advantages. `Rollouts` hands
+an --environment its replies, turn after turn) -> rewards -> group advantages. `Rollouts` hands
 them to the loop, made on demand (async_steps=0: the synchronous loop, exact and debuggable),
 or up to async_steps steps ahead on a thread while the trainer trains, so generation and
 training overlap (the server is its own process; the thread only waits on HTTP).
@@ -48,7 +48,7 @@ def score(pool, episodes, env=None):
     values, counts = [0.0] * len(episodes), {f"reward_{w}": 0 for w in FAILURES}
     if asked:
         got, counts, first = pool.score([episodes[i].row["prompt_text"] for i in asked],
-                                        [episodes[i].answer for i in asked], [examples[i] for i in asked],
+                                        [episodes[i].completion for i in asked], [examples[i] for i in asked],
                                         [last_turn(episodes[i].sample) for i in asked])
         for i, v in zip(asked, got):
             values[i] = v
@@ -107,7 +107,7 @@ def sample_groups(cfg, client, rows, seed, step, pool, tokenizer, env=None, show
     if env_side:
         tqdm.write(f"step {step}: {len(env_side)} environment call(s) failed; first: {env_side[0]}")
     if cfg.format_reward:
-        rewards = [r + cfg.format_reward * has_answer_format(e.answer) for r, e in zip(rewards, episodes)]
+        rewards = [r + cfg.format_reward * has_answer_format(e.completion) for r, e in zip(rewards, episodes)]
     rewards = torch.tensor(rewards)
     broken = rewards.isnan().view(-1, n).any(dim=1).repeat_interleave(n)  # each sample: its group has an unscored one
     adv, std = group_advantages(rewards.nan_to_num(0.0), n, cfg.advantage_normalization_type)

@@ -101,7 +101,7 @@ def check_needs(spec, probe, stop, cfg):
 
 class Environment:
     """An --environment on the trainer's side: its first messages, stop strings and tools, its
-    calls in worker processes (each episode's in one worker), and the tokens of its answers."""
+    calls in worker processes (each episode's in one worker), and the tokens of its replies."""
 
     def __init__(self, spec, tokenizer, cfg):
         obj = load_object(spec, "environment", "environment")
@@ -184,11 +184,11 @@ class Environment:
             return message
         return dict(message, content=self.tokenizer.decode(ids[:self.cfg.tool_output_max_tokens]) + " [cut]")
 
-    def answer(self, episodes):
-        """The environment's answer to each episode's last turn: for each, its reply messages (each cut
+    def reply(self, episodes):
+        """The environment's reply to each episode's last turn: for each, its reply messages (each cut
         to tool_output_max_tokens) and their token ids as the chat template renders them, None when
         the episode ends there, or a str when the infrastructure lost it (why: it is not scored);
-        and the calls that failed, as (kind, why). The rollout appends them (rollout.take_answers).
+        and the calls that failed, as (kind, why). The rollout appends them (episodes.take_replies).
 
         An exception of step, a timeout or a crash is told to the policy as an "error: ..." tool
         message (its input may have caused it, as a tool's error is in TRL), except that with a
@@ -210,7 +210,7 @@ class Environment:
             lost = self.factory and what != "errors"  # the episode's instance went with its worker
             replies[i] = ([], f"its call failed ({what}: {why}), and its instance with the worker") if lost else \
                 ([{"role": "tool", "content": f"error: {why}"}], None)
-        answers = []
+        out = []
         for e, (reply, kind) in zip(episodes, replies):
             if kind == "bad_calls":
                 failed.append((kind, f"episode {e.k}: the policy's call was answered {reply[0]['content']!r}"))
@@ -218,12 +218,12 @@ class Environment:
                 kind = "its environment was lost with its worker (another episode's call failed there)"
                 failed.append(("lost", f"episode {e.k}: {kind}"))
             if kind not in (None, "bad_calls"):  # the infrastructure's failure, not the policy's
-                answers.append(kind)
+                out.append(kind)
                 continue
             reply = [self.truncate(m) for m in reply]
             self.chat.check_roles(reply, self.spec)  # a role the template drops stops the run, in one line
-            answers.append((reply, self.chat.ids(reply, e.sample.token_ids[-1] if e.eos else None)) if reply else None)
-        return answers, failed
+            out.append((reply, self.chat.ids(reply, e.sample.token_ids[-1] if e.eos else None)) if reply else None)
+        return out, failed
 
     def finish(self, episodes):
         """At the episodes' end: each one's reward from the environment (None when it has no reward

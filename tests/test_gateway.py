@@ -219,7 +219,7 @@ def test_a_completion_is_the_answer_the_reward_reads(make):
     g, tok, client, key = make("qwen2.5-instruct", ["\\boxed{5}"])
     assert client.completions.create(model="any", prompt="2 + 3 = ").choices[0].text == "\\boxed{5}"
     trace = g.close(key)
-    assert trace.answer == "\\boxed{5}" and trace.messages == []
+    assert trace.completion == "\\boxed{5}" and trace.messages == []
 
 
 def test_a_stop_string_is_sampled_and_left_out_of_the_text(make):

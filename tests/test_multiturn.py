@@ -94,7 +94,7 @@ def test_episode_tokens_are_the_templates_rendering_of_the_conversation(tokenize
     episodes, stats, client = episodes_of(tokenizer, ["<calc>2+3</calc>", "so <calc>5+10</calc> then", "it is 15."],
                                           [dict(prompt="what is 2+3+10?")])
     for e in episodes:
-        assert e.turns == 3 and e.tool_calls == 2 and not e.cut and e.answer == "it is 15."
+        assert e.turns == 3 and e.tool_calls == 2 and not e.cut and e.completion == "it is 15."
         assert e.messages[-1] == {"role": "assistant", "content": "it is 15."}  # the environment ended it there
         rendered = tokenizer(tokenizer.apply_chat_template(e.messages, tokenize=False),
                              add_special_tokens=False)["input_ids"]
@@ -192,7 +192,7 @@ def test_tools_that_hang_crash_or_raise_become_error_messages(tiny_model_dir):
     assert said["crash"].startswith("error: the tool's process died (exit code 3)")
     assert said["raise"] == "error: ValueError: boom"
     assert sorted(kind for kind, _ in stats["tool_failures"]) == ["crashes"] * 2 + ["errors"] * 2 + ["timeouts"] * 2
-    assert all(e.turns == 2 and e.answer == "done." for e in episodes)
+    assert all(e.turns == 2 and e.completion == "done." for e in episodes)
 
 
 @pytest.mark.parametrize("spec,fragment", [("envs.calculator:OPS", "has no step(row, messages) method"),

@@ -428,7 +428,7 @@ def test_the_python_tool_keeps_each_episodes_variables_and_counts_its_errors(tin
         episodes, stats = play(cfg, ScriptedClient(tok, script), rows, 2, 0, tok, env)
     finally:
         env.close()
-    assert len(episodes) == 4 and all(e.turns == 4 and e.answer == "done." for e in episodes)
+    assert len(episodes) == 4 and all(e.turns == 4 and e.completion == "done." for e in episodes)
     answers = [[m["content"] for m in e.messages if m["role"] == "tool"] for e in episodes]
     assert [a[0] for a in answers] == ["1 []"] * 4 and [a[1] for a in answers] == ["2"] * 4  # nothing shared
     assert all(a[2].startswith("error: ZeroDivisionError: division by zero") for a in answers)

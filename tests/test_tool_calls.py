@@ -166,7 +166,7 @@ def test_the_native_calculator_answers_hermes_calls_on_a_chatml_template():
     episodes, stats = play(cfg, ScriptedClient(tok, script, eos_id=tok.eos_token_id), rows, 2, 0, tok, env)
     for e in episodes:
         assert [m["content"] for m in e.messages if m["role"] == "tool"][-3:] == ["84", "error: invalid syntax", "89"]
-        assert e.turns == 4 and e.tool_calls == 3 and e.answer == "\\boxed{89}"
+        assert e.turns == 4 and e.tool_calls == 3 and e.completion == "\\boxed{89}"
     assert [what for what, _ in stats["tool_failures"]] == ["bad_calls"] * 2
 
 
