@@ -1,9 +1,8 @@
 """Weight sync: the trainer's sharded weights into the vLLM server, and the proof it took.
 
 Two transports behind one call, `make_weight_sync(cfg, ...).sync(model)`, made on every
-rank and called on every rank (the gathers are collectives). Each also says what a server we
-launch starts from (launch_state_dict), the flags it needs (server_flags) and whether it needs
-a sync before it serves (sync_at_start):
+rank and called on every rank (the gathers are collectives). Each also gives a server we launch
+what it starts from (launch_state_dict), its flags (server_flags) and whether a sync comes first:
 
 - filesystem (default, CPU and GPU): gather the full state dict, rank 0 writes
   safetensors to memory-backed /dev/shm (or weight_sync_dir, a directory every server can
@@ -90,7 +89,7 @@ class FilesystemSync:
     `serving` turns the gathered state dict into what the servers get (LoRA's merge, lora_sync.py)."""
 
     server_flags = ()  # a server we launch needs none for it (lora_sync.AdapterSync's: LoRA on)
-    sync_at_start = False  # a server we launch starts from launch_state_dict, what a sync sends
+    sync_at_start = False  # a server we launch needs no sync before it serves (AdapterSync's does)
 
     def __init__(self, client, rank, output_dir, timeout=None, base=None, serving=None):
         self.client, self.rank, self.dir, self.timeout, self.serving = client, rank, None, timeout, serving
@@ -105,8 +104,7 @@ class FilesystemSync:
         sd = full_state_dict(model)
         return self.serving(sd) if self.serving and sd else sd
 
-    def launch_state_dict(self, model):
-        return self.serving_state_dict(model)
+    launch_state_dict = serving_state_dict  # a server we launch starts from what a sync sends
 
     def sync(self, model):
         """Returns the bytes written (rank 0) or 0. A failed reload raises VLLMError on every
