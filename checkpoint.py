@@ -3,7 +3,7 @@
     checkpoint_state_dir/
         step_00000040/           a complete checkpoint: resumed from automatically
             .metadata, *.distcp  policy, reference (+ its fp32 master), optimizer: each rank writes its shards
-                                 (with LoRA the adapters only: the frozen base is the model's own files)
+                                 (not the frozen parameters: with LoRA the base, the model's own files)
             trainer_state.pt     step, scheduler, sampler position, config (rank 0)
             rng_0.pt, rng_1.pt   each rank's RNG states
         step_00000050.partial/   being written, or killed while being written: never resumed from
@@ -32,7 +32,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-import lora
 from config import Config
 
 COMPLETE = re.compile(r"^step_(\d{8})$")
@@ -81,16 +80,22 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def policy_state(policy):
-    """The policy's part of a checkpoint (lora.checkpoint_part: with LoRA its adapters alone)."""
-    return lora.checkpoint_part(get_model_state_dict(policy))
+def policy_state(policy, moved=()):
+    """The policy's part of a checkpoint: its state dict less the frozen parameters, which a resumed run
+    reads from model_name_or_path again (with LoRA the base: the part holds the adapters), save those
+    in `moved`, which the reference moves (LoRA's EMA adapter, a frozen part of the policy's module)."""
+    moved = {id(p) for p in moved}
+    frozen = {name for name, p in policy.state_dict(keep_vars=True).items()  # the names get_model_state_dict gives
+              if isinstance(p, torch.nn.Parameter) and not p.requires_grad and id(p) not in moved}
+    return {k: v for k, v in get_model_state_dict(policy).items() if k not in frozen}
 
 
 def sharded_state(train_state):
     """What DCP writes and reads in place: every tensor a DTensor shard on its own rank.
     For a fresh optimizer this initialises its state (a step at lr 0), so it can be loaded."""
     policy, ref = train_state.policy, train_state.ref
-    state = {"policy": policy_state(policy), "optimizer": get_optimizer_state_dict(policy, train_state.optimizer)}
+    state = {"policy": policy_state(policy, ref.ref_params if ref is not None else ()),
+             "optimizer": get_optimizer_state_dict(policy, train_state.optimizer)}
     if ref is not None:
         state.update(ref.state_dict())  # {} where the policy's state holds it (LoRA's adapters)
     return state
@@ -159,7 +164,7 @@ def load(path, train_state, cfg=None):
         raise ValueError(f"cannot resume from {path}: {cause[:300]}; it was written for another model or setup: "
                          "give a new checkpoint_state_dir, or the model it was made with") from None
     # Not strict: state["policy"] has the keys of policy_state, each one filled by dcp.load or refused
-    # there; what it leaves out (LoRA's frozen base) stays as loaded from model_name_or_path.
+    # there; what it leaves out (the frozen parameters) stays as loaded from model_name_or_path.
     set_model_state_dict(policy, state["policy"], options=StateDictOptions(strict=False))
     set_optimizer_state_dict(policy, train_state.optimizer, state["optimizer"])
     if ref is not None:

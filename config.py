@@ -110,7 +110,7 @@ class Config:
                                "cannot follow")
     vllm_server_urls: list[str] = option([], "servers you run yourself (comma separated); empty = launch one",
                                          resumable=True)
-    vllm_port: int = option(8011, "port of a server `python vllm_server.py --serve` starts (scripts/launch_8gpu.sh); "
+    vllm_port: int = option(8011, "port of a server `python scripts/serve.py --serve` starts (scripts/launch_8gpu.sh); "
                                   "the one train.py launches takes none (a private Unix socket)",
                             low=1, high=65535, resumable=True)
     vllm_dtype: str = option("auto", "dtype of the server we launch; auto = the trainer's (float32 on CPU, bfloat16 "

@@ -22,7 +22,7 @@ import vllm_server
 from episodes import Refused
 from model_files import stop_token_ids
 from rollout import Rollouts, drop_stale, evaluate, rollout_batch
-from weight_sync import AdapterSync, launch_state_dict, make_weight_sync, write_serving_dir
+from weight_sync import make_weight_sync, write_serving_dir
 
 
 HELD = {}  # run.lock path -> its open file, which this process holds (flock's lock lives as long as it is open)
@@ -52,6 +52,15 @@ def claim_output_dir(output_dir):
     HELD[path] = f
 
 
+def make_sync(cfg, client, rank, device):
+    """The weight sync the config asks for (weight_sync.py); with LoRA the adapter's, or the merged
+    weights' (lora_sync.py, LoRA's door: imported only then)."""
+    if cfg.lora_rank:
+        import lora_sync  # noqa: PLC0415 - the optional concept's door
+        return lora_sync.make_weight_sync(cfg, client, rank)
+    return make_weight_sync(cfg, client, rank, device, vllm_server.server_dtype(cfg))
+
+
 class Generator:
     def __init__(self, cfg, policy, tokenizer, sampler, pool, rank, device, env=None):
         self.cfg, self.tokenizer, self.sampler, self.pool, self.rank, self.device = cfg, tokenizer, sampler, pool, rank, device
@@ -78,15 +87,17 @@ class Generator:
                 self.client = vllm_client.VLLMClient(cfg.vllm_server_urls, None, cfg.vllm_request_timeout,
                                                  cfg.vllm_max_retries, stop_token_ids=stop_ids,
                                                  api_key=os.environ.get("VLLM_API_KEY"))
-            full = launch_state_dict(policy, cfg)  # a collective: every rank takes part
+            self.weight_sync = make_sync(cfg, self.client, rank, device)  # it says what our server starts from
+            full = self.weight_sync.launch_state_dict(policy)  # a collective: every rank takes part
             if rank == 0 and not cfg.vllm_server_urls:
                 write_serving_dir(full, policy.config, tokenizer, self.served)
-                self.server, url = vllm_server.launch_server(self.served, cfg, self.log_path)
+                self.server, url = vllm_server.launch_server(self.served, cfg, self.log_path,
+                                                             extra_args=self.weight_sync.server_flags)
                 self.client = vllm_client.VLLMClient([url], self.served, cfg.vllm_request_timeout, cfg.vllm_max_retries,
                                                  proc=self.server, log_path=self.log_path, stop_token_ids=stop_ids)
+                self.weight_sync.client = self.client
             del full
-            self.weight_sync = make_weight_sync(cfg, self.client, rank, device)
-            if cfg.vllm_server_urls or isinstance(self.weight_sync, AdapterSync):
+            if cfg.vllm_server_urls or self.weight_sync.sync_at_start:
                 self.weight_sync.sync(policy)  # the user's server starts from our weights; requests name our adapter
         except BaseException:
             self.close()
@@ -134,10 +145,11 @@ class Generator:
             self.rollouts = None
             self.sampler.position = self.position  # this step's prompts again
             vllm_server.stop_server(self.server)
-            self.server, url = vllm_server.launch_server(self.served, self.cfg, self.log_path)
+            self.server, url = vllm_server.launch_server(self.served, self.cfg, self.log_path,
+                                                         extra_args=self.weight_sync.server_flags)
             self.client.proc, self.client.urls = self.server, [url]  # a new socket
         self.weight_sync.close()
-        self.weight_sync = make_weight_sync(self.cfg, self.client, self.rank, self.device)
+        self.weight_sync = make_sync(self.cfg, self.client, self.rank, self.device)
         self.weight_sync.sync(policy)
 
     def sync(self, policy):

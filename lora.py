@@ -5,7 +5,9 @@
 The adapters are injected into the Hugging Face model before FSDP2 shards it (PEFT's
 inject_adapter_in_model: the model keeps its class and layout), so each adapter matrix is
 sharded like the layer it adapts. Only the trained adapter ("default") requires a gradient;
-the optimizer holds state for it alone.
+the optimizer holds state for it alone, and a checkpoint holds the adapters alone (checkpoint.py
+leaves out the frozen parameters but those the reference moves: the base is read from
+model_name_or_path again on resume).
 
 The reference is the policy's own module with another adapter active, never a second model:
 - fixed (beta > 0, ref_policy_update_freq None): the adapters switched off, i.e. the base;
@@ -14,23 +16,29 @@ The reference is the policy's own module with another adapter active, never a se
   over the local shards of the two (its shards sit on the same rank: no collective). It costs
   one adapter of memory instead of a model.
 
-The server gets the adapter itself (weight_sync.AdapterSync: PEFT's adapter directory, which
-vLLM's /v1/load_lora_adapter reads), or, from a server without LoRA, full weights with the
-adapter folded in (merge). The trainer's base weights are never merged into: a merge is done
-on the gathered copy.
+The adapter leaves the trainer through lora_sync.py: into the servers (the adapter itself, or
+full weights with it folded in) and into the exports.
+
+Its doors: the only places in the trainer that import lora.py or lora_sync.py, each only when
+lora_rank > 0 (a plain run imports neither):
+- parallel.py:load_model       add_adapters, before the sharding
+- reference.py:make_reference  the base (WithAdapter(policy, None)) or the EMA adapter (adapter_parameters)
+- train.py:check_outside       check, on the meta model, before anything starts
+- train.py:announce            describe, the start-up line
+- train.py:export              lora_sync.export: PEFT's adapter directory, and the adapter merged in
+- generator.py:make_sync       lora_sync.make_weight_sync: the adapter's sync (its server_flags go to
+                               the server we launch) or the merged weights'
+and, for a server you run, scripts/serve.py:main (lora_sync.server_flags). config.py holds the
+lora_* fields and their checks; update.py reads lora_dropout (the Dropout modules on in the forward
+that takes a gradient; the sync check's dropout-free logprobs).
 """
 
 import contextlib
-import json
-import os
-import re
-import shutil
 import warnings
 
 import torch
 
 ADAPTER, REFERENCE = "default", "reference"  # the trained adapter (PEFT's default name) and the EMA reference's
-VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank values (config/lora.py)
 
 
 def peft_config(cfg):
@@ -46,12 +54,8 @@ def add_adapters(model, cfg):
     """Inject the trained adapter (and, for the EMA reference, its copy) into `model` in place and
     freeze everything else. Every rank draws the same lora_A (train.py seeds torch first), so the
     shards FSDP2 keeps of each rank's full tensor agree. A target module the model lacks, or one
-    outside the decoder layers' linear modules (check_targets), is a ValueError naming it. Without
-    lora_rank, nothing."""
+    outside the decoder layers' linear modules (check_targets), is a ValueError naming it."""
     from peft import inject_adapter_in_model
-
-    if not cfg.lora_rank:
-        return
 
     config = peft_config(cfg)
     names = [n for n, _ in model.named_modules()]
@@ -69,6 +73,9 @@ def add_adapters(model, cfg):
         raise ValueError(f"lora_target_modules={','.join(cfg.lora_target_modules)}: {str(e).splitlines()[0]} "
                          "(PEFT names: q_proj, v_proj, ..., or all-linear)") from None
     check_targets(model, cfg)
+    for name, m in model.named_modules():  # update.dropout: PEFT's lora_dropout of the trained adapter alone
+        if name.endswith(f"lora_dropout.{ADAPTER}"):
+            m.dropout_in_training = True
     with torch.no_grad():
         for (_, ref), (_, trained) in zip(adapter_parameters(model, REFERENCE), adapter_parameters(model, ADAPTER)):
             ref.copy_(trained)  # the EMA starts at the policy
@@ -155,117 +162,8 @@ class WithAdapter:
             return self.policy.sequence_logprobs(*args, **kwargs)
 
 
-@contextlib.contextmanager
-def dropout(model, on):
-    """With on, PEFT's lora_dropout of the trained adapter in train mode inside the block. The
-    models otherwise stay in eval mode (from_pretrained's): no other dropout is ever switched on."""
-    modules = [m for name, m in model.named_modules() if on and name.endswith(f"lora_dropout.{ADAPTER}")]
-    for m in modules:
-        m.train(True)
-    try:
-        yield
-    finally:
-        for m in modules:
-            m.train(False)
-
-
-# --- the adapter as files, and merged into full weights
-
-
-def peft_key(name, adapter=ADAPTER):
-    """A parameter's name as PEFT's adapter_model.safetensors spells it (what vLLM reads)."""
-    name = name.replace("_checkpoint_wrapped_module.", "").replace(f".{adapter}.", ".")
-    return "base_model.model." + name
-
-
-def gather_adapter(model, rank, adapter=ADAPTER):
-    """Every rank (each full_tensor() is a collective, in the same order on every rank): the
-    adapter's full tensors, in PEFT's file names, on rank 0 in CPU memory; {} on the others."""
-    out = {}
-    for name, p in adapter_parameters(model, adapter):
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-        if rank == 0:
-            out[peft_key(name, adapter)] = full.cpu().contiguous()
-    return out
-
-
-def write_adapter(tensors, cfg, out_dir):
-    """PEFT's adapter directory (adapter_model.safetensors, adapter_config.json), which
-    PeftModel.from_pretrained and vLLM's load_lora_adapter read; replaced atomically. Returns
-    the bytes of the tensors."""
-    from safetensors.torch import save_file
-
-    tmp = out_dir.rstrip("/") + ".partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = peft_config(cfg).to_dict()
-    config["target_modules"] = sorted({re.sub(r"\.lora_[AB]\.weight$", "", k).rsplit(".", 1)[-1] for k in tensors})
-    with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
-        json.dump(config, f, indent=2, default=list)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.rename(tmp, out_dir)
-    return sum(v.numel() * v.element_size() for v in tensors.values())
-
-
-def base(state_dict):
-    """The base model's state dict under its own names (PEFT's ...q_proj.base_layer.weight is
-    ...q_proj.weight), every adapter tensor dropped: what a server that loads the adapter starts from."""
-    return {key.replace(".base_layer.", "."): value for key, value in state_dict.items() if ".lora_" not in key}
-
-
-def merge(state_dict, cfg):
-    """The base model's state dict with the trained adapter folded in, W + (lora_alpha / lora_rank)
-    B A, under the base's own names; every adapter tensor dropped. The input is a full state dict
-    (weight_sync.full_state_dict), not the live parameters. Without lora_rank, the input."""
-    if not cfg.lora_rank:
-        return state_dict
-    scale = cfg.lora_alpha / cfg.lora_rank
-    out = base(state_dict)
-    for key, a in state_dict.items():
-        if key.endswith(f".lora_A.{ADAPTER}.weight"):
-            layer = key[:-len(f".lora_A.{ADAPTER}.weight")]
-            w, b = out[f"{layer}.weight"], state_dict[f"{layer}.lora_B.{ADAPTER}.weight"]
-            out[f"{layer}.weight"] = (w.double() + scale * (b.double() @ a.double())).to(w.dtype)
-    return out
-
-
-# --- what the rest of the trainer asks of LoRA (nothing there tests lora_rank)
-
-
-def serves_adapter(cfg):
-    """Whether the servers get the adapter itself (lora_weight_sync='adapter', weight_sync.AdapterSync)
-    rather than full weights."""
-    return bool(cfg.lora_rank) and cfg.lora_weight_sync == "adapter"
-
-
-def server_flags(cfg):
-    """vllm serve's flags for a server we launch: LoRA on when each sync loads the new adapter by name."""
-    if not serves_adapter(cfg):
-        return []
-    rank = next(r for r in VLLM_MAX_LORA_RANKS if r >= cfg.lora_rank)
-    return ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "1"]
-
-
 def describe(policy, cfg):
-    """The start-up line on the trained adapter's size (the EMA reference's adapter apart); None without LoRA."""
-    if not cfg.lora_rank:
-        return None
+    """The start-up line on the trained adapter's size (the EMA reference's adapter apart)."""
     total = sum(p.numel() for n, p in policy.named_parameters() if not is_adapter(n, REFERENCE))
     trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     return f"lora: rank {cfg.lora_rank}, {trainable:,} trainable parameters of {total:,} ({trainable / total:.2%})"
-
-
-def export(full, cfg, adapter_dir):
-    """An export's weights (a full state dict): with LoRA, PEFT's adapter directory written to
-    adapter_dir and the adapter merged in; without, `full` as it is."""
-    if not cfg.lora_rank:
-        return full
-    write_adapter({peft_key(k): v for k, v in full.items() if is_adapter(k, ADAPTER)}, cfg, adapter_dir)
-    return merge(full, cfg)
-
-
-def checkpoint_part(state_dict):
-    """The policy's part of a checkpoint: with LoRA its adapters alone (the trained one and the EMA
-    reference's; the frozen base is read from model_name_or_path again on resume), else all of it."""
-    return {k: v for k, v in state_dict.items() if ".lora_" in k} or state_dict

@@ -21,8 +21,8 @@ open-instruct's GRPO distributed knobs (DeepSpeed terms) and what they are here:
 | single_gpu_mode                        | single_gpu_mode (vLLM sleep mode, vllm_server.py)       |
 | backend_timeout                        | backend_timeout (the process group)                     |
 
-With lora_rank the adapters are injected before the sharding (lora.py); the reference is
-then an adapter of the policy's own module, and load_model never builds a second model.
+With lora_rank the adapters are injected before the sharding (lora.py, imported only then); the
+reference is then an adapter of the policy's own module, and load_model never builds a second model.
 
 The reference gets the policy's mesh and placements, so its shards sit beside the
 policy's (the EMA update stays local); it never runs backward, so it is never
@@ -42,7 +42,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
                                     register_fsdp_forward_method)
 
-import lora
 from plan import mesh_shape
 from policy import check_architecture, sequence_logprobs
 
@@ -114,7 +113,8 @@ def load_model(cfg, device, mesh, reference=False):
     check_architecture(model)
     if sp > 1:
         sequence_parallel.check_heads(model.config, sp)  # train.py checked it already
-    if not reference:  # before the wrappers and the sharding: each adapter is sharded with its layer
+    if cfg.lora_rank and not reference:  # before the wrappers and the sharding: each adapter is sharded with its layer
+        import lora  # noqa: PLC0415 - the optional concept's door
         lora.add_adapters(model, cfg)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" \
         else MixedPrecisionPolicy()

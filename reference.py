@@ -4,6 +4,8 @@
     ref.logprobs(forward, micro_batch, ...)        # its logprobs (update.py)
     ref.step(step)                                 # after step's update: moves when due (train.py)
     ref.state_dict(), ref.load_state_dict(state)   # what a checkpoint holds of it (checkpoint.py)
+    ref.ref_params                                 # what it moves: inside the policy's module (LoRA's
+                                                   # EMA adapter), the policy's part of a checkpoint holds them
 
 The kinds: a fixed copy of the initial policy (Reference), an EMA of the policy (EMAReference),
 and with LoRA the base (the policy's module, adapters off) or an EMA adapter. A new kind is a
@@ -26,7 +28,8 @@ memory O(parameters / world size). The anchors we know loop over parameters with
 mul_/add_ and, under ZeRO-3, gather full parameters to do it.
 
 With lora_rank the reference is an adapter beside the trained one in the policy's module
-(lora.py): the same update over the two adapters' local shards, one adapter of memory.
+(lora.py, imported by make_reference only then): the same update over the two adapters' local
+shards, one adapter of memory.
 
 With offload_ref_policy the reference's shards stay in CPU memory: the update then runs
 there, on a copy of the policy's local shards (still no collective); with offload_params
@@ -44,8 +47,6 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
-import lora
-
 
 def local(t):
     """The local shard of a DTensor parameter (a view: writing it writes the parameter)."""
@@ -56,6 +57,8 @@ class Reference:
     """A reference that does not move. `model` computes its logprobs (its sequence_logprobs): a
     sharded copy of the initial policy, whose weights a checkpoint holds, or a view of the
     policy's own module (LoRA's), which the policy's checkpoint holds."""
+
+    ref_params = ()  # the parameters it moves: none
 
     def __init__(self, model, every=None):
         self.model, self.every = model, every
@@ -146,6 +149,7 @@ def make_reference(cfg, policy, load_copy):
     every = cfg.ref_policy_update_freq
     if not cfg.lora_rank:
         return EMAReference(load_copy(), policy, cfg.alpha, every=every) if every else Reference(load_copy())
+    import lora  # noqa: PLC0415 - the optional concept's door
     if not every:
         return Reference(lora.WithAdapter(policy, None))
     pairs = [[p for _, p in lora.adapter_parameters(policy, a)] for a in (lora.REFERENCE, lora.ADAPTER)]

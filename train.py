@@ -45,7 +45,6 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import checkpoint
-import lora
 import packing
 import vllm_client
 import tracking
@@ -69,7 +68,10 @@ def check_outside(cfg):
     the run writes and the servers you run. ValueError with one line naming the fix."""
     model_config = load_model_config(cfg)
     check_vocabulary(model_config, cfg.kl_topk)
-    lora.check(check_model_config(model_config), cfg)  # an LM head or layout the logprobs do not implement, LoRA targets
+    meta_model = check_model_config(model_config)  # an LM head or layout the logprobs do not implement
+    if cfg.lora_rank:  # LoRA targets the model lacks, or outside its decoder layers
+        import lora  # noqa: PLC0415 - the optional concept's door
+        lora.check(meta_model, cfg)
     if cfg.sequence_parallel_size > 1:
         from sequence_parallel import check_heads
         check_heads(model_config, cfg.sequence_parallel_size)
@@ -187,8 +189,9 @@ def announce(cfg, plan, world_size, device, data, resumed_from, start, policy):
         print(line)
     print(f"data: {len(train_rows)} train / {len(eval_rows)} eval prompts from {cfg.dataset!r}, skipped {skipped}; "
           f"reward {reward}")
-    if line := lora.describe(policy, cfg):
-        print(line)
+    if cfg.lora_rank:
+        import lora  # noqa: PLC0415 - the optional concept's door
+        print(lora.describe(policy, cfg))
     if resumed_from:
         print(f"resumed from {resumed_from} (step {start})")
 
@@ -233,7 +236,9 @@ def export(cfg, policy, tokenizer, rank, name):
     rank 0); with LoRA the adapter merged in, and PEFT's adapter directory in output_dir/name_adapter."""
     full = full_state_dict(policy)
     if rank == 0:
-        full = lora.export(full, cfg, os.path.join(cfg.output_dir, f"{name}_adapter"))
+        if cfg.lora_rank:
+            import lora_sync  # noqa: PLC0415 - the optional concept's door
+            full = lora_sync.export(full, cfg, os.path.join(cfg.output_dir, f"{name}_adapter"))
         checkpoint.export(full, policy.config, tokenizer, os.path.join(cfg.output_dir, name))
 
 

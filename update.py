@@ -18,13 +18,13 @@ The loss of each micro-batch is already divided by the whole optimizer step's de
 are the gradient of one loss over the step.
 """
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-import lora
 from loss import OBJECTIVES, ess_from_sums, ess_sums, grpo_loss, mismatch_mask, step_denominator
 from packing import PER_TOKEN, micro_batches
 from reference import Reference
@@ -234,6 +234,21 @@ def train_on_batch(cfg, state, samples, rank, world_size, device):
     return metrics.reduce(cfg)
 
 
+@contextlib.contextmanager
+def dropout(model, on):
+    """With on, the modules the model build marked `dropout_in_training` (lora.add_adapters: PEFT's dropout
+    on the trained adapter's input) in train mode inside the block. The models otherwise stay in eval mode
+    (from_pretrained's): no other dropout is ever switched on."""
+    modules = [m for m in model.modules() if on and getattr(m, "dropout_in_training", None)]
+    for m in modules:
+        m.train(True)
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.train(False)
+
+
 def mini_batch_backward(cfg, policy, mbs, frozens, forward, denom, world_size, metrics, sync_check):
     """Forward and backward of one mini-batch's micro-batches on this rank (gradients accumulate
     until the last one reduce-scatters them); their summed loss."""
@@ -245,7 +260,7 @@ def mini_batch_backward(cfg, policy, mbs, frozens, forward, denom, world_size, m
     if reads_ess and cfg.ess_scope == "step":
         metrics.ess.append(ess_value)  # once per optimizer step, however many micro-batches it packs
     losses = []
-    with lora.dropout(policy, cfg.lora_dropout > 0):  # on through backward: a checkpointed layer recomputes it
+    with dropout(policy, cfg.lora_dropout > 0):  # on through backward: a checkpointed layer recomputes it
         for i, (b, frozen) in enumerate(zip(mbs, frozens)):
             policy.set_requires_gradient_sync(i == len(mbs) - 1)  # reduce-scatter once per step
             logp, entropy, head_logp, _ = forward(policy, b, head_ids=frozen.head_ids)

@@ -10,9 +10,9 @@ from any path and take no key: vLLM's --api-key guards only paths under /v1, /v2
 a Unix socket in a 0700 directory of its own, which closes every route to other users (not to
 root, nor to our own user's processes, which could read the trainer's memory anyway), and
 leaves no port for two runs on one machine to share. A server you run (vllm_server_urls, or
-`--serve` below) listens on a port: VLLM_API_KEY, exported to it and to train.py, closes its
-/v1 routes (completions, models, the LoRA load and unload routes); its dev routes stay open to
-every local process.
+scripts/serve.py, this server's command line) listens on a port: VLLM_API_KEY, exported to it and
+to train.py, closes its /v1 routes (completions, models, the LoRA load and unload routes); its dev
+routes stay open to every local process.
 
 single_gpu_mode (untested here: it needs a GPU build of vLLM): the server we launch shares
 the trainer's GPU, started with --enable-sleep-mode and the vllm_gpu_memory_utilization
@@ -35,7 +35,6 @@ import urllib.error
 
 import torch
 
-import lora
 from vllm_client import VLLMError, fetch, log_tail
 
 
@@ -56,10 +55,11 @@ def server_dtype(cfg):
     return cfg.vllm_dtype if cfg.vllm_dtype != "auto" else "bfloat16" if torch.cuda.is_available() else "float32"
 
 
-def server_command(model_dir, cfg, port=None, uds=None):
+def server_command(model_dir, cfg, port=None, uds=None, extra_args=()):
     """The command line of the vLLM server on `model_dir`, and the variables it adds to the environment:
     the server train.py launches (launch_server: on the Unix socket `uds`) and scripts/launch_8gpu.sh
-    starts (main, below: on 127.0.0.1:`port`)."""
+    starts (scripts/serve.py: on 127.0.0.1:`port`). `extra_args` are the caller's flags: the weight
+    sync's (LoRA's adapter sync turns LoRA on: lora_sync.server_flags), a benchmark's."""
     max_len = cfg.vllm_max_model_len or cfg.max_prompt_length + cfg.response_length
     # with --uds vLLM ignores --host and --port (its FrontendArgs.uds)
     where = ["--uds", uds] if uds else ["--port", str(port)]
@@ -83,7 +83,7 @@ def server_command(model_dir, cfg, port=None, uds=None):
         cmd += ["--hf-overrides", json.dumps({"head_dtype": "float32"})]
     if cfg.weight_sync_transport == "nccl":
         cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
-    cmd += lora.server_flags(cfg)  # with the adapter synced: LoRA on, each sync loads the new one by name
+    cmd += list(extra_args)
     if cfg.single_gpu_mode:
         if not torch.cuda.is_available():
             raise VLLMError("single_gpu_mode=True needs a GPU (vLLM's sleep mode frees GPU memory); "
@@ -103,13 +103,12 @@ def launch_server(model_dir, cfg, log_path, port=None, env=None, extra_args=()):
     route, /collective_rpc and the LoRA routes included. With `port` (tests, benchmarks: a server
     "the user runs") it listens on 127.0.0.1:port, open to every local process.
     A server that exits or does not answer past vllm_startup_timeout is stopped and the tail of
-    its log is quoted in the error. `env` and `extra_args` (benchmarks) are laid over the
-    environment and the arguments of server_command; None in `env` unsets a variable."""
+    its log is quoted in the error. `extra_args` go to server_command; `env` (benchmarks) is laid over
+    the environment; None in `env` unsets a variable."""
     uds = None if port else private_socket()
     if port:
         check_port_free(port)
-    cmd, added = server_command(model_dir, cfg, port, uds)
-    cmd += list(extra_args)
+    cmd, added = server_command(model_dir, cfg, port, uds, extra_args)
     # our server wants no key: the socket is the lock (VLLM_API_KEY is for the servers you run)
     server_env = dict(os.environ, **added)
     server_env.pop("VLLM_API_KEY", None)
@@ -225,30 +224,3 @@ def stop_server(proc, timeout=30):
     except ProcessLookupError:
         pass
     remove_socket_dir(getattr(proc, "uds", None))
-
-
-def main(argv=None):
-    """python vllm_server.py [--print] --serve MODEL_DIR [train.py's flags]: become the vLLM server
-    train.py would launch on MODEL_DIR for those flags, on 127.0.0.1:vllm_port; --print writes its
-    command instead. scripts/launch_8gpu.sh starts its servers so, with the trainer's flags: the
-    servers' flags have one source, server_command."""
-    import shlex
-
-    from cli import fail, parse_args_or_exit
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    show = "--print" in argv
-    argv = [a for a in argv if a != "--print"]
-    if len(argv) < 2 or argv[0] != "--serve":
-        fail("usage: python vllm_server.py [--print] --serve MODEL_DIR [train.py's --key value flags]")
-    cfg = parse_args_or_exit(argv[2:])
-    cmd, added = server_command(argv[1], cfg, cfg.vllm_port)
-    if show:
-        print(" ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(added.items())), shlex.join(cmd))
-        return
-    sys.stdout.flush()
-    os.execve(cmd[0], cmd, dict(os.environ, **added))  # this process becomes the server: the caller's pid stops it
-
-
-if __name__ == "__main__":
-    main()

@@ -1,24 +1,23 @@
 """Weight sync: the trainer's sharded weights into the vLLM server, and the proof it took.
 
 Two transports behind one call, `make_weight_sync(cfg, ...).sync(model)`, made on every
-rank and called on every rank (the gathers are collectives):
+rank and called on every rank (the gathers are collectives). Each also gives a server we launch
+what it starts from (launch_state_dict), its flags (server_flags) and whether a sync comes first:
 
 - filesystem (default, CPU and GPU): gather the full state dict, rank 0 writes
   safetensors to memory-backed /dev/shm (or weight_sync_dir, a directory every server can
   read: servers on other nodes need a shared filesystem), asks each server to
   `reload_weights` through /collective_rpc and resets its prefix cache.
 - nccl (GPU servers started with --weight-transfer-config '{"backend": "nccl"}'): vLLM's
-  native weight-transfer API, in the server's dtype (vllm_dtype). Its NCCL calls are untested
-  on the CPU machines this project is built on; its error path is tested with the server faked.
+  native weight-transfer API, in the server's dtype (vllm_server.server_dtype, handed in by the
+  caller). Its NCCL calls are untested on the CPU machines this project is built on; its error
+  path is tested with the server faked.
 
 Both are bounded by weight_sync_timeout: the reload request is an HTTP timeout; the NCCL
 transfer, which would otherwise wait forever for a peer that is gone, runs in a thread
 that is abandoned with a TimeoutError when it takes longer.
 
-- LoRA (lora_rank > 0): the adapter alone, as PEFT's adapter directory that each server
-  loads by name (AdapterSync; the server runs with --enable-lora, and one we launch starts
-  from the unmerged base), or with lora_weight_sync='merged' full weights with the adapter
-  folded in (servers without LoRA).
+LoRA's syncs (the adapter, or the merged weights) are lora_sync.py's, picked by generator.make_sync.
 
 Tied embeddings: the CPU server's `reload_weights` does not refresh a tied LM head
 ("ParallelLMHead: Failed to load weights"), so the server always gets an untied copy:
@@ -32,13 +31,10 @@ import shutil
 import tempfile
 import threading
 
-import uuid
-
 import torch
 
-import lora
 from vllm_client import VLLMError
-from vllm_server import server_dtype
+
 
 def full_state_dict(model):
     """The full, unsharded state dict, on CPU, on rank 0 (empty on other ranks).
@@ -50,23 +46,6 @@ def full_state_dict(model):
     if not dist.is_initialized():
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def serving_state_dict(model, cfg=None):
-    """full_state_dict, with a LoRA policy's adapter folded into its base weights (lora.merge):
-    what a server without LoRA serves. Every rank must call it."""
-    sd = full_state_dict(model)
-    return lora.merge(sd, cfg) if cfg is not None and sd else sd
-
-
-def launch_state_dict(model, cfg):
-    """What a server we launch starts from (every rank must call it): with lora_weight_sync='adapter'
-    the base alone, since AdapterSync loads the adapter on top of it; merged weights there would hold
-    it twice (vLLM computing W + 2 s B A once lora_B has moved, as after a resume). Otherwise
-    serving_state_dict."""
-    if lora.serves_adapter(cfg):
-        return lora.base(full_state_dict(model))
-    return serving_state_dict(model, cfg)
 
 
 def untie(state_dict):
@@ -106,21 +85,32 @@ def write_serving_dir(state_dict, hf_config, tokenizer, out_dir):
 
 
 class FilesystemSync:
-    """Gather on every rank, then rank 0 writes safetensors and asks each server to reload."""
+    """Gather on every rank, then rank 0 writes safetensors and asks each server to reload.
+    `serving` turns the gathered state dict into what the servers get (LoRA's merge, lora_sync.py)."""
 
-    def __init__(self, client, rank, output_dir, timeout=None, base=None, cfg=None):
-        self.client, self.rank, self.dir, self.timeout, self.cfg = client, rank, None, timeout, cfg
+    server_flags = ()  # a server we launch needs none for it (lora_sync.AdapterSync's: LoRA on)
+    sync_at_start = False  # a server we launch needs no sync before it serves (AdapterSync's does)
+
+    def __init__(self, client, rank, output_dir, timeout=None, base=None, serving=None):
+        self.client, self.rank, self.dir, self.timeout, self.serving = client, rank, None, timeout, serving
         if rank == 0:  # memory-backed /dev/shm when there is one, unless the servers need a shared directory
             if base is None:
                 base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else output_dir
             os.makedirs(base, exist_ok=True)
             self.dir = tempfile.mkdtemp(prefix="weight_sync_", dir=base)
 
+    def serving_state_dict(self, model):
+        """What the servers get, on rank 0 (every rank must call it: a gather)."""
+        sd = full_state_dict(model)
+        return self.serving(sd) if self.serving and sd else sd
+
+    launch_state_dict = serving_state_dict  # a server we launch starts from what a sync sends
+
     def sync(self, model):
         """Returns the bytes written (rank 0) or 0. A failed reload raises VLLMError on every
         rank, so all can save a checkpoint first; unless it failed because a server we
         launched died: then the next rollout restarts it and pushes the weights again."""
-        sd = serving_state_dict(model, self.cfg)  # with LoRA (lora_weight_sync='merged'): the adapter folded in
+        sd = self.serving_state_dict(model)  # with LoRA (lora_weight_sync='merged'): the adapter folded in
         nbytes, error = 0, None
         if self.rank == 0:
             try:
@@ -137,49 +127,6 @@ class FilesystemSync:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-class AdapterSync(FilesystemSync):
-    """LoRA (lora_weight_sync='adapter'): gather the trained adapter alone; rank 0 writes PEFT's
-    adapter directory and each server loads it under a new name (/v1/load_lora_adapter), which
-    every later request names; the previous adapter is then unloaded. A new name is a new LoRA id
-    in vLLM, and its prefix cache is keyed by that id: no cached prefix of the old adapter serves a
-    new request (the cache is reset too, as after a full-weight sync)."""
-
-    def __init__(self, client, rank, output_dir, timeout=None, base=None, cfg=None):
-        super().__init__(client, rank, output_dir, timeout, base, cfg)
-        self.tag, self.syncs, self.loaded = uuid.uuid4().hex[:8], 0, None  # names unique across runs of one server
-
-    def sync(self, model):
-        tensors = lora.gather_adapter(model, self.rank)  # a collective per tensor
-        nbytes, error = 0, None
-        if self.rank == 0:
-            try:
-                self.syncs += 1
-                name = f"policy-{self.tag}-{self.syncs}"
-                path = os.path.join(self.dir, name)
-                nbytes = lora.write_adapter(tensors, self.cfg, path)
-                with self.client.updating():  # in-flight generations finish on the old adapter; new ones wait
-                    self.load(name, path)
-                    self.client.model = name  # what every request names from now on
-                    if self.loaded:
-                        self.client.broadcast("/v1/unload_lora_adapter", {"lora_name": self.loaded})
-                        shutil.rmtree(os.path.join(self.dir, self.loaded), ignore_errors=True)
-                    self.loaded = name
-                    self.client.broadcast("/reset_prefix_cache")
-            except Exception as e:  # noqa: BLE001 -- whatever it was, every rank must hear of it
-                error = failure(self.client, e)
-        raise_on_every_rank(error)
-        return nbytes
-
-    def load(self, name, path):
-        """Each server loads the adapter directory `path` as model `name` (vLLM's runtime LoRA
-        routes: the server runs with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)."""
-        try:
-            self.client.broadcast("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, timeout=self.timeout)
-        except VLLMError as e:
-            raise VLLMError(f"weight sync: {e}\n(a server you run needs --enable-lora, --max-lora-rank >= "
-                            "lora_rank and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; or set lora_weight_sync=merged)") from None
-
-
 class NCCLSync:
     """GPU servers: vLLM's native weight-transfer API over NCCL (server launched with
     --weight-transfer-config '{"backend": "nccl"}'). The NCCL calls are untested on the CPU
@@ -191,10 +138,15 @@ class NCCLSync:
     leave the other ranks waiting inside a gather that rank 0, stuck in a failed transfer, never
     joins. Supports one server with one worker (tensor parallel size 1)."""
 
+    server_flags, sync_at_start = (), False  # its server's --weight-transfer-config is server_command's
+
     def __init__(self, client, rank, master_address, master_port, device, timeout=600.0, dtype=torch.bfloat16):
         self.client, self.rank, self.device, self.engine, self.timeout = client, rank, device, None, timeout
         self.master_address, self.master_port = master_address, master_port  # this trainer's rendezvous
         self.dtype = dtype  # the server's: a bfloat16 copy of float32 weights in a float32 server fails the check
+
+    def launch_state_dict(self, model):
+        return full_state_dict(model)
 
     # the four calls vLLM's trainer engine makes on its client (VLLMWeightSyncClient)
     # (the two that wait for the NCCL transfer get weight_sync_timeout, not the request timeout)
@@ -298,13 +250,13 @@ def raise_on_every_rank(error):
         raise VLLMError(box[0])
 
 
-def make_weight_sync(cfg, client, rank, device):
-    """The configured transport; `.sync(model)` on every rank after each step."""
+def make_weight_sync(cfg, client, rank, device, dtype):
+    """The configured transport; `.sync(model)` on every rank after each step. `dtype` is the
+    server's (vllm_server.server_dtype: a torch dtype's name), in which NCCL sends."""
     if cfg.weight_sync_transport == "nccl":
         return NCCLSync(client, rank, cfg.weight_sync_master_address, cfg.weight_sync_master_port, device,
-                        cfg.weight_sync_timeout, getattr(torch, server_dtype(cfg)))
-    sync = AdapterSync if lora.serves_adapter(cfg) else FilesystemSync
-    return sync(client, rank, cfg.output_dir, cfg.weight_sync_timeout, cfg.weight_sync_dir, cfg)
+                        cfg.weight_sync_timeout, getattr(torch, dtype))
+    return FilesystemSync(client, rank, cfg.output_dir, cfg.weight_sync_timeout, cfg.weight_sync_dir)
 
 
 def within(seconds, fn, what, device=None):

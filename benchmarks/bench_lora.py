@@ -31,11 +31,13 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import lora_sync  # noqa: E402
 import train  # noqa: E402
 import vllm_client  # noqa: E402
 import vllm_server  # noqa: E402
 import weight_sync  # noqa: E402
 from config import Config  # noqa: E402
+from generator import make_sync  # noqa: E402
 from reference import local, make_reference  # noqa: E402
 
 MODEL = os.path.join(ROOT, "models", "smollm2-135m-instruct")
@@ -96,7 +98,7 @@ def serve(cfg, workdir, port, full, hf_config):
     serving = os.path.join(workdir, f"serving_{port}")
     weight_sync.write_serving_dir(full, hf_config, AutoTokenizer.from_pretrained(MODEL), serving)
     log = os.path.join(workdir, f"vllm_{port}.log")
-    proc, url = vllm_server.launch_server(serving, cfg, log, port=port)
+    proc, url = vllm_server.launch_server(serving, cfg, log, port=port, extra_args=lora_sync.server_flags(cfg))
     return vllm_client.VLLMClient([url], serving, timeout=600, max_retries=0, proc=proc, log_path=log)
 
 
@@ -122,7 +124,7 @@ def memory_and_sync(repeats, port, logs):
         with_lora = serve(cfgs["lora adapter"], workdir, port + 1, base, config)
         try:
             for name, client in (("full", plain), ("lora merged", plain), ("lora adapter", with_lora)):
-                sync = weight_sync.make_weight_sync(cfgs[name], client, 0, device)
+                sync = make_sync(cfgs[name], client, 0, device)  # as the trainer makes it
                 rows[name].update(time_syncs(name, sync, policies[name], client, repeats))
                 sync.close()
         finally:

@@ -8,9 +8,9 @@
 #   DRY_RUN=1 bash scripts/launch_8gpu.sh                         # print the commands below, start nothing
 #
 # Arguments after the script's name go to train.py and to the servers, and win over the flags
-# below. Each server is `vllm_server.py --serve`: the very server train.py would launch for the
-# same flags (vllm_server.server_command: context length, seed, dtype, LoRA ranks, weight
-# transfer, the routes weight sync uses), so the two never disagree.
+# below. Each server is `scripts/serve.py --serve`: the very server train.py would launch for the
+# same flags (vllm_server.server_command, and lora_sync.server_flags: context length, seed, dtype,
+# LoRA ranks, weight transfer, the routes weight sync uses), so the two never disagree.
 # Needs the official GPU build of vLLM: pip install -e ".[gpu,dev,plot]".
 # Not run on the machines this project is developed on (no GPU): check the log of
 # each server (OUT/vllm_*.log) and the first steps' vllm_logp_diff_mean before a long run.
@@ -59,10 +59,10 @@ trap cleanup EXIT
 urls=()
 port=$PORT
 for gpu in "${gpus[@]}"; do
-    server=("$PYTHON" vllm_server.py --serve "$SERVING" "${flags[@]}" --vllm_port "$port")
+    server=("$PYTHON" scripts/serve.py --serve "$SERVING" "${flags[@]}" --vllm_port "$port")
     if [ -n "${DRY_RUN:-}" ]; then
         echo "CUDA_VISIBLE_DEVICES=$gpu $(CUDA_VISIBLE_DEVICES=$gpu "${server[@]}" --print)"
-    else  # vllm_server.py becomes the server: $! is the server's pid
+    else  # scripts/serve.py becomes the server: $! is the server's pid
         CUDA_VISIBLE_DEVICES=$gpu "${server[@]}" >"$OUT/vllm_$port.log" 2>&1 &
         pids+=($!)
     fi

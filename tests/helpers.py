@@ -14,6 +14,7 @@ import types
 import torch
 
 import lora
+import lora_sync
 import vllm_client
 import vllm_server
 import weight_sync
@@ -104,14 +105,17 @@ VLLM_CFG = Config(max_prompt_length=48, response_length=16, vllm_startup_timeout
 
 
 def serve(model_dir, tmp, port, cfg=None):
-    """Launch a server on the untied serving copy of model_dir, as the trainer does (cfg: its flags)."""
+    """Launch a server on the untied serving copy of model_dir, as the trainer does (cfg: its flags; with
+    lora_rank, LoRA's too)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     serving = os.path.join(tmp, "serving")
     weight_sync.write_serving_dir(weight_sync.full_state_dict(model), model.config, AutoTokenizer.from_pretrained(model_dir),
                               serving)
-    proc, url = vllm_server.launch_server(serving, cfg or VLLM_CFG, os.path.join(tmp, "vllm.log"), port=port)
+    cfg = cfg or VLLM_CFG
+    proc, url = vllm_server.launch_server(serving, cfg, os.path.join(tmp, "vllm.log"), port=port,
+                                          extra_args=lora_sync.server_flags(cfg))
     return model, vllm_client.VLLMClient([url], serving, timeout=60, max_retries=1, proc=proc,
                                      log_path=os.path.join(tmp, "vllm.log"))
 

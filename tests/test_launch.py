@@ -1,4 +1,4 @@
-"""scripts/launch_8gpu.sh starts the vLLM servers train.py would launch: vllm_server.py's command
+"""scripts/launch_8gpu.sh starts the vLLM servers train.py would launch: scripts/serve.py's command
 line is the one launch_server runs (on a GPU too, faked here), and the script's servers get the
 trainer's own flags. The GPU-only parts (the servers themselves) are not run on this machine."""
 
@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+import lora_sync
+import serve
 import vllm_server
 from cli import parse_args
 
@@ -25,8 +27,9 @@ class Started(Exception):
 @pytest.mark.parametrize("lora_rank,max_lora_rank", [(1, "1"), (300, "320")])
 def test_the_server_cli_runs_what_launch_server_runs(monkeypatch, tmp_path, lora_rank, max_lora_rank):
     """On a GPU (faked), for LoRA ranks where the script's own copy of the flags said 8 and 512:
-    `vllm_server.py --serve` execs launch_server's command and environment. Before: the script
-    built its own command, and vllm_server.py had no command line."""
+    `scripts/serve.py --serve` execs the command and environment of launch_server with LoRA's flags
+    (as generator.py launches it). Before: the script built its own command, and there was no server
+    command line."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     flags = [*FLAGS, "--lora_rank", str(lora_rank), "--vllm_port", "8001"]
     seen = {}
@@ -40,14 +43,16 @@ def test_the_server_cli_runs_what_launch_server_runs(monkeypatch, tmp_path, lora
         raise Started
 
     monkeypatch.setattr(vllm_server.subprocess, "Popen", popen)
-    monkeypatch.setattr(vllm_server.os, "execve", execve)
+    monkeypatch.setattr(serve.os, "execve", execve)
+    cfg = parse_args(flags)
     with pytest.raises(Started):
-        vllm_server.launch_server("serving/m", parse_args(flags), str(tmp_path / "log"), port=8001)
+        vllm_server.launch_server("serving/m", cfg, str(tmp_path / "log"), port=8001,
+                                  extra_args=lora_sync.server_flags(cfg))
     with pytest.raises(Started):
-        vllm_server.main(["--serve", "serving/m", *flags])
+        serve.main(["--serve", "serving/m", *flags])
     assert seen["cli"] == seen["launch_server"]
     with pytest.raises(Started):  # as train.py launches it: on a Unix socket, in a directory of its own
-        vllm_server.launch_server("serving/m", parse_args(flags), str(tmp_path / "log"))
+        vllm_server.launch_server("serving/m", cfg, str(tmp_path / "log"), extra_args=lora_sync.server_flags(cfg))
     own = seen["launch_server"][0]
     uds = own[own.index("--uds") + 1]
     assert "--port" not in own and own[:own.index("--uds")] == seen["cli"][0][:own.index("--uds")]
@@ -60,7 +65,7 @@ def test_the_server_cli_runs_what_launch_server_runs(monkeypatch, tmp_path, lora
 
 def test_a_bad_flag_stops_the_server_cli_in_one_line(capsys):
     with pytest.raises(SystemExit) as e:
-        vllm_server.main(["--serve", "serving/m", "--lora_rnak", "4"])
+        serve.main(["--serve", "serving/m", "--lora_rnak", "4"])
     assert e.value.code == 2 and "did you mean 'lora_rank'" in capsys.readouterr().err
 
 
@@ -81,7 +86,7 @@ def test_launch_8gpu_gives_its_servers_the_trainers_flags():
     assert "--seed" in flags and "--lora_rank" in flags
     for gpu, words in enumerate(servers):
         cfg = parse_args([*flags, "--vllm_port", str(8100 + gpu)])
-        cmd, added = vllm_server.server_command("serving/m", cfg, cfg.vllm_port)
+        cmd, added = vllm_server.server_command("serving/m", cfg, cfg.vllm_port, extra_args=lora_sync.server_flags(cfg))
         assigned = dict(w.split("=", 1) for w in words[:words.index(cmd[0])])
         assert assigned == {"CUDA_VISIBLE_DEVICES": str(gpu), **added}
         assert words[words.index(cmd[0]):] == cmd and "--max-lora-rank" in cmd

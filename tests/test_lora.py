@@ -13,10 +13,11 @@ import pytest
 import torch
 
 import lora
+import lora_sync
 import vllm_server
 from config import Config
 from policy import sequence_logprobs
-from update import make_optimizer
+from update import dropout, make_optimizer
 from helpers import command, flags, full, lora_model, metrics, run, serve, stable, start, wait_for_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -100,9 +101,9 @@ def test_merge_and_the_adapter_directory_give_the_adapters_forward(tiny_model_di
     cfg, model = lora_model(tiny_model_dir)
     sd = model.state_dict()
     merged = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    merged.load_state_dict(lora.merge(sd, cfg))  # strict: exactly the base's names
-    adapter = {lora.peft_key(k): v for k, v in sd.items() if lora.is_adapter(k, lora.ADAPTER)}
-    lora.write_adapter(adapter, cfg, str(tmp_path / "adapter"))
+    merged.load_state_dict(lora_sync.merge(sd, cfg))  # strict: exactly the base's names
+    adapter = {lora_sync.peft_key(k): v for k, v in sd.items() if lora.is_adapter(k, lora.ADAPTER)}
+    lora_sync.write_adapter(adapter, cfg, str(tmp_path / "adapter"))
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
                                      str(tmp_path / "adapter"))
     with torch.no_grad():
@@ -116,7 +117,7 @@ def test_lora_dropout_acts_only_inside_the_gradient_forward(tiny_model_dir):
     _, model = lora_model(tiny_model_dir, lora_dropout=0.5)
     with torch.no_grad():
         plain = logprobs(model, IDS)
-        with lora.dropout(model, True):
+        with dropout(model, True):
             dropped = logprobs(model, IDS)
         assert (dropped - plain).abs().max() > 1e-4
         assert torch.equal(logprobs(model, IDS), plain)
@@ -206,7 +207,7 @@ def test_the_server_we_launch_starts_from_the_base_when_it_loads_the_adapter(tin
             generator.Generator(cfg, model, load_tokenizer(cfg), types.SimpleNamespace(position=0), None, 0,
                                 torch.device("cpu"))
         served = load_file(str(tmp_path / sync / "vllm_model" / "model.safetensors"))
-        want = base if sync == "adapter" else lora.merge(model.state_dict(), cfg)
+        want = base if sync == "adapter" else lora_sync.merge(model.state_dict(), cfg)
         assert served.keys() == want.keys(), sync
         changed = [k for k in want if not torch.equal(served[k], want[k])]
         assert not changed, f"{sync}: {len(changed)} tensors differ, e.g. {changed[0]}"
@@ -218,7 +219,7 @@ def test_the_server_we_launch_starts_from_the_base_when_it_loads_the_adapter(tin
 
 @pytest.fixture(scope="module")
 def lora_server(tiny_model_dir, tmp_path_factory):
-    """A server "the user runs", started with LoRA enabled (vllm_server.launch_server's flags)."""
+    """A server "the user runs", started with LoRA enabled (lora_sync.server_flags)."""
     _, client = serve(tiny_model_dir, str(tmp_path_factory.mktemp("lora_server")), 8053,
                       cfg=Config(model_name_or_path=tiny_model_dir, lora_rank=8))
     yield client

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import lora
+import lora_sync
 from policy import sequence_logprobs
 from update import make_optimizer
 from helpers import lora_model
@@ -33,7 +34,7 @@ def test_the_adapters_gradients_are_the_full_models_projected_onto_them(tiny_mod
     cfg, model = lora_model(tiny_model_dir)  # every linear layer of the decoder, the EMA reference adapter beside
     scale = cfg.lora_alpha / cfg.lora_rank
     merged = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    merged.load_state_dict(lora.merge(model.state_dict(), cfg))
+    merged.load_state_dict(lora_sync.merge(model.state_dict(), cfg))
     merged.sequence_logprobs = types.MethodType(sequence_logprobs, merged)
     weights = torch.randn(2 * 8, generator=torch.Generator().manual_seed(3))
     loss_of(model, weights).backward()
@@ -60,7 +61,7 @@ def test_the_scale_is_peft_s_and_the_adapters_forward_is_the_merged_model_s(tiny
     cfg, model = lora_model(tiny_model_dir)
     assert {layer.scaling[lora.ADAPTER] for layer in lora.tuner_layers(model)} == {cfg.lora_alpha / cfg.lora_rank}
     merged = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    merged.load_state_dict(lora.merge(model.state_dict(), cfg))
+    merged.load_state_dict(lora_sync.merge(model.state_dict(), cfg))
     merged.sequence_logprobs = types.MethodType(sequence_logprobs, merged)
     with torch.no_grad():
         weights = torch.ones(2 * 8)

@@ -93,7 +93,7 @@ def test_nccl_sync_of_perturbed_weights(tiny_model_dir, tmp_path):
     proc, url = vllm_server.launch_server(served, cfg, str(tmp_path / "vllm.log"), port=8071)
     try:
         client = vllm_client.VLLMClient([url], served, proc=proc, log_path=str(tmp_path / "vllm.log"))
-        sync = weight_sync.make_weight_sync(cfg, client, 0, torch.device("cuda"))
+        sync = weight_sync.make_weight_sync(cfg, client, 0, torch.device("cuda"), vllm_server.server_dtype(cfg))
         seqs = [[7, 8, 9, 10, 11, 12], [20, 21, 22, 23]]
         with torch.no_grad():
             for p in model.parameters():
