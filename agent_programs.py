@@ -30,6 +30,12 @@ A run that raised, timed out or crashed (agent_errors, agent_timeouts, agent_cra
 gateway could not serve (agent_refused: the server failed, a prompt too long, tools and no
 --tool_call_parser) or a run that never called the model (agent_idle) leaves the episode unscored:
 its group leaves the batch, and unscored_stop stops a run where that is every episode.
+
+Its doors (of agent_programs.py, gateway.py and agent_trace.py, which a plain run never imports):
+    startup.load_inputs     Agents, when --agent or --agent_cmd is set
+    episodes.play           an environment with a play method of its own plays its episodes
+    rollout.score           asks the reward for an episode its program left to it (Episode.needs_reward)
+    rollout.rollout_batch   the agent_* counts in the step's metrics
 """
 
 import asyncio

@@ -23,14 +23,15 @@ Its doors: the only places in the trainer that import lora.py or lora_sync.py, e
 lora_rank > 0 (a plain run imports neither):
 - parallel.py:load_model       add_adapters, before the sharding
 - reference.py:make_reference  the base (WithAdapter(policy, None)) or the EMA adapter (adapter_parameters)
-- train.py:check_outside       check, on the meta model, before anything starts
-- train.py:announce            describe, the start-up line
+- startup.py:check_outside     check, on the meta model, before anything starts
+- startup.py:announce          describe, the start-up line
 - train.py:export              lora_sync.export: PEFT's adapter directory, and the adapter merged in
 - generator.py:make_sync       lora_sync.make_weight_sync: the adapter's sync (its server_flags go to
                                the server we launch) or the merged weights'
 and, for a server you run, scripts/serve.py:main (lora_sync.server_flags). config.py holds the
-lora_* fields and their checks; update.py reads lora_dropout (the Dropout modules on in the forward
-that takes a gradient; the sync check's dropout-free logprobs).
+lora_* fields and their checks; update.py reads lora_dropout (update.dropout switches on, in the
+forward that takes a gradient, the modules add_adapters marks `dropout_in_training`; the sync
+check's dropout-free logprobs).
 """
 
 import contextlib

@@ -13,7 +13,7 @@ Its doors, each entered only when sequence_parallel_size > 1 (a plain run never 
     parallel.setup_distributed   init_groups
     parallel.load_model          register_attention before the model is built (the policy and every
                                  reference, adapters included, run "ulysses"), check_heads
-    train.check_outside          check_heads, before any process group
+    startup.check_outside        check_heads, before any process group
     update.train_on_batch        piece of each micro-batch
 policy.sequence_logprobs takes a piece's targets and hands row_position_ids to the attention;
 config.py refuses what a split row cannot do (below).

@@ -59,7 +59,7 @@ whatever that turn and the earlier ones held; a template that rewrites earlier t
 renders a whole conversation (Qwen3's drops past reasoning) is accepted, and the episode keeps
 what was sampled (docs/data.md says where that differs from the template's rendering).
 
-Its door: train.py's load_inputs imports Environment when --environment is set; data.py
+Its door: startup.py's load_inputs imports Environment when --environment is set; data.py
 (reset, tools, chat), generator.py (start) and rollout.py (new_key, message, answer, finish,
 discard) call its methods without naming it. The calls themselves run in envs/calls.py.
 """

@@ -16,7 +16,7 @@ CONCEPTS = {
     "lora": ["lora.py", "lora_sync.py"],
     "sequence_parallel": ["sequence_parallel.py"],
     "environments": ["envs"],
-    "sandbox": ["envs/sandbox.py", "envs/python_tool.py"],
+    "sandbox": ["envs/sandbox.py", "envs/sandbox_process.py", "envs/python_tool.py"],
     "openenv": ["envs/openenv_adapter.py"],
     "agents": ["gateway.py", "agent_trace.py", "agent_programs.py", "examples"],
 }

@@ -93,12 +93,12 @@ def test_the_data_line_names_what_scores():
     """The data: line named exact_match when the environment scored its episodes itself."""
     from types import SimpleNamespace
 
-    import train
+    import startup
     from config import Config
     from rewards import exact_match
 
     cfg = Config(environment="env.py:Board")
-    assert train.reward_name(cfg, SimpleNamespace(scores=True), exact_match) == "env.py:Board's own"
+    assert startup.reward_name(cfg, SimpleNamespace(scores=True), exact_match) == "env.py:Board's own"
     cfg = Config(environment="env.py:Board", reward_fn="r.py:fn")
-    assert train.reward_name(cfg, SimpleNamespace(scores=True), exact_match) == "env.py:Board's own + r.py:fn"
-    assert train.reward_name(Config(), None, exact_match) == "exact_match"
+    assert startup.reward_name(cfg, SimpleNamespace(scores=True), exact_match) == "env.py:Board's own + r.py:fn"
+    assert startup.reward_name(Config(), None, exact_match) == "exact_match"
