@@ -101,7 +101,7 @@ class EMAReference(Reference):
                 "reference and policy must be sharded the same way"
             r.requires_grad_(False)
         super().__init__(ref_model, every)
-        self.policy, self.alpha, self.updates = policy_model, alpha, 0
+        self.alpha, self.updates = alpha, 0
         self.ref_params, self.policy_params = ref_params, pol_params
         low = any(local(r).dtype != torch.float32 for r in ref_params)
         self.master = [local(r).float().clone() for r in ref_params] if low else None

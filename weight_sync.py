@@ -1,4 +1,5 @@
-"""Weight sync: the trainer's sharded weights into the vLLM server, and the proof it took.
+"""Weight sync: the trainer's sharded weights into the vLLM server (update.py checks that a sync took:
+the logprobs vLLM reports against the trainer's, before the step's first optimizer step).
 
 Two transports behind one call, `make_weight_sync(cfg, ...).sync(model)`, made on every
 rank and called on every rank (the gathers are collectives). Each also gives a server we launch
@@ -282,23 +283,3 @@ def within(seconds, fn, what, device=None):
     if "error" in out:
         raise out["error"]
     return out.get("value")
-
-
-# --- the check
-
-
-@torch.no_grad()
-def trainer_logprobs(model, sequences, temperature=1.0):
-    """Per-token logprobs of each sequence under `model` (same layout as VLLMClient.score)."""
-    out = []
-    for seq in sequences:
-        ids = torch.tensor([seq], device=next(model.parameters()).device)
-        logits = model(input_ids=ids).logits[0, :-1].float() / temperature
-        out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].cpu().tolist())
-    return out
-
-
-def logprob_diff(trainer_lp, server_lp):
-    """(mean, max) of |trainer - server| over all tokens."""
-    diffs = torch.tensor([abs(a - b) for t, s in zip(trainer_lp, server_lp) for a, b in zip(t, s)])
-    return diffs.mean().item(), diffs.max().item()

@@ -30,7 +30,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # parts 1-2: rank 0's work is sin
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # helpers: the plain logprobs of the check
 import lora_sync  # noqa: E402
 import train  # noqa: E402
 import vllm_client  # noqa: E402
@@ -38,6 +38,7 @@ import vllm_server  # noqa: E402
 import weight_sync  # noqa: E402
 from config import Config  # noqa: E402
 from generator import make_sync  # noqa: E402
+from helpers import logprob_diff, trainer_logprobs  # noqa: E402
 from reference import local, make_reference  # noqa: E402
 
 MODEL = os.path.join(ROOT, "models", "smollm2-135m-instruct")
@@ -87,7 +88,7 @@ def time_syncs(name, sync, policy, client, repeats):
     # one sequence a request: vLLM 0.32's LoRA path fails prompt_logprobs for two requests in one engine
     # step (punica_cpu's add_lora_logits indexes by request, not by prompt token; vllm#29955, #17766)
     served = [client.score([seq])[0] for seq in seqs]
-    diff = weight_sync.logprob_diff(weight_sync.trainer_logprobs(policy, seqs), served)[1]
+    diff = logprob_diff(trainer_logprobs(policy, seqs), served)[1]
     return dict(seconds=statistics.median(times[1:]), bytes=sent, diff=diff)
 
 

@@ -29,12 +29,13 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]  # make_tiny_model, and rollout / config without PYTHONPATH
+sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts"), os.path.join(ROOT, "tests")]  # make_tiny_model, helpers
 import make_tiny_model  # noqa: E402
 import vllm_client  # noqa: E402
 import vllm_server  # noqa: E402
 import weight_sync  # noqa: E402
 from config import Config  # noqa: E402
+from helpers import logprob_diff, trainer_logprobs  # noqa: E402
 
 MODELS = {name: make_tiny_model.SHAPES[name] for name in ("tiny", "24m", "0.5b")}  # random weights
 SEQS = [[7, 8, 9, 10, 11, 12, 13, 14], [20, 21, 22, 5, 6, 30, 31, 32, 33, 34]]  # token ids < 64
@@ -49,7 +50,7 @@ def perturb(model, seed):
 
 
 def max_diff(model, client):
-    return weight_sync.logprob_diff(weight_sync.trainer_logprobs(model, SEQS), client.score(SEQS))[1]
+    return logprob_diff(trainer_logprobs(model, SEQS), client.score(SEQS))[1]
 
 
 def copy_gbps(nbytes, tries=5):

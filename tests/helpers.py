@@ -228,3 +228,23 @@ def lora_model(model_dir, **overrides):
                 p.normal_(0, 0.2)
     model.sequence_logprobs = types.MethodType(sequence_logprobs, model)
     return cfg, model
+
+
+# --- logprobs of whole sequences, against a server's (VLLMClient.score): the plain forward, one sequence at a time
+
+
+@torch.no_grad()
+def trainer_logprobs(model, sequences, temperature=1.0):
+    """Per-token logprobs of each sequence under `model` (same layout as VLLMClient.score)."""
+    out = []
+    for seq in sequences:
+        ids = torch.tensor([seq], device=next(model.parameters()).device)
+        logits = model(input_ids=ids).logits[0, :-1].float() / temperature
+        out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].cpu().tolist())
+    return out
+
+
+def logprob_diff(trainer_lp, server_lp):
+    """(mean, max) of |trainer - server| over all tokens."""
+    diffs = torch.tensor([abs(a - b) for t, s in zip(trainer_lp, server_lp) for a, b in zip(t, s)])
+    return diffs.mean().item(), diffs.max().item()

@@ -20,7 +20,7 @@ import vllm_server
 import weight_sync
 from episodes import completion_text
 from model_files import stop_token_ids
-from helpers import VLLM_CFG
+from helpers import VLLM_CFG, trainer_logprobs
 
 # Far from neutral, each of them: every one left to the server moves the sampling logprobs.
 DEFAULTS = dict(top_k=3, min_p=0.1, repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.5)
@@ -74,7 +74,7 @@ def assert_full_softmax(model, prompts, groups, temperature):
     """Each sampled token's logprob is the trainer's full-softmax logprob at that temperature."""
     for p, group in zip(prompts, groups):
         for s in group:
-            lp = weight_sync.trainer_logprobs(model, [p + s["token_ids"]], temperature)[0][len(p) - 1:]
+            lp = trainer_logprobs(model, [p + s["token_ids"]], temperature)[0][len(p) - 1:]
             assert max(abs(a - b) for a, b in zip(lp, s["logprobs"])) < 1e-4, (lp, s["logprobs"])
 
 

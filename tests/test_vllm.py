@@ -15,7 +15,7 @@ import vllm_client
 import vllm_server
 import weight_sync
 from config import Config
-from helpers import serve
+from helpers import logprob_diff, serve, trainer_logprobs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -89,7 +89,7 @@ def test_sampling_logprobs_match_trainer(untied):
     model, client = untied
     s = client.generate([[7, 8, 9]], n=2, max_tokens=10, temperature=0.7, seed=1)[0][0]
     seq = [7, 8, 9] + s["token_ids"]
-    trainer = weight_sync.trainer_logprobs(model, [seq], temperature=0.7)[0][2:]
+    trainer = trainer_logprobs(model, [seq], temperature=0.7)[0][2:]
     assert max(abs(a - b) for a, b in zip(trainer, s["logprobs"])) < 1e-4  # vLLM reports tempered logprobs
 
 
@@ -98,11 +98,11 @@ def perturb_sync_check(model, client, tmp, seed):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p) * p.abs().mean())
-    before = weight_sync.logprob_diff(weight_sync.trainer_logprobs(model, SEQS), client.score(SEQS))
+    before = logprob_diff(trainer_logprobs(model, SEQS), client.score(SEQS))
     sync = weight_sync.FilesystemSync(client, 0, tmp)
     sync.sync(model)
     sync.close()
-    after = weight_sync.logprob_diff(weight_sync.trainer_logprobs(model, SEQS), client.score(SEQS))
+    after = logprob_diff(trainer_logprobs(model, SEQS), client.score(SEQS))
     return before, after
 
 
@@ -155,8 +155,8 @@ def test_each_completion_carries_the_version_of_the_weights_that_sampled_it(unti
     models = {v0: model, v0 + 1: new_model}
     samples = [(p, s) for name in ("before", "during") for p, g in zip(prompts, out[name]) for s in g]
     for p, s in samples:  # each label is the truth: the logprobs are those of that version's model
-        lp = weight_sync.trainer_logprobs(models[s["version"]], [p + s["token_ids"]])[0][len(p) - 1:]
-        other = weight_sync.trainer_logprobs(models[2 * v0 + 1 - s["version"]], [p + s["token_ids"]])[0][len(p) - 1:]
+        lp = trainer_logprobs(models[s["version"]], [p + s["token_ids"]])[0][len(p) - 1:]
+        other = trainer_logprobs(models[2 * v0 + 1 - s["version"]], [p + s["token_ids"]])[0][len(p) - 1:]
         assert max(abs(a - b) for a, b in zip(lp, s["logprobs"])) < 1e-4
         assert max(abs(a - b) for a, b in zip(other, s["logprobs"])) > 1e-3  # the versions are told apart
     model.load_state_dict(new_model.state_dict())  # the module's model and server agree again
