@@ -71,20 +71,20 @@ def frozen_logprobs(cfg, policy, ref, micro, forward, reuse_old, device):
     """One FrozenLogprobs per micro-batch: old_logp (recomputed, or vLLM's with use_vllm_logprobs), the
     reference's logp and, for the top-k KL, the sampling policy's top-k ids with the reference's
     logp there (O(k) per token)."""
-    kl_heads = cfg.kl_estimator == "topk" and cfg.beta > 0
+    topk_kl = cfg.kl_estimator == "topk" and cfg.beta > 0
     out = []
     with torch.no_grad():
         for b in micro:
             frozen = FrozenLogprobs()
-            if (not reuse_old and not cfg.use_vllm_logprobs) or kl_heads:
-                frozen.old_logp, _, _, frozen.head_ids = forward(policy, b, head_size=cfg.kl_topk if kl_heads else 0)
+            if (not reuse_old and not cfg.use_vllm_logprobs) or topk_kl:
+                frozen.old_logp, _, _, frozen.head_ids = forward(policy, b, head_size=cfg.kl_topk if topk_kl else 0)
             if cfg.use_vllm_logprobs:
                 frozen.old_logp = b["vllm_logp"]
-            if not kl_heads:
+            if not topk_kl:
                 frozen.head_ids = None
             if cfg.beta > 0:
                 frozen.ref_logp, _, frozen.ref_head_logp, _ = ref.logprobs(forward, b, head_ids=frozen.head_ids)
-            if kl_heads:
+            if topk_kl:
                 targets = (b["targets"] if "targets" in b else b["input_ids"][:, 1:])[b["mask"]].to(device)
                 frozen.in_head = (frozen.head_ids == targets[:, None]).any(-1)
             out.append(frozen)
@@ -205,9 +205,9 @@ def train_on_batch(cfg, state, samples, rank, world_size, device):
         return model.sequence_logprobs(b["input_ids"].to(device), b["mask"].to(device), cfg.temperature,
                                        position_ids=b["position_ids"].to(device), **piece_of_row, **kw)
 
-    kl_heads = cfg.kl_estimator == "topk" and cfg.beta > 0
+    topk_kl = cfg.kl_estimator == "topk" and cfg.beta > 0
     # lora_dropout: the ratio compares the dropout forward with the dropout-free one that sampled
-    reuse_old = (cfg.num_mini_batches == 1 and cfg.num_epochs == 1 and not cfg.use_vllm_logprobs and not kl_heads
+    reuse_old = (cfg.num_mini_batches == 1 and cfg.num_epochs == 1 and not cfg.use_vllm_logprobs and not topk_kl
                  and not cfg.lora_dropout)
     frozen_per_mini = [frozen_logprobs(cfg, policy, state.ref, mbs, forward, reuse_old, device) for mbs in micro]
     # Dr GRPO's constant denominator counts the configured sequences of a mini-batch, not those
