@@ -164,7 +164,7 @@ class Config:
     loss_fn: str = option("dapo", "an objective of loss.OBJECTIVES: dapo (asymmetric clip), cispo (capped weight x "
                                   "logp), ess (batch-adaptive, \"Trust the Batch\" by Fakoor et al.; no clip "
                                   "constants) or gspo (clipped sequence ratio, GSPO by Zheng et al.; the paper clips "
-                                  "at 3e-4 / 4e-4)")
+                                  "at 3e-4 / 4e-4); or file.py:name, a loss.Objective of your own")
     clip_lower: float = option(0.2, "dapo, gspo: ratio (gspo: the sequence ratio) clipped below at 1 - clip_lower",
                                low=0, below=1)
     clip_higher: float = option(0.28, "dapo, gspo: ratio clipped above at 1 + clip_higher; cispo: weight capped at 1 "
@@ -374,8 +374,10 @@ class Config:
 
     @property
     def objective(self):
-        """loss.OBJECTIVES' row of loss_fn (its function and what it needs), or None for an unknown name."""
-        return objectives().get(self.loss_fn)
+        """loss_fn's row (its function and what it needs; loss.objective), or None for an unknown name."""
+        from loss import objective  # noqa: PLC0415 - loss.py imports torch
+
+        return objective(self.loss_fn)
 
     @property
     def episode_turns(self) -> int:

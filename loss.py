@@ -7,6 +7,7 @@ accumulated over micro-batches and summed over ranks (update.py undoes FSDP's av
 equal the gradient of one loss over the whole step.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -216,10 +217,27 @@ OBJECTIVES = {  # loss_fn
 }
 
 
+def objective(loss_fn):
+    """loss_fn's row: a name of OBJECTIVES, or "file.py:name" / "module:name" naming an Objective of
+    your own (nothing in this file to edit); None for an unknown name. ValueError naming the fix."""
+    return OBJECTIVES.get(loss_fn) if ":" not in loss_fn else objective_of_your_own(loss_fn)
+
+
+@functools.cache  # the file runs once per process
+def objective_of_your_own(loss_fn):
+    from rewards import load_object  # noqa: PLC0415 - rewards.py reads user files; loss.py stays pure
+
+    row = load_object(loss_fn, flag="loss_fn", kind="Objective")
+    if not isinstance(row, Objective):
+        raise ValueError(f"loss_fn={loss_fn!r} is a {type(row).__name__}, not a loss.Objective; name a row such as "
+                         "Objective(my_loss, clip=(...)) in that file")
+    return row
+
+
 def grpo_loss(logp, old_logp, adv, seq_ids, denominator, cfg, *, ref_logp=None, tis_weight=None, mismatch_mask=None,
               ess_value=1.0, kl_heads=None):
     """The loss of one micro-batch: (sum over its tokens of policy term + trust term + beta * KL)
-    / denominator, with the objective OBJECTIVES[cfg.loss_fn] and, when ref_logp is given, the
+    / denominator, with the objective of cfg.loss_fn (objective()) and, when ref_logp is given, the
     KL estimator cfg.kl_estimator weighted by cfg.beta.
 
     tis_weight (N,), truncated importance sampling min(pi_old/pi_vllm, cap), multiplies the
@@ -230,13 +248,13 @@ def grpo_loss(logp, old_logp, adv, seq_ids, denominator, cfg, *, ref_logp=None, 
     kl_estimator="topk". Returns (loss, sums) where sums holds per-micro-batch totals for
     logging (they are summed over micro-batches and ranks, then divided by the tokens).
     """
-    if cfg.loss_fn not in OBJECTIVES:
+    row = objective(cfg.loss_fn)
+    if row is None:
         raise ValueError(f"loss_fn={cfg.loss_fn!r} is not implemented: add it to loss.OBJECTIVES")
-    objective = OBJECTIVES[cfg.loss_fn]
-    needs = dict(seq_ids=seq_ids) if objective.sequences else {}
-    if objective.ess:
+    needs = dict(seq_ids=seq_ids) if row.sequences else {}
+    if row.ess:
         needs["ess_value"] = ess_value
-    pg, trust, clipped = objective.fn(logp, old_logp, adv, cfg, **needs)
+    pg, trust, clipped = row.fn(logp, old_logp, adv, cfg, **needs)
     if tis_weight is not None:
         pg = pg * tis_weight
     if mismatch_mask is not None:

@@ -90,19 +90,21 @@ def readme_section(title):
     return re.split(r"\n#{2,3} ", text.split(f"\n### {title}\n", 1)[1])[0]
 
 
-def test_readme_example_objective_runs(monkeypatch):
-    """The README's "Adding an objective", as written: its python block defines a function and adds
-    its row to a copy of loss.py's table; Config accepts the name, and grpo_loss trains with it."""
+def test_readme_example_objective_runs(tmp_path):
+    """The README's "Adding an objective", as written: its python block is a file of one's own that
+    defines a function and its row; Config accepts --loss_fn file.py:name, and grpo_loss trains with it.
+    A name that is not an Objective is refused in one line."""
     section = readme_section("Adding an objective")
-    namespace = dict(vars(loss), OBJECTIVES=dict(OBJECTIVES))
-    for block in re.findall(r"```python\n(.*?)```", section, re.S):
-        exec(block, namespace)
-    (name,) = set(namespace["OBJECTIVES"]) - set(OBJECTIVES)
-    assert f"--loss_fn {name}" in section
-    monkeypatch.setattr(loss, "OBJECTIVES", namespace["OBJECTIVES"])
+    (block,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    path, name = re.findall(r"train.py --loss_fn (\w+\.py):(\w+)", section)[0]
+    (tmp_path / path).write_text(block)
+    spec = f"{tmp_path / path}:{name}"
     with pytest.raises(ValueError, match="does not read clip_higher"):  # its row names no clip field
-        Config(loss_fn=name, clip_higher=0.5)
-    cfg = Config(loss_fn=name)
+        Config(loss_fn=spec, clip_higher=0.5)
+    with pytest.raises(ValueError, match="is a function, not a loss.Objective"):
+        Config(loss_fn=f"{tmp_path / path}:reinforce_loss")
+    assert loss.objective(spec) is loss.objective(spec)  # the file runs once
+    cfg = Config(loss_fn=spec)
     g = torch.Generator().manual_seed(0)
     old = -3 * torch.rand(6, generator=g, dtype=torch.float64)
     logp = (old + 0.1 * torch.randn(6, generator=g, dtype=torch.float64)).requires_grad_()
