@@ -21,6 +21,13 @@ def flash_attention_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
 
 
+# The built-in environments' specs before they moved into envs/: refused naming the new one, and a
+# checkpoint that saved the old one resumes under the new (checkpoint.check_resumable).
+MOVED_ENVIRONMENTS = {"environments:calculator": "envs.calculator:calculator",
+                      "environments:calculator_tool": "envs.calculator:calculator_tool",
+                      "sandbox:PythonTool": "envs.python_tool:PythonTool"}
+
+
 def objectives():
     """loss.OBJECTIVES, imported on first use (loss.py imports torch)."""
     from loss import OBJECTIVES
@@ -267,6 +274,9 @@ class Config:
                     "there, or use packed_sdpa (the default)")
 
     def _check_rollouts(self):
+        if self.environment in MOVED_ENVIRONMENTS:
+            return (f"environment={self.environment!r} moved with the built-in environments into envs/: pass "
+                    f"{MOVED_ENVIRONMENTS[self.environment]!r}")
         if sum(map(bool, (self.environment, self.agent, self.agent_cmd))) > 1:
             return ("environment, agent and agent_cmd each play the episodes: set one of them (an agent program calls "
                     "its own tools)")

@@ -9,7 +9,7 @@ their own pace: one whose turn is back gets its answer and sends its next turn w
 still generate, so the server's batch stays full. Without an environment an episode is one
 turn: a prompt and its completion.
 
-Doors: rollout.py (play, for a step's batch and for evaluation); agent_programs.py (Episode: an
+Used by: rollout.py (play, for a step's batch and for evaluation); agent_programs.py (Episode: an
 --agent plays its own); agent_trace.py (completion_text); Refused stops the run in generator.py and
 train.py.
 """

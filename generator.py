@@ -76,7 +76,7 @@ class Generator:
             # the model's every end-of-sequence id, sent with each request: the server we launch
             # ignores generation_config.json (--generation-config vllm), and its serving copy has none
             stop_ids = stop_token_ids(tokenizer, cfg.model_name_or_path)
-            if rank == 0:  # before the serving copy and the log below are written (train.py may have claimed it)
+            if rank == 0:  # before the serving copy and the log below are written (startup.check_outside may have claimed it)
                 try:
                     claim_output_dir(cfg.output_dir)
                 except ValueError as e:

@@ -237,7 +237,7 @@ def shares_prompts(cfg):
 
 
 def unshared_reason(cfg):
-    """The line train.py prints at start-up when shared_prefix is asked for and cannot apply:
+    """The line startup.announce prints when shared_prefix is asked for and cannot apply:
     transformers' sdpa, eager, flex_attention and flash_attention_2 build their own mask."""
     if cfg.shared_prefix and not shares_prompts(cfg):
         return (f"shared_prefix: off: attn_implementation={cfg.attn_implementation!r} builds its own mask over a row, "

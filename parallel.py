@@ -112,7 +112,7 @@ def load_model(cfg, device, mesh, reference=False):
     model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=torch.float32, attn_implementation=attn)
     check_architecture(model)
     if sp > 1:
-        sequence_parallel.check_heads(model.config, sp)  # train.py checked it already
+        sequence_parallel.check_heads(model.config, sp)  # startup.check_outside checked it already
     if cfg.lora_rank and not reference:  # before the wrappers and the sharding: each adapter is sharded with its layer
         import lora  # noqa: PLC0415 - the optional concept's door
         lora.add_adapters(model, cfg)

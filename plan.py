@@ -1,9 +1,10 @@
 """The run's plan, worked out before anything starts and without torch: the device mesh a world of
 ranks makes (mesh_shape), each rank's share of a step's batch (batch_plan), the seeds a run's requests
 take (max_seed), where a launched vLLM server would sit on GPUs (check_launch), and Config's rules on the
-batch and the ranks (check_batch, check_distributed). Its doors: Config.__post_init__ calls the rules and
-max_seed; train.py refuses a world or a GPU run that does not fit before any process group starts and
-announces the plan; parallel.setup_distributed builds the mesh of mesh_shape.
+batch and the ranks (check_batch, check_distributed). Used by: Config.__post_init__ (the rules and
+max_seed); startup.load_inputs, which refuses a world or a GPU run that does not fit before any process
+group starts, and startup.announce, which prints the plan; train.main; parallel.setup_distributed (the
+mesh of mesh_shape).
 """
 
 

@@ -60,8 +60,9 @@ renders a whole conversation (Qwen3's drops past reasoning) is accepted, and the
 what was sampled (docs/data.md says where that differs from the template's rendering).
 
 Its door: startup.py's load_inputs imports Environment when --environment is set; data.py
-(reset, tools, chat), generator.py (start) and rollout.py (new_key, message, answer, finish,
-discard) call its methods without naming it. The calls themselves run in envs/calls.py.
+(reset, tools, chat), generator.py (start) and episodes.py (new_key, message, reply, finish,
+discard) call its methods without naming it. worker_pool.py's forkserver preloads envs/calls.py by
+name, in every pool (a missing module is skipped). The calls themselves run in envs/calls.py.
 """
 
 import itertools
