@@ -21,18 +21,10 @@ def flash_attention_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
 
 
-# The built-in environments' specs before they moved into envs/: refused naming the new one, and a
-# checkpoint that saved the old one resumes under the new (checkpoint.check_resumable).
+# Built-in environments' specs before envs/: refused naming the new; resumed as the new (checkpoint.py)
 MOVED_ENVIRONMENTS = {"environments:calculator": "envs.calculator:calculator",
                       "environments:calculator_tool": "envs.calculator:calculator_tool",
                       "sandbox:PythonTool": "envs.python_tool:PythonTool"}
-
-
-def objectives():
-    """loss.OBJECTIVES, imported on first use (loss.py imports torch)."""
-    from loss import OBJECTIVES
-
-    return OBJECTIVES
 
 
 @dataclass
@@ -312,8 +304,10 @@ class Config:
                     "or use weight_sync_transport='filesystem'")
 
     def _check_objective(self):
+        from loss import OBJECTIVES  # noqa: PLC0415 - here: loss.py imports torch
+
         if self.objective is None:
-            return f"loss_fn={self.loss_fn!r} is not one of {', '.join(objectives())} (loss.OBJECTIVES)"
+            return f"loss_fn={self.loss_fn!r} is not one of {', '.join(OBJECTIVES)} (loss.OBJECTIVES)"
         try:
             ok = self.loss_denominator == "token" or 0 < float(self.loss_denominator) < math.inf
         except ValueError:
@@ -327,7 +321,7 @@ class Config:
                     f"fields each objective reads: {', '.join(self.objective.clip) or 'none'}); leave it at its default")
         if not self.objective.ess and self.ess_scope != default(self, "ess_scope"):
             return (f"ess_scope={self.ess_scope!r} only applies to an objective that reads the batch's ESS "
-                    f"(loss_fn={', '.join(repr(n) for n, o in objectives().items() if o.ess)})")
+                    f"(loss_fn={', '.join(repr(n) for n, o in OBJECTIVES.items() if o.ess)})")
         if self.kl_topk != 0 and self.kl_estimator != "topk":
             return f"kl_topk={self.kl_topk} only applies to kl_estimator='topk' (got {self.kl_estimator!r})"
         if self.kl_topk > 0 and self.beta == 0:
@@ -386,7 +380,6 @@ class Config:
     def objective(self):
         """loss_fn's row (its function and what it needs; loss.objective), or None for an unknown name."""
         from loss import objective  # noqa: PLC0415 - loss.py imports torch
-
         return objective(self.loss_fn)
 
     @property
