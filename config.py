@@ -17,14 +17,12 @@ from plan import check_batch, check_distributed, max_seed
 
 def flash_attention_available() -> bool:
     import torch  # here, not above: importing config.py needs no torch
-
     return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
 
 
-# Built-in environments' specs before envs/: refused naming the new; resumed as the new (checkpoint.py)
-MOVED_ENVIRONMENTS = {"environments:calculator": "envs.calculator:calculator",
-                      "environments:calculator_tool": "envs.calculator:calculator_tool",
-                      "sandbox:PythonTool": "envs.python_tool:PythonTool"}
+MOVED_ENVIRONMENTS = {"environments:calculator": "envs.calculator:calculator",  # the specs before envs/: refused,
+                      "environments:calculator_tool": "envs.calculator:calculator_tool",  # and resumed as the new
+                      "sandbox:PythonTool": "envs.python_tool:PythonTool"}  # (checkpoint.check_resumable)
 
 
 @dataclass
@@ -163,7 +161,7 @@ class Config:
     loss_fn: str = option("dapo", "an objective of loss.OBJECTIVES: dapo (asymmetric clip), cispo (capped weight x "
                                   "logp), ess (batch-adaptive, \"Trust the Batch\" by Fakoor et al.; no clip "
                                   "constants) or gspo (clipped sequence ratio, GSPO by Zheng et al.; the paper clips "
-                                  "at 3e-4 / 4e-4); or file.py:name, a loss.Objective of your own")
+                                  "at 3e-4 / 4e-4); or file.py:name / module:name, a loss.Objective of your own")
     clip_lower: float = option(0.2, "dapo, gspo: ratio (gspo: the sequence ratio) clipped below at 1 - clip_lower",
                                low=0, below=1)
     clip_higher: float = option(0.28, "dapo, gspo: ratio clipped above at 1 + clip_higher; cispo: weight capped at 1 "
@@ -305,9 +303,9 @@ class Config:
 
     def _check_objective(self):
         from loss import OBJECTIVES  # noqa: PLC0415 - here: loss.py imports torch
-
         if self.objective is None:
-            return f"loss_fn={self.loss_fn!r} is not one of {', '.join(OBJECTIVES)} (loss.OBJECTIVES)"
+            return (f"loss_fn={self.loss_fn!r} is not one of {', '.join(OBJECTIVES)} (loss.OBJECTIVES), nor "
+                    "file.py:name or module:name naming a loss.Objective of your own")
         try:
             ok = self.loss_denominator == "token" or 0 < float(self.loss_denominator) < math.inf
         except ValueError:
@@ -317,8 +315,8 @@ class Config:
                     "such as 1024")
         if (idle := [f for f in ("clip_lower", "clip_higher") if f not in self.objective.clip
                      and getattr(self, f) != default(self, f)]):
-            return (f"loss_fn={self.loss_fn!r} does not read {' or '.join(idle)} (loss.OBJECTIVES lists the clip "
-                    f"fields each objective reads: {', '.join(self.objective.clip) or 'none'}); leave it at its default")
+            return (f"loss_fn={self.loss_fn!r} does not read {' or '.join(idle)} (its loss.Objective row lists the "
+                    f"clip fields it reads: {', '.join(self.objective.clip) or 'none'}); leave it at its default")
         if not self.objective.ess and self.ess_scope != default(self, "ess_scope"):
             return (f"ess_scope={self.ess_scope!r} only applies to an objective that reads the batch's ESS "
                     f"(loss_fn={', '.join(repr(n) for n, o in OBJECTIVES.items() if o.ess)})")

@@ -8,6 +8,7 @@ equal the gradient of one loss over the whole step.
 """
 
 import functools
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -223,14 +224,25 @@ def objective(loss_fn):
     return OBJECTIVES.get(loss_fn) if ":" not in loss_fn else objective_of_your_own(loss_fn)
 
 
-@functools.cache  # the file runs once per process
+@functools.cache  # its file runs once per process and spec
 def objective_of_your_own(loss_fn):
+    """The row loss_fn names, checked before anything starts: an Objective, clip fields that exist,
+    and a function that takes what grpo_loss will pass it."""
     from rewards import load_object  # noqa: PLC0415 - rewards.py reads user files; loss.py stays pure
 
     row = load_object(loss_fn, flag="loss_fn", kind="Objective")
     if not isinstance(row, Objective):
-        raise ValueError(f"loss_fn={loss_fn!r} is a {type(row).__name__}, not a loss.Objective; name a row such as "
-                         "Objective(my_loss, clip=(...)) in that file")
+        raise ValueError(f"loss_fn={loss_fn!r} is not a loss.Objective but {type(row).__name__!r}; name a row such "
+                         "as Objective(my_loss, clip=(...)) in that file")
+    if unknown := set(row.clip) - {"clip_lower", "clip_higher"}:
+        raise ValueError(f"loss_fn={loss_fn!r}: clip names {', '.join(sorted(unknown))}; the clip fields are "
+                         "clip_lower and clip_higher")
+    needs = {k: None for k, wanted in (("seq_ids", row.sequences), ("ess_value", row.ess)) if wanted}
+    try:
+        inspect.signature(row.fn).bind(None, None, None, None, **needs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"loss_fn={loss_fn!r}: its function cannot take (logp, old_logp, adv, cfg"
+                         + "".join(f", {k}=" for k in needs) + f") ({e}); fix its signature or its row") from None
     return row
 
 

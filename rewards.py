@@ -149,10 +149,10 @@ def load_object(path, flag="reward_fn", kind="function"):
     module_name, sep, name = path.rpartition(":")
     if not sep or not module_name or not name:
         raise ValueError(f"{flag}={path!r} must look like 'module:{kind}' or 'file.py:{kind}'")
+    if module_name.endswith(".py") and not os.path.isfile(module_name):
+        raise ValueError(f"{flag} file {module_name!r} does not exist; give a path to a .py file")
     try:
         if module_name.endswith(".py"):
-            if not os.path.isfile(module_name):
-                raise ValueError(f"{flag} file {module_name!r} does not exist; give a path to a .py file")
             spec = importlib.util.spec_from_file_location(f"user_{flag}", module_name)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)

@@ -101,8 +101,11 @@ def test_readme_example_objective_runs(tmp_path):
     spec = f"{tmp_path / path}:{name}"
     with pytest.raises(ValueError, match="does not read clip_higher"):  # its row names no clip field
         Config(loss_fn=spec, clip_higher=0.5)
-    with pytest.raises(ValueError, match="is a function, not a loss.Objective"):
+    with pytest.raises(ValueError, match="is not a loss.Objective but 'function'"):
         Config(loss_fn=f"{tmp_path / path}:reinforce_loss")
+    (tmp_path / "wrong.py").write_text(block + "\nreads_ess = Objective(reinforce_loss, ess=True)\n")
+    with pytest.raises(ValueError, match=r"its function cannot take \(logp, old_logp, adv, cfg, ess_value=\)"):
+        Config(loss_fn=f"{tmp_path / 'wrong.py'}:reads_ess")  # refused before anything starts, not in the step
     assert loss.objective(spec) is loss.objective(spec)  # the file runs once
     cfg = Config(loss_fn=spec)
     g = torch.Generator().manual_seed(0)
