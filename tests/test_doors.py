@@ -2,6 +2,8 @@
 rest still imports, parses its flags and (with everything optional gone) trains a plain run.
 Each concept's docstring lists its doors; this is the test that they are the only ones."""
 
+import ast
+import glob
 import os
 import shutil
 import subprocess
@@ -20,7 +22,46 @@ CONCEPTS = {
     "openenv": ["envs/openenv_adapter.py"],
     "agents": ["gateway.py", "agent_trace.py", "agent_programs.py", "examples"],
 }
+# Where the core imports each concept: file and function, each a lazy import under the concept's flag.
+DOORS = {
+    "lora": {"parallel.py:load_model", "reference.py:make_reference", "startup.py:check_outside",
+             "startup.py:announce", "train.py:export", "generator.py:make_sync"},
+    "sequence_parallel": {"parallel.py:setup_distributed", "parallel.py:load_model", "startup.py:check_outside",
+                          "update.py:train_on_batch"},
+    "environments": {"startup.py:load_inputs"},
+    "agents": {"startup.py:load_inputs"},
+}
+DOCSTRINGS = {"lora": "lora.py", "sequence_parallel": "sequence_parallel.py", "environments": "envs/__init__.py",
+              "agents": "agent_programs.py"}
 OPTIONAL = [m for files in CONCEPTS.values() for f in files if f.endswith(".py") for m in [f[:-3].replace("/", ".")]]
+
+
+def imports_of(concept):
+    """file:function (or file:top) of every import of the concept's modules in the other root files."""
+    own = {os.path.basename(f)[:-3] for f in CONCEPTS[concept] if f.endswith(".py")} | {f for f in CONCEPTS[concept]
+                                                                                      if not f.endswith(".py")}
+    found = set()
+    for path in glob.glob(os.path.join(ROOT, "*.py")):
+        name = os.path.basename(path)
+        if name[:-3] in own:
+            continue
+        tree = ast.parse(open(path).read())
+        where = {id(n): fn.name for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef) for n in ast.walk(fn)}
+        for n in ast.walk(tree):
+            modules = [a.name for a in n.names] if isinstance(n, ast.Import) else \
+                [n.module or ""] if isinstance(n, ast.ImportFrom) else []
+            if any(m.split(".")[0] in own for m in modules):
+                found.add(f"{name}:{where.get(id(n), 'top')}")
+    return found
+
+
+@pytest.mark.parametrize("concept", sorted(DOORS))
+def test_the_core_imports_a_concept_only_at_its_doors(concept):
+    """Read from the code: the core files import the concept in the functions listed (never at the
+    top of a file), and the concept's docstring names each of them."""
+    assert imports_of(concept) == DOORS[concept]
+    doc = ast.get_docstring(ast.parse(open(os.path.join(ROOT, DOCSTRINGS[concept])).read()))
+    assert all(door.split(":")[1] in doc for door in DOORS[concept]), doc
 
 
 def copy_without(tmp_path, deleted):
