@@ -16,12 +16,14 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from config import MOVED_ENVIRONMENTS  # noqa: E402 - built-in specs that moved: the same run under either
+
 VOLATILE = ("time_", "tokens_per_s", "peak_memory_gb")
 # The server's side of the sync check: with episodes of several turns (an environment, an agent) the
 # server batches turns as they arrive, and its logprobs move in the last bits between two runs of the
 # same code. Shown when they differ, never counted as a difference.
 SERVER = ("vllm_logp_diff_",)
-RENAMED = {"environments:calculator": "envs.calculator:calculator"}  # built-in specs that moved
 
 
 def metrics(run):
@@ -62,7 +64,7 @@ def state(run):
         for pt in sorted(glob.glob(os.path.join(ckpt, "*.pt"))):
             found.update(leaves(torch.load(pt, weights_only=False), os.path.relpath(pt, run)))
     root = os.path.dirname(os.path.abspath(run))
-    found = {k: RENAMED.get(v, v).replace(root, "OUT") if isinstance(v, str) else v
+    found = {k: MOVED_ENVIRONMENTS.get(v, v).replace(root, "OUT") if isinstance(v, str) else v
              for k, v in found.items() if leaf_ok(k)}
     for st in sorted(glob.glob(os.path.join(run, "out", "**", "*.safetensors"), recursive=True)):
         found.update(leaves(load_file(st), os.path.relpath(st, run)))
