@@ -96,8 +96,15 @@ def test_dataset_errors_name_the_fix(tmp_path, setup, fragment, tokenizer):
 
 
 def test_unknown_extension_and_missing_hub_dataset(tmp_path, tokenizer, monkeypatch):
+    import datasets
+    from huggingface_hub import constants
+
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # read once, at their first import (an earlier test's, on a machine with no offline variables): without
+    # these the missing dataset is asked of a hub that does not answer, for 20 s of retries
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     (tmp_path / "d.txt").write_text("x")
     with pytest.raises(ValueError, match="unknown type"):
         data.load_prompts(Config(dataset=str(tmp_path / "d.txt")), tokenizer)
