@@ -28,8 +28,13 @@ What is trained (docs/data.md):
   sampled token of the episode.
 A run that raised, timed out or crashed (agent_errors, agent_timeouts, agent_crashes), a call the
 gateway could not serve (agent_refused: the server failed, a prompt too long, tools and no
---tool_call_parser) or a run that never called the model (agent_idle) leaves the episode unscored:
-its group leaves the batch, and unscored_stop stops a run where that is every episode.
+--tool_call_parser) or a run that never called the model (agent_idle) is ours (faults.FAULTS): the
+episode is unscored, its group leaves the batch, and unscored_stop stops a run that loses too many.
+A mistake of the policy's that the program can see (a bad tool call, an expression that overflows)
+is the program's to tell the policy, as the tool's answer (examples/calculator_agent.py).
+
+The programs run as the trainer's user, in its worker processes: they are not sandboxed. An agent
+that runs code the model wrote runs it in envs/sandbox.py (sandbox.run, or an Interpreter per episode).
 
 Its doors (of agent_programs.py, gateway.py and agent_trace.py, which a plain run never imports):
     startup.load_inputs     Agents, when --agent or --agent_cmd is set
@@ -48,6 +53,7 @@ import subprocess
 import time
 import urllib.request
 
+import faults
 import tool_calls
 from chat import ChatTokens
 from episodes import Episode
@@ -55,7 +61,7 @@ from gateway import Gateway
 from rewards import load_object, to_float
 from worker_pool import CallPool
 
-FAILURES = ("errors", "timeouts", "crashes", "refused", "idle")  # agent_<kind>: how an episode was lost
+FAILURES = tuple(k for k in faults.FAULTS if k.startswith("agent_"))  # how a program's episode fails: all ours
 
 
 def returned(value):
@@ -141,24 +147,23 @@ class Agents:
             self.take(e, value, trace, why.get(e.k))
         if down:  # the server failed, not the programs: the step stops there, and a server of ours is restarted
             raise down
-        counts = {f"agent_{kind}": sum(e.agent_failure == kind for e in episodes) for kind in FAILURES}
+        counts = {kind: sum(e.agent_failure == kind for e in episodes) for kind in FAILURES}
         return episodes, dict(time_generate=time.perf_counter() - started, time_tools=0.0, tool_failures=[],
                               agent_overrides=overrides, **counts)
 
     def take(self, e, value, trace, failed):
         """Episode e from its program's run (its value, or how it failed) and the gateway's trace. The
         reward and the logged samples see the prompt of its first call as the prompt."""
-        e.agent_failure = None
         if trace.sample is not None:
             e.sample, e.messages, e.completion = trace.sample, trace.messages, trace.completion
             e.row = dict(e.row, prompt_text=self.tokenizer.decode(trace.sample.prompt_ids))
             e.turns, e.tool_calls, e.cut, e.eos = trace.calls, trace.tool_calls, trace.cut, trace.eos is not None
-        if trace.failure:  # the cause, when the program then failed on the gateway's answer
-            e.agent_failure, e.failure = "refused", trace.failure
-        elif failed:
-            e.agent_failure, e.failure = failed[0], f"the agent: {failed[1]}"
-        elif trace.sample is None:
-            e.agent_failure, e.failure = "idle", "the agent never called the model"
+        e.agent_failure, why = (  # the gateway's refusal first: the cause, when the program then failed on it
+            ("agent_refused", trace.failure) if trace.failure else
+            (f"agent_{failed[0]}", f"the agent: {failed[1]}") if failed else
+            ("agent_idle", "the agent never called the model") if trace.sample is None else (None, None))
+        if faults.ours(e.agent_failure):
+            e.failure = why
         e.env_reward, e.needs_reward = value, value is None and e.failure is None
 
     def close(self):

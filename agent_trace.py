@@ -98,7 +98,12 @@ class Trace:
             s, token_ids=list(s.token_ids), logprobs=list(s.logprobs), mask=list(s.mask)))
 
     def load(self, state):
+        """Take a call back; a server's failure in it stays, with the episode's failure: the trainer
+        stops the step on it (agent_programs.Agents.play), whether the agent saw the answer or not."""
+        error, failure = self.server_error, self.failure
         vars(self).update(state)
+        if error is not None:
+            self.server_error, self.failure = error, failure
 
     def add(self, ids, logprobs=None, version=None):
         s = self.sample
@@ -116,7 +121,12 @@ class Trace:
 
     def record(self, between, extends, out, stop, tokenizer, response_length):
         """Append a call's tokens: between (mask 0), then what vLLM sampled (mask 1), continuing the
-        sample's last sequence or (not extends) starting one; (the sampled ids, finish_reason)."""
+        sample's last sequence or (not extends) starting one; (the sampled ids, finish_reason). An
+        answer without one logprob per sampled token is a ValueError, as in episodes.Episode.add,
+        raised before anything is recorded (the gateway takes it as the server's failure)."""
+        if len(out["logprobs"]) != len(out["token_ids"]):
+            raise ValueError(f"the server returned {len(out['token_ids'])} token ids and {len(out['logprobs'])} "
+                             "logprobs for one turn")
         s = self.sample
         if s is None:
             self.sample = Sample(list(between), [], [], [], versions=(), restarts=())

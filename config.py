@@ -54,10 +54,10 @@ class Config:
                                     "(breakpoint() works)", low=0)
     reward_timeout: float = option(10.0, "seconds one sample's reward may take in a worker; past it the sample "
                                          "is unscored: its group leaves the batch", above=0)
-    unscored_stop: float = option(1.0, "stop the run when at least this fraction of a step's episodes could not be "
-                                       "scored (its reward raised, timed out or crashed; its environment was lost "
-                                       "with its worker); above 1 = never stop (their groups still leave the batch)",
-                                  above=0, resumable=True)
+    unscored_stop: float = option(0.5, "stop the run when more than this fraction of a step's groups left the batch "
+                                       "because an episode of theirs could not be scored (a failure of ours: "
+                                       "faults.py); 0 = at the first such group, 1 = never stop",
+                                  low=0, resumable=True)
     environment: Optional[str] = option(None, "multi-turn episodes: \"module:name\" or \"file.py:name\" "
                                               "(envs/environment.py; built-in: envs.calculator:calculator); None = one "
                                               "completion per prompt")

@@ -47,7 +47,7 @@ class Episode:
         self.completion, self.turns, self.tool_calls = "", 0, 0
         self.key, self.env_reward = None, None  # the environment's key for its calls, and its reward
         self.failure = None  # why the infrastructure could not play or score it: then it is never trained on
-        self.reward_failed = None  # how its reward failed ("errors", "timeouts", "crashes"), if that is why
+        self.reward_failed = None  # how its reward failed (a reward_* row of faults.FAULTS), if that is why
         self.needs_reward = False  # an agent's episode that its program left to the reward (agent_programs.py)
 
     def add(self, ids, logprobs, sampled, version=None):
@@ -125,19 +125,20 @@ def play(cfg, client, rows, n, seed, tokenizer, env=None, temperature=None):
 
 def finish(episodes, env):
     """The environment's reward of each episode the infrastructure did not lose, on its instance,
-    which is then closed; a reward that fails leaves its episode unscored. Returns the failed closes."""
+    which is then closed. Every failure here is ours (faults.FAULTS): it leaves its episode unscored.
+    Returns them as (kind, why); a reward's are counted with the reward's (rollout.score)."""
     playing = [e for e in episodes if e.failure is None]
     env.discard([e for e in episodes if e.failure is not None])
-    rewards, failed, closes = env.finish(playing)
+    rewards, failed = env.finish(playing)
     for e, r in zip(playing, rewards):
         e.env_reward = r
-    for i, what, why in failed:  # a reward that raised, hung or crashed; or an instance gone with an earlier worker
+    for i, kind, why in failed:  # a reward that raised, hung or crashed; a close that failed; an instance gone
         e = playing[i]
-        if what == "lost":
-            e.failure = f"its environment was lost with its worker ({why})"
-        else:
-            e.failure, e.reward_failed = f"the environment's reward: {why}", what
-    return closes
+        reward = kind.startswith("reward_")
+        if e.failure is None:  # the first of its failures says why
+            e.failure = f"the environment's reward: {why}" if reward else f"its environment ({kind}): {why}"
+        e.reward_failed = e.reward_failed or (kind if reward else None)
+    return [(kind, f"episode {playing[i].k}: {why}") for i, kind, why in failed if not kind.startswith("reward_")]
 
 
 def take_turn(e, out, tokenizer, env):

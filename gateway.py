@@ -14,8 +14,16 @@ name is served by the policy. The trainer's sampling settings are pinned: an age
 top_p, seed or penalties are overridden (counted as agent_overrides, and said once), n > 1 refused.
 
 What a call records, and when it continues the episode's sample: agent_trace.py.
+
+It listens on TCP, not on a Unix socket in a private directory as our vLLM server does
+(vllm_server.private_socket): an agent gets a base URL, and OpenAI clients in any language take
+http://host:port only. So any process on the machine can connect, keyless: a connection that sends
+nothing for idle_timeout seconds is closed, and past max_connections open at once a new one is
+answered 503 and closed (each open connection holds a thread of rank 0). Calls need the episode's key.
 """
 
+import collections
+import contextlib
 import http.server
 import json
 import select
@@ -27,6 +35,10 @@ from agent_trace import Refusal, Trace, plain
 from chat import ChatTokens
 from vllm_client import VLLMError
 
+IDLE_TIMEOUT = 60.0  # seconds a connection may send nothing (between calls, or within one) before it is closed
+MAX_CONNECTIONS = 256  # open at once: each holds a thread of rank 0 (an agent's client keeps a few per episode)
+MAX_BODY = 64 << 20  # bytes of one request (a conversation of max_prompt_length + response_length fits many times)
+TOOL_LISTS = 16  # distinct tool lists whose ChatTokens are kept, the least recently used dropped
 PINNED = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
           "repetition_penalty")  # sampling an agent may ask for and the trainer sets
 
@@ -45,12 +57,12 @@ def stops(body):
 class Gateway:
     """The endpoint, served on threads in the trainer's rank 0 while episodes play."""
 
-    def __init__(self, tokenizer, cfg, parser=None, reasoning=None, host="127.0.0.1"):
+    def __init__(self, tokenizer, cfg, parser=None, reasoning=None, host="127.0.0.1", idle_timeout=IDLE_TIMEOUT,
+                 max_connections=MAX_CONNECTIONS):
         self.tokenizer, self.cfg, self.parser, self.reasoning = tokenizer, cfg, parser, reasoning
-        self.client, self.traces, self.chats, self.said = None, {}, {}, set()
+        self.client, self.traces, self.chats, self.said = None, {}, collections.OrderedDict(), set()
         self.lock = threading.Lock()
-        self.server = http.server.ThreadingHTTPServer((host, 0), Handler)
-        self.server.daemon_threads, self.server.gateway = True, self
+        self.server = Server((host, 0), self, idle_timeout, max_connections)
         self.url = f"http://{host}:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True, name="gateway")
         self.thread.start()
@@ -73,14 +85,19 @@ class Gateway:
         self.server.server_close()
 
     def chat_tokens(self, tools):
-        """The ChatTokens of one tool list (a template renders tools into the prompt)."""
+        """The ChatTokens of one tool list (a template renders tools into the prompt), kept for the
+        TOOL_LISTS lists used last: an agent that sends ever-new lists must not grow rank 0's memory."""
         name = json.dumps(tools, sort_keys=True)
-        if name not in self.chats:
-            try:
-                self.chats[name] = ChatTokens(self.tokenizer, tools or None)
-            except ValueError as e:
-                raise Refusal(400, str(e), fatal=True) from None
-        return self.chats[name]
+        if name in self.chats:
+            self.chats.move_to_end(name)
+            return self.chats[name]
+        try:
+            chat = self.chats[name] = ChatTokens(self.tokenizer, tools or None)
+        except ValueError as e:
+            raise Refusal(400, str(e), fatal=True) from None
+        if len(self.chats) > TOOL_LISTS:
+            self.chats.popitem(last=False)
+        return chat
 
     def pin(self, trace, body):
         """Refuse what cannot be honoured; count (and say once) the sampling settings overridden."""
@@ -175,14 +192,53 @@ class Gateway:
         except VLLMError as e:
             if " HTTP 4" in str(e):  # the server refused this request (the agent's stop strings, say)
                 raise Refusal(400, f"the vLLM server refused the request: {e}") from None
-            trace.server_error = e  # a server that fails: the rollout stops, and ours is restarted (agent_programs)
-            raise Refusal(502, f"the vLLM server: {e}", fatal=True) from None
-        return trace.record(between, extends, out, stop, self.tokenizer, cfg.response_length)
+            return self.failed(trace, e)
+        try:
+            return trace.record(between, extends, out, stop, self.tokenizer, cfg.response_length)
+        except ValueError as e:  # Trace.record's check, before it records anything: not one logprob per token
+            return self.failed(trace, VLLMError(str(e)))
+
+    def failed(self, trace, error):
+        """A server that fails (ours, not the agent's nor the policy's): the episode is unscored, and
+        the rollout stops on trace.server_error, a server of ours restarted (agent_programs)."""
+        trace.server_error = error
+        raise Refusal(502, f"the vLLM server: {error}", fatal=True) from None
+
+
+class Server(http.server.ThreadingHTTPServer):
+    """The gateway's HTTP server: a thread per connection, at most max_connections open at once."""
+    daemon_threads = True
+    request_queue_size = 128  # the listen backlog (socketserver's 5): a burst of connects past it waits 1 s, 3 s, ...
+
+    def __init__(self, address, gateway, idle_timeout, max_connections):
+        super().__init__(address, Handler)
+        self.gateway, self.idle_timeout = gateway, idle_timeout
+        self.slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request, client_address):
+        if not self.slots.acquire(blocking=False):  # full: refused here, on the accepting thread, without a wait
+            data = json.dumps({"error": {"message": "the gateway has too many connections open"}}).encode()
+            with contextlib.suppress(OSError):
+                request.setblocking(False)  # a few bytes into an empty socket buffer
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
+            return self.shutdown_request(request)
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
     """One HTTP request to the gateway (self.server.gateway)."""
     protocol_version = "HTTP/1.1"
+
+    def setup(self):
+        self.timeout = self.server.idle_timeout  # on the socket (StreamRequestHandler): a silent client is closed
+        super().setup()
 
     def log_message(self, *args):  # quiet: the trainer's log is its metrics
         pass
@@ -194,6 +250,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.reply(200, {"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "trainer"}]})
 
     def do_POST(self):
+        data = self.body()  # read first, whatever the answer: what is left unread would be read as a request
+        if data is None:
+            return
         key = self.path.split("/e/", 1)[1].split("/", 1)[0] if self.path.startswith("/e/") else \
             self.headers.get("Authorization", "").removeprefix("Bearer ").strip()
         route, trace = self.path.split("/v1", 1)[-1], self.server.gateway.traces.get(key)
@@ -201,7 +260,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return self.reply(401, {"error": {"message": "no episode has this key: use the base URL and API key "
                                                          "the episode was given"}})
         try:
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            body = json.loads(data or b"{}")
         except ValueError as e:
             return self.reply(400, {"error": {"message": f"the body is not JSON ({e})"}})
         with trace.lock:  # one call of an episode at a time, its answer written before the next
@@ -214,8 +273,23 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 return trace.load(saved)
             try:
                 self.stream(payload) if status == 200 and body.get("stream") else self.reply(status, payload)
-            except (BrokenPipeError, ConnectionResetError):  # the agent gave up on this call (its client's
-                trace.load(saved)  # timeout) and never saw it: as if it was never made
+            except (BrokenPipeError, ConnectionResetError, TimeoutError):  # the agent gave up on this call
+                trace.load(saved)  # (its client's timeout) and never saw it: as if it was never made
+
+    def body(self):
+        """The request's body, or None when it cannot be read (the error answered, the connection closed):
+        chunked, over MAX_BODY bytes, or a client that went silent for idle_timeout seconds within it."""
+        size = self.headers.get("Content-Length", "0")
+        if self.headers.get("Transfer-Encoding") or not (size.isdigit() and int(size) <= MAX_BODY):
+            self.close_connection = True  # its body stays unread: nothing after it on the connection can be read
+            self.reply(413, {"error": {"message": f"the gateway reads a body of a Content-Length of at most "
+                                                  f"{MAX_BODY} bytes, not a chunked one"}})
+            return None
+        try:
+            return self.rfile.read(int(size))
+        except OSError:  # TimeoutError among them
+            self.close_connection = True
+            return None
 
     def gone(self):
         """Whether the agent closed the connection while its call was sampled (its client timed out)."""
@@ -258,6 +332,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
 

@@ -66,7 +66,10 @@ class Generator:
         self.cfg, self.tokenizer, self.sampler, self.pool, self.rank, self.device = cfg, tokenizer, sampler, pool, rank, device
         self.env = env  # an --environment (envs.environment.Environment) or None: one turn per episode
         if env and rank == 0:
-            env.start()  # its steps (tool calls) in worker processes with a per-call timeout
+            try:
+                env.start()  # its steps (tool calls) in worker processes with a per-call timeout
+            except ValueError as e:  # it cannot run here (a sandbox without bwrap): one line, before training
+                raise SystemExit(f"error: {e}") from None
         self.client = self.server = self.weight_sync = self.rollouts = None
         self.restarts, self.position = 0, sampler.position  # the sampler's position after the last batch taken
         self.max_staleness = cfg.async_steps if cfg.max_sample_staleness is None else cfg.max_sample_staleness

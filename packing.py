@@ -157,8 +157,9 @@ def pack_ranks(mini, world_size, budget, group_size=1, share=False):
 def row_length(samples):
     """Tokens of collate(samples, share=True)'s row: each sample its tokens and one more (a copy
     of its prompt's last token, or the prompt's last token itself), and the prompt but its last
-    token once per run of samples with that prompt."""
-    return sum(len(s.token_ids) + 1 + (0 if i and s.prompt_ids == samples[i - 1].prompt_ids else len(s.prompt_ids) - 1)
+    token once per run of samples that share it (`joins`, as collate reads it: a sample of several
+    sequences has its prompt to itself)."""
+    return sum(len(s.token_ids) + 1 + (0 if i and joins(samples[i - 1], s) else len(s.prompt_ids) - 1)
                for i, s in enumerate(samples))
 
 

@@ -242,8 +242,9 @@ class Reward:
     None (there is no Trainer), and every other column of the row by name. One sample a call keeps the pool's
     per-sample timeout and failure counts, and its workers busy in parallel; a TRL reward cannot rely on a
     batch's make-up anyway (GRPOTrainer splits a batch, and its groups, across processes). None for a sample
-    is TRL's "not applicable": it scores 0 and is no failure, as GRPOTrainer's nansum over reward functions
-    gives 0 to a sample that all of them skip. (Ours returning None is an error: a `return` forgotten.)"""
+    is TRL's "not applicable" (returned as None): with no other reward to score the sample it is unscored and
+    counted (reward_none), where GRPOTrainer's nansum would give it 0, a reward nobody earned. (Ours
+    returning None is an error: a `return` forgotten.)"""
 
     def __init__(self, spec):
         self.spec = spec
@@ -264,19 +265,20 @@ class Reward:
 
     def __call__(self, prompt, completion, example, completion_ids=None):
         if self.form == "ours":
-            return self.fn(prompt, completion, example)
+            return to_float(self.fn(prompt, completion, example))  # None too is an error: a `return` forgotten
         prompt = example.get("prompt", prompt)
         kwargs = {k: [v] for k, v in example.items() if k not in NOT_COLUMNS}
         kwargs.update(prompts=[prompt], completion_ids=[completion_ids], trainer_state=None, completions=[
             [{"role": "assistant", "content": completion}] if isinstance(prompt, list) else completion])
         if self.keywords is not None:  # no **kwargs: only what it names (check_columns saw to the rest)
             kwargs = {k: v for k, v in kwargs.items() if k in self.keywords}
-        return one_value(self.fn(**kwargs))
+        value = one_value(self.fn(**kwargs))
+        return None if value is None else to_float(value)
 
 
 def one_value(values):
     """The value of a TRL-form reward's answer for one completion: a list (tuple, 1-d array or tensor) of
-    one number, or None (not applicable: 0)."""
+    one number, or of None (not applicable: RewardPool.score counts it, and the sample is unscored)."""
     try:
         n = len(values)
     except TypeError:  # a number, None, a 0-d tensor
@@ -286,4 +288,4 @@ def one_value(values):
                         f"a list of one number per completion")
     if n != 1:
         raise ValueError(f"returned {n} values for 1 completion; a TRL-form reward returns one per completion")
-    return 0.0 if values[0] is None else values[0]
+    return values[0]

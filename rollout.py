@@ -14,14 +14,14 @@ import torch
 from tqdm import tqdm
 
 from episodes import Refused, play
+from faults import FAULTS, ours
 from loss import group_advantages
 from rewards import has_answer_format
 
 SAMPLES_SHOWN = 4  # episodes a step logs every log_samples_freq steps
-FAILURES = ("errors", "timeouts", "crashes")  # how a call in a worker fails (worker_pool.CallPool)
-# an environment's calls: its own failures, the policy's bad calls (tool_calls.ToolError), and
-# episodes whose per-episode environment was lost with its worker
-TOOL_FAILURES = (*FAILURES, "bad_calls", "lost")
+# how an environment's calls and the rewards fail, and whose each failure is: faults.FAULTS
+TOOL_FAILURES = tuple(k for k in FAULTS if k.startswith("tool_"))
+REWARD_FAILURES = tuple(k for k in FAULTS if k.startswith("reward_"))
 
 
 def evaluate(cfg, client, eval_rows, pool, tokenizer, env=None):
@@ -41,15 +41,18 @@ def score(pool, episodes, env=None):
     reward method scores its own episodes (Environment.finish, on the episode's instance);
     --reward_fn, when set, is added to it. An episode that could not be scored (its reward
     raised, timed out or crashed; the infrastructure lost it: Episode.failure) gets NaN and its
-    failure. Returns the rewards, the counts of reward_errors, reward_timeouts and reward_crashes."""
+    failure. Returns the rewards, and the counts of each way a reward failed (the reward_* rows of
+    faults.FAULTS, all ours)."""
     examples = [dict(e.row, messages=e.messages) if env else e.row for e in episodes]
     own = env is not None and env.scores  # an environment's reward, or an agent's (a --reward_fn is added)
     asked = [i for i, e in enumerate(episodes) if e.failure is None and (not own or env.cfg.reward_fn or e.needs_reward)]
-    values, counts = [0.0] * len(episodes), {f"reward_{w}": 0 for w in FAILURES}
+    values, counts = [0.0] * len(episodes), dict.fromkeys(REWARD_FAILURES, 0)
     if asked:
-        got, counts, first = pool.score([episodes[i].row["prompt_text"] for i in asked],
+        got, found, first = pool.score([episodes[i].row["prompt_text"] for i in asked],
                                         [episodes[i].completion for i in asked], [examples[i] for i in asked],
-                                        [last_turn(episodes[i].sample) for i in asked])
+                                        [last_turn(episodes[i].sample) for i in asked],
+                                        [not own or episodes[i].needs_reward for i in asked])
+        counts.update(found)
         for i, v in zip(asked, got):
             values[i] = v
         failed = [episodes[i] for i, v in zip(asked, got) if v != v]  # NaN: the pool's value of a failed call
@@ -60,8 +63,8 @@ def score(pool, episodes, env=None):
     for e in episodes:
         if own and e.env_reward is None and e.failure is None and not e.needs_reward:
             e.failure = "the environment gave no reward"  # not called: its episode failed before
-        if e.reward_failed in FAILURES:  # the environment's reward failed: counted with the reward's failures
-            counts[f"reward_{e.reward_failed}"] += 1
+        if e.reward_failed in counts:  # the environment's reward failed: counted with the reward's failures
+            counts[e.reward_failed] += 1
     return [float("nan") if e.failure else v + (e.env_reward or 0.0) for v, e in zip(values, episodes)], counts
 
 
@@ -76,19 +79,22 @@ def last_turn(sample):
     return ids[start:k]
 
 
-def unscored(step, episodes, cfg):
+def unscored(step, episodes, n, cfg):
     """Say the step's episodes that could not be scored (the first one's why), and stop the run when
-    unscored_stop of them or more could not: a reward that fails on every sample, or an environment
-    whose workers die on every episode, trains nothing, and must not look like a run that trains."""
+    more than unscored_stop of its groups left the batch for them. The rule counts groups, what is
+    lost, not episodes: a group with one unscored episode leaves whole, so a grader that fails on 30%
+    of calls loses 94% of groups of 8 (1 - 0.7 ** 8) and trains almost nothing, and must not look
+    like a run that trains."""
     failed = [e for e in episodes if e.failure]
     if not failed:
         return
-    tqdm.write(f"step {step}: {len(failed)} of {len(episodes)} episode(s) could not be scored and left the batch "
-               f"with their groups; first: episode {failed[0].k}: {failed[0].failure}")
-    if len(failed) >= cfg.unscored_stop * len(episodes):
+    groups, lost = len(episodes) // n, len({e.k // n for e in failed})
+    tqdm.write(f"step {step}: {len(failed)} of {len(episodes)} episode(s) could not be scored, and {lost} of "
+               f"{groups} group(s) left the batch with them; first: episode {failed[0].k}: {failed[0].failure}")
+    if lost > cfg.unscored_stop * groups:
         first = next((e for e in failed if e.reward_failed), failed[0])
-        raise Refused(f"step {step}: {len(failed)} of {len(episodes)} episodes could not be scored (unscored_stop="
-                      f"{cfg.unscored_stop:g}); first: {first.failure}")
+        raise Refused(f"step {step}: {lost} of {groups} groups left the batch with episodes that could not be scored "
+                      f"(more than unscored_stop={cfg.unscored_stop:g} of them); first: {first.failure}")
 
 
 def sample_groups(cfg, client, rows, seed, step, pool, tokenizer, env=None, show=False):
@@ -101,9 +107,9 @@ def sample_groups(cfg, client, rows, seed, step, pool, tokenizer, env=None, show
     episodes, stats = play(cfg, client, rows, n, seed, tokenizer, env)
     t = time.perf_counter()
     rewards, failures = score(pool, episodes, env)
-    unscored(step, episodes, cfg)
+    unscored(step, episodes, n, cfg)
     lost = stats.pop("tool_failures")
-    env_side = [why for what, why in lost if what != "bad_calls"]  # the policy's bad calls are its to learn
+    env_side = [why for what, why in lost if ours(what)]  # the policy's bad calls are its to learn
     if env_side:
         tqdm.write(f"step {step}: {len(env_side)} environment call(s) failed; first: {env_side[0]}")
     if cfg.format_reward:
@@ -118,7 +124,7 @@ def sample_groups(cfg, client, rows, seed, step, pool, tokenizer, env=None, show
         e.sample.adv, e.sample.reward = (float("nan"), r) if e.failure else (a, r)
     shown = range(0, len(episodes), max(1, len(episodes) // SAMPLES_SHOWN))[:SAMPLES_SHOWN] if show else []
     tools = dict(tool_calls=sum(e.tool_calls for e in episodes), turns=sum(e.turns for e in episodes),
-                 **{f"tool_{kind}": sum(what == kind for what, _ in lost) for kind in TOOL_FAILURES})
+                 **{kind: sum(what == kind for what, _ in lost) for kind in TOOL_FAILURES})
     scored = ~rewards.isnan()
     return [e.sample for e, k in zip(episodes, kept.tolist()) if k], dict(
         rewards=rewards[scored], lengths=torch.tensor([len(e.sample.token_ids) for e in episodes], dtype=torch.float),
@@ -166,16 +172,18 @@ def rollout_batch(cfg, client, sampler, step, pool, tokenizer, env=None):
     # over the scored episodes; None (JSON null, not NaN) where there are too few
     m = dict(reward_mean=rewards.mean().item() if len(rewards) else None,
              reward_std=rewards.std().item() if len(rewards) > 1 else None, response_length=lengths.mean().item(),
-             reward_errors=total("reward_errors"), reward_timeouts=total("reward_timeouts"),
-             reward_crashes=total("reward_crashes"), stop_frac=total("stops") / len(lengths),
+             **{kind: total(kind) for kind in REWARD_FAILURES}, stop_frac=total("stops") / len(lengths),
              filtered_groups=total("filtered_groups"), unscored_episodes=total("unscored_episodes"),
              unscored_groups=total("unscored_groups"), time_generate=total("time_generate"),
              time_score=total("time_score"), prompts_seen=sampler.position, response_tokens=lengths.sum().item())
     if rounds[0]["samples"]:
         m["samples"] = rounds[0]["samples"]
+    if not samples and m["unscored_groups"]:  # unscored_stop > 1 let it go on: say it loudly
+        tqdm.write(f"step {step}: WARNING: no group is left to train on; {m['unscored_groups']} group(s) left the "
+                   f"batch with episodes that could not be scored (unscored_groups)")
     if env:  # assistant turns and tool calls per episode; tools that failed; seconds in the environment
         m.update(turns=total("turns") / len(lengths), tool_calls=total("tool_calls") / len(lengths),
-                 **{f"tool_{kind}": total(f"tool_{kind}") for kind in TOOL_FAILURES}, time_tools=total("time_tools"))
+                 **{kind: total(kind) for kind in TOOL_FAILURES}, time_tools=total("time_tools"))
     m.update({k: total(k) for k in rounds[0] if k.startswith("agent_")})  # an --agent's counts (agent_programs.py)
     if cfg.active_sampling:  # extra rounds run, and groups still missing after them
         m.update(active_sampling_rounds=len(rounds) - 1, active_sampling_missing_groups=prompts - len(samples) // n)

@@ -29,9 +29,10 @@ and an environment without a step method of its own answers it with `answer_call
 runs with its parsed arguments and its result comes back as {"role": "tool", "name": ...,
 "tool_call_id": ..., "content": ...}; a turn without calls ends the episode. A call that names no
 tool, has arguments its function does not take or of other types than its schema's, or raises
-ToolError is answered with an error message and counted (tool_bad_calls), as is a
-turn that opens a call the parser cannot read (the parser's start marker, as <tool_call>, with no call parsed); any other
-exception of a tool is the environment's failure (tool_errors, printed).
+raises (ToolError or any exception: its input came from the policy, as TRL answers a tool's
+exception) is answered with an error message and counted (tool_bad_calls), as is a turn that opens
+a call the parser cannot read (the parser's start marker, as <tool_call>, with no call parsed). A
+tool that raises Unavailable could not run at all: its episode is unscored (faults.py).
 """
 
 import inspect
@@ -42,7 +43,14 @@ import logging
 class ToolError(Exception):
     """Raised by an environment for the policy's mistake (a call that does not parse, names no
     tool, or has bad arguments): its text is told to the policy as a tool message and counted as
-    tool_bad_calls. Any other exception is the environment's own failure (tool_errors)."""
+    tool_bad_calls. Any other exception of a step is the environment's own failure (tool_errors:
+    the episode is unscored; faults.py)."""
+
+
+class Unavailable(Exception):
+    """Raised by an environment or a tool function when the tool could not run for a reason that is
+    not the policy's (a sandbox that cannot start, a service that is down): the episode ends unscored
+    and is counted as tool_unavailable (faults.py), never told to the policy."""
 
 
 def schemas(tools):
@@ -209,7 +217,9 @@ def answer_calls(tools, message):
             if why := wrong_type(schemas([fn])[0]["function"], arguments):
                 raise ToolError(f"{name}: {why}")
             content = as_text(fn(**arguments))
-        except ToolError as e:
-            content, bad = f"error: {e}", True
+        except Unavailable:  # not the policy's doing: the episode ends unscored (envs/calls.py)
+            raise
+        except Exception as e:  # noqa: BLE001 - a tool's exception on the policy's arguments is told to it, as in TRL
+            content, bad = f"error: {e}" if isinstance(e, ToolError) else f"error: {type(e).__name__}: {e}", True
         replies.append({"role": "tool", "name": name, "tool_call_id": call.get("id", ""), "content": content})
     return replies, bad

@@ -247,7 +247,7 @@ if __name__ == "__main__":
     cfg = parse_args_or_exit()
     try:
         status = main(cfg)
-    except Refused as e:  # every rank stops here; one line says why
+    except (Refused, vllm_client.VLLMError) as e:  # nobody could score, a server not up or past repair: one line
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr)
         status = 1

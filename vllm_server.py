@@ -7,12 +7,12 @@ Who may talk to it: the server runs with VLLM_SERVER_DEV_MODE=1, whose routes (/
 /sleep, /wake_up, /reset_prefix_cache, /pause, /resume, the weight-transfer routes) load weights
 from any path and take no key: vLLM's --api-key guards only paths under /v1, /v2, /inference and
 /cohere (its AuthenticationMiddleware). So the server train.py launches listens on no port but on
-a Unix socket in a 0700 directory of its own, which closes every route to other users (not to
-root, nor to our own user's processes, which could read the trainer's memory anyway), and
-leaves no port for two runs on one machine to share. A server you run (vllm_server_urls, or
-scripts/serve.py, this server's command line) listens on a port: VLLM_API_KEY, exported to it and
-to train.py, closes its /v1 routes (completions, models, the LoRA load and unload routes); its dev
-routes stay open to every local process.
+a Unix socket in a 0700 directory of its own (vLLM's engine sockets beside it), which closes
+every route to other users (not to root, nor to our own user's processes, which could read the
+trainer's memory anyway), and leaves no port for two runs on one machine to share. A server you
+run (vllm_server_urls, or scripts/serve.py, this server's command line) listens on a port:
+VLLM_API_KEY, exported to it and to train.py, closes its /v1 routes (completions, models, the
+LoRA load and unload routes); its dev routes stay open to every local process.
 
 single_gpu_mode (untested here: it needs a GPU build of vLLM): the server we launch shares
 the trainer's GPU, started with --enable-sleep-mode and the vllm_gpu_memory_utilization
@@ -29,13 +29,13 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 
 import torch
 
 from vllm_client import VLLMError, fetch, log_tail
+from worker_pool import private_dir
 
 
 def die_with_parent():
@@ -91,6 +91,8 @@ def server_command(model_dir, cfg, port=None, uds=None, extra_args=()):
         cmd += ["--enable-sleep-mode"]
     added = dict(VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=str(cfg.vllm_kv_cache_space_gb),
                  VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")  # the LoRA load and unload routes
+    if uds:  # vLLM's own ZMQ sockets (API server <-> engine) beside ours, not in the shared /tmp
+        added["VLLM_RPC_BASE_PATH"] = os.path.dirname(uds)
     if not torch.cuda.is_available():
         added.update(cpu_placement(cfg, os.environ))
     return cmd, added
@@ -102,9 +104,10 @@ def launch_server(model_dir, cfg, log_path, port=None, env=None, extra_args=()):
     unix:PATH): no port for two runs on one machine to share, and no other user's process reaches any
     route, /collective_rpc and the LoRA routes included. With `port` (tests, benchmarks: a server
     "the user runs") it listens on 127.0.0.1:port, open to every local process.
-    A server that exits or does not answer past vllm_startup_timeout is stopped and the tail of
-    its log is quoted in the error. `extra_args` go to server_command; `env` (benchmarks) is laid over
-    the environment; None in `env` unsets a variable."""
+    A server that exits while starting is stopped and the tail of its log quoted in the error; one
+    that does not answer within vllm_startup_timeout is stopped, and the one-line error names its
+    log. `extra_args` go to server_command; `env` (benchmarks) is laid over the environment; None in
+    `env` unsets a variable."""
     uds = None if port else private_socket()
     if port:
         check_port_free(port)
@@ -142,19 +145,22 @@ def wait_until_ours(proc, url, model_dir, cfg, log_path):
         if is_ours(url, model_dir, proc):
             return
         time.sleep(1)
-    raise VLLMError(f"vLLM server on {model_dir} not healthy after {cfg.vllm_startup_timeout:.0f}s "
-                    f"(vllm_startup_timeout); log {log_path}:\n{log_tail(log_path)}")
+    # one line (train.py prints it as the run's last): the log is there to read, its tail only says "loading"
+    raise VLLMError(f"the vLLM server did not answer within vllm_startup_timeout={cfg.vllm_startup_timeout:g}s; "
+                    f"see its log {log_path} (raise --vllm_startup_timeout on a loaded machine)")
 
 
 def private_socket():
     """The path of a Unix socket in a new directory that only our user may enter (mkdtemp makes it
     0700): connecting needs search permission on it, which other users lack (root has every
-    permission). In the temporary directory, not output_dir: a socket path has at most 107 bytes."""
-    path = os.path.join(tempfile.mkdtemp(prefix="flatgrpo-vllm-"), "api.sock")
-    if len(path.encode()) > 107:
+    permission). vLLM's engine sockets go there too (server_command). In the temporary directory,
+    not output_dir: a socket path has at most 107 bytes. Named for this process, so that the next
+    run removes it if this one is killed (worker_pool.private_dir)."""
+    path = os.path.join(private_dir("flatgrpo-vllm-"), "api.sock")
+    if len(os.path.dirname(path).encode()) + 37 > 107:  # the longest in it: vLLM's "/{uuid4}" engine sockets
         remove_socket_dir(path)
-        raise VLLMError(f"the server's socket path {path!r} is longer than a Unix socket allows (107 bytes); "
-                        "set TMPDIR to a shorter directory")
+        raise VLLMError(f"the server's socket directory {os.path.dirname(path)!r} is too long for the Unix "
+                        "sockets in it (107 bytes); set TMPDIR to a shorter directory")
     return path
 
 

@@ -29,12 +29,12 @@ equal to the input embedding. It costs the server one vocab x hidden matrix.
 import json
 import os
 import shutil
-import tempfile
 import threading
 
 import torch
 
 from vllm_client import VLLMError
+from worker_pool import private_dir
 
 
 def full_state_dict(model):
@@ -95,10 +95,13 @@ class FilesystemSync:
     def __init__(self, client, rank, output_dir, timeout=None, base=None, serving=None):
         self.client, self.rank, self.dir, self.timeout, self.serving = client, rank, None, timeout, serving
         if rank == 0:  # memory-backed /dev/shm when there is one, unless the servers need a shared directory
+            shared = base is not None  # weight_sync_dir: other machines' runs may write there too
             if base is None:
                 base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else output_dir
             os.makedirs(base, exist_ok=True)
-            self.dir = tempfile.mkdtemp(prefix="weight_sync_", dir=base)
+            # named for this process: a run killed by SIGKILL leaves its model copy, which the next run
+            # removes (in a shared directory only a run of the machine that made it could tell it was dead)
+            self.dir = private_dir("flatgrpo-weights-", base, clean=not shared)
 
     def serving_state_dict(self, model):
         """What the servers get, on rank 0 (every rank must call it: a gather)."""

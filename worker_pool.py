@@ -11,7 +11,7 @@ reward of every sample, and an environment's answer to every assistant turn (its
 
 A reward that runs past `timeout` seconds (reward_timeout), kills its own process, raises,
 or returns something that is not a number (rewards.to_float; in TRL's form, not a list of one
-number per completion) gets RewardPool's `fallback` (train.py: NaN, an unscored sample). Each is counted
+number per completion) gets RewardPool's `fallback` (NaN, an unscored sample, unless the caller says). Each is counted
 (`reward_timeouts`, `reward_crashes`, `reward_errors`; `tool_...` for an environment) and
 the first is described; a worker that hung or died is killed and replaced, and the rest
 goes on. Each worker leads its own process group, and a worker that is stopped, hung or dead
@@ -35,6 +35,7 @@ but breakpoint() works inside it.
 """
 
 import atexit
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -98,12 +99,37 @@ def end_group(proc):
     proc.join()
 
 
+def private_dir(prefix, base=None, clean=True):
+    """tempfile.mkdtemp (0700: only our user may enter) in `base`, named for its owner, this process:
+    {prefix}{pid namespace}-{pid}-{random}. A process killed by SIGKILL cannot remove its directories,
+    so with `clean` a new one first removes those a dead owner left in `base`: our prefix, our uid, our
+    pid namespace (another container's pids mean nothing in ours) and no process with that pid. A pid
+    taken again by another process only delays the removal until that one ends (a start time in the name
+    would cost bytes of the 107 a path of vLLM's sockets in vllm_server's directory may have). Not
+    `clean` where other machines make them (a shared weight_sync_dir): their pids mean nothing here.
+    vllm_server.py and weight_sync.py make theirs with it too."""
+    base = base or tempfile.gettempdir()
+    if not os.path.exists("/proc/self/ns/pid"):  # not Linux: a dead owner cannot be told from a live one
+        return tempfile.mkdtemp(prefix=prefix, dir=base)
+    ns = os.stat("/proc/self/ns/pid").st_ino
+    for name in os.listdir(base) if clean else ():
+        owner = name[len(prefix):].split("-")  # mkdtemp's random part has no "-"
+        if name.startswith(prefix) and len(owner) == 3 and owner[0] == str(ns) and owner[1].isdigit() \
+                and not os.path.exists(f"/proc/{owner[1]}"):
+            path = os.path.join(base, name)
+            with contextlib.suppress(OSError):  # another run may be removing it too
+                if os.lstat(path).st_uid == os.getuid():
+                    shutil.rmtree(path)
+    return tempfile.mkdtemp(prefix=f"{prefix}{ns}-{os.getpid()}-", dir=base)
+
+
 class Worker:
     def __init__(self, ctx, fn, check, fallback):
         self.conn, child = ctx.Pipe()
         # the worker's temporary files (a per-episode instance's scratch directory, a sandbox's): a worker
-        # killed mid-call cannot close its episodes' instances, so what they made goes with the worker
-        self.scratch = tempfile.mkdtemp(prefix="worker-")
+        # killed mid-call cannot close its episodes' instances, so what they made goes with the worker (and
+        # with the next run's first worker, when the trainer itself was killed)
+        self.scratch = private_dir("flatgrpo-worker-")
         self.proc = ctx.Process(target=work, args=(child, fn, check, fallback, self.scratch), daemon=True)
         self.proc.start()
         child.close()
@@ -234,19 +260,31 @@ class CallPool:
 
 
 class RewardPool(CallPool):
-    """The reward of each (prompt, completion, example); 0 for one that fails. The reward is in our form or
-    TRL's (rewards.Reward, which tells them apart at load and calls either one sample at a time)."""
+    """The reward of each (prompt, completion, example); `fallback` (NaN) for one that fails. The reward is in
+    our form or TRL's (rewards.Reward, which tells them apart at load and calls either one sample at a time)."""
 
-    def __init__(self, reward, workers=2, timeout=10.0, fallback=0.0):
-        # fallback: the value of a failed sample (float("nan") lets the caller tell it from a real 0)
-        super().__init__(reward if isinstance(reward, Reward) else Reward(reward), workers, timeout, fallback=fallback)
+    def __init__(self, reward, workers=2, timeout=10.0, fallback=float("nan")):
+        # fallback: the value of a failed sample; NaN, so that no caller takes it for a real reward of 0
+        # check=None: Reward checks its value itself, and passes a TRL-form reward's None (score counts it)
+        super().__init__(reward if isinstance(reward, Reward) else Reward(reward), workers, timeout, check=None,
+                         fallback=fallback)
 
-    def score(self, prompts, completions, examples, completion_ids=None):
-        """Rewards in input order; counts of reward_errors, reward_timeouts and reward_crashes; the
-        first failure's description, "sample i: ExceptionType: message" (None when all went well).
-        Every sample failed when the counts sum to len(prompts). completion_ids: each sample's sampled
-        token ids, for a TRL-form reward's `completion_ids` (None: not given)."""
+    def score(self, prompts, completions, examples, completion_ids=None, alone=None):
+        """Rewards in input order; counts of reward_errors, reward_timeouts, reward_crashes and
+        reward_none; the first failure's description, "sample i: ..." (None when all went well).
+        completion_ids: each sample's sampled token ids, for a TRL-form reward's `completion_ids`
+        (None: not given). A TRL-form reward's None is "not applicable": where this reward is the
+        sample's only one (alone[i], True when not given) the sample is unscored (the fallback) and
+        counted (reward_none); beside another (an environment's) it adds 0."""
         completion_ids = [None] * len(prompts) if completion_ids is None else completion_ids
+        alone = [True] * len(prompts) if alone is None else alone
         values, failures = self.map(list(zip(prompts, completions, examples, completion_ids)))
-        counts = {f"reward_{what}": sum(f[1] == what for f in failures) for what in ("errors", "timeouts", "crashes")}
+        failed = {i for i, _, _ in failures}
+        failures += [(i, "none", "the reward returned None (not applicable), and no other reward scores the sample")
+                     for i, v in enumerate(values) if v is None and i not in failed and alone[i]]
+        failures.sort(key=lambda f: f[0])
+        values = [(self.fallback if alone[i] else 0.0) if v is None and i not in failed else v
+                  for i, v in enumerate(values)]
+        counts = {f"reward_{what}": sum(f[1] == what for f in failures) for what in ("errors", "timeouts", "crashes",
+                                                                                        "none")}
         return values, counts, f"sample {failures[0][0]}: {failures[0][2]}" if failures else None

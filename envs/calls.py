@@ -8,7 +8,7 @@ worker_pool.py (its forkserver preloads this module, so that a replacement worke
 
 import tool_calls
 from rewards import load_object, to_float
-from tool_calls import ToolError
+from tool_calls import ToolError, Unavailable
 
 KEYS = ("role", "content", "name", "tool_call_id", "tool_calls")  # what a message keeps
 
@@ -26,7 +26,7 @@ def check_messages(value):
 
 
 INSTANCES = {}  # this process's per-episode environments: episode key -> instance
-LOST = "the episode's environment was lost with its worker"  # what "finish" raises for an instance gone
+LOST = "the episode's environment was lost with its worker"  # the why of a call whose instance is gone
 
 
 def per_episode(obj):
@@ -41,12 +41,16 @@ class Calls:
     it is unpickled, at the worker's start (under the pool's start-up timeout, not a call's).
 
     A per-episode environment's instance is made, and reset(row), by the episode's first call, in
-    the worker pinned to the episode, and kept there until "finish" or "close". what="step" returns
-    (messages, kind): kind None, "bad_calls" (the policy's mistake, a ToolError) or "lost" (the
-    instance died with an earlier worker: the episode ends). what="finish" returns (the episode's
-    reward or None without a reward method, why close() failed or None): the reward is computed,
-    then the instance closed, and a close that raises costs the episode nothing. what="close" only
-    closes it (an episode that will not be scored)."""
+    the worker pinned to the episode, and kept there until "finish" or "close". Each failure is
+    named by its row of faults.FAULTS, and whose it is decided there:
+    - what="step" returns (messages, kind, why): kind None, "tool_bad_calls" (the policy's mistake:
+      the messages tell it), or one of ours with no messages ("tool_errors", "tool_unavailable",
+      "tool_resets", "tool_lost": the instance died with an earlier worker);
+    - what="finish" returns (the episode's reward or None without a reward method, kind, why): the
+      reward is computed, then the instance closed; a close that raises is "tool_errors", and a
+      reward that raises goes up to the pool (reward_errors);
+    - what="close" only closes it (an episode that will not be scored), quietly;
+    - what="check" runs the environment's check() once, at start-up (Environment.start)."""
 
     def __init__(self, spec):
         self.spec, self.obj = spec, load_object(spec, "environment", "environment")
@@ -58,38 +62,61 @@ class Calls:
         self.__init__(spec)
 
     def __call__(self, key, first, what, row, messages):
+        if what == "check":  # raises when the environment cannot run in this process (a sandbox without bwrap)
+            return self.obj.check() if callable(getattr(self.obj, "check", None)) else None
         env = self.obj
         if per_episode(env):
             if first and what != "close":  # an episode's first call; "close": it never had one
-                INSTANCES[key] = self.obj()
-                if callable(getattr(INSTANCES[key], "reset", None)):
-                    INSTANCES[key].reset(row)  # its state starts here; the prompt was rendered at load time
+                why = self.make(key, row)
+                if why:
+                    return ([] if what == "step" else None), "tool_resets", why
             env = INSTANCES.pop(key, None) if what != "step" else INSTANCES.get(key)
-            if env is None and what == "step":
-                return [], "lost"
             if env is None and what == "close":
                 return None
-            if env is None:
-                raise LookupError(LOST)
+            if env is None:  # its instance died with an earlier worker
+                return ([] if what == "step" else None), "tool_lost", LOST
         if what == "step":
-            try:
-                if not callable(getattr(env, "step", None)):  # native tool calls, answered by the tools
-                    replies, bad = tool_calls.answer_calls(env.tools, messages[-1])
-                    return replies, "bad_calls" if bad else None
-                return check_messages(env.step(row, messages)), None
-            except ToolError as e:
-                return [{"role": "tool", "content": f"error: {e}"}], "bad_calls"
+            return step(env, row, messages)
         if what == "close":  # an episode that will not be scored (its rollout failed): cleaned up only
             return close(env) if per_episode(self.obj) else None
-        try:  # "finish": the reward, then close, however the reward went; a close that fails keeps the reward
+        try:  # "finish": the reward, then close, however the reward went
             reward = to_float(env.reward(row, messages)) if callable(getattr(env, "reward", None)) else None
         finally:
             closed = close(env) if per_episode(self.obj) else None
-        return reward, closed
+        return (reward, None, None) if closed is None else (None, "tool_errors", closed)
+
+    def make(self, key, row):
+        """The episode's instance, made and reset(row) into INSTANCES; None, or why that raised."""
+        instance = None
+        try:
+            instance = self.obj()
+            if callable(getattr(instance, "reset", None)):
+                instance.reset(row)  # its state starts here; the prompt was rendered at load time
+        except Exception as e:  # noqa: BLE001 - user code may raise anything: not the policy's doing
+            if instance is not None:
+                close(instance)
+            return f"the environment could not be made or reset: {type(e).__name__}: {e}"
+        INSTANCES[key] = instance
+        return None
+
+
+def step(env, row, messages):
+    """The environment's answer to the policy's last turn, as (messages, kind, why) (Calls)."""
+    try:
+        if not callable(getattr(env, "step", None)):  # native tool calls, answered by the tools
+            replies, bad = tool_calls.answer_calls(env.tools, messages[-1])
+            return replies, "tool_bad_calls" if bad else None, None
+        return check_messages(env.step(row, messages)), None, None
+    except ToolError as e:
+        return [{"role": "tool", "content": f"error: {e}"}], "tool_bad_calls", None
+    except Unavailable as e:
+        return [], "tool_unavailable", f"the tool could not run: {e}"
+    except Exception as e:  # noqa: BLE001 - the environment's own code failed: raise ToolError for the policy's mistakes
+        return [], "tool_errors", f"{type(e).__name__}: {e}"
 
 
 def close(env):
-    """Close a per-episode instance: None, or why its close() failed (the episode's reward stands)."""
+    """Close a per-episode instance: None, or why its close() failed."""
     try:
         if callable(getattr(env, "close", None)):
             env.close()

@@ -18,7 +18,7 @@ have more:
     reward(row, messages) -> a number: the environment scores its episodes (the dataset's
         default reward is then unused; a --reward_fn you set is added to it)
     close(): called on a per-episode instance when its episode ends (after reward; a close that
-        raises is counted, and the reward stands), or when its rollout failed
+        raises leaves the episode unscored, tool_errors), or when its rollout failed
     stop: stop strings that end an assistant turn, kept in its text (e.g. ["</calc>"]); at most
         4 (vLLM's VLLM_MAX_STOP_STRINGS), checked at start-up
     call_time: the seconds one call may need; a tool_timeout below it is refused at start-up
@@ -37,15 +37,16 @@ Text in, messages out: the trainer owns tokenization. The reward (--reward_fn) s
 policy's final turn as the completion and the whole conversation, ending with that turn, as
 example["messages"].
 
-The calls run in worker processes (worker_pool.CallPool) under tool_timeout. What reaches
-the policy, and how it is counted:
-- a ToolError: an "error: ..." tool message (tool_bad_calls): the policy's to learn from;
-- any other exception of step, a timeout, a crash: an "error: ..." tool message (tool_errors,
-  tool_timeouts, tool_crashes), since the policy's input may have caused it (TRL answers a
-  tool's exception the same way), and the step's first one is printed. With a per-episode
-  environment a timeout or a crash took the episode's instance with its worker: the episode
-  ends there, as do the other episodes whose instances lived in that worker (tool_lost), and
-  none of them is scored (rollout.py: their groups leave the batch).
+    check(): optional, run once in a worker at start-up; raise when the environment cannot run
+        there (PythonTool: one cell in the sandbox), and the run stops in one line before training
+
+The calls run in worker processes (worker_pool.CallPool) under tool_timeout. Whose each failure
+is, and how it is counted, is one table, faults.FAULTS (docs/operations.md): a ToolError, or a tool
+function's exception, is the policy's (an "error: ..." tool message, tool_bad_calls: it learns from
+it); any other exception of step, raising tool_calls.Unavailable, a constructor or reset that
+raises, a timeout, a worker that dies is ours: the episode ends there unscored (its group leaves
+the batch), as do the other episodes whose per-episode instances lived in that worker (tool_lost),
+and the step's first one is printed.
 A message longer than tool_output_max_tokens is cut there (to a bounded number of characters
 first, then tokens). The worker is an ordinary process in a process group of its own, ended
 with its children on a timeout or a crash: it keeps a tool from stopping the run; it does not
@@ -68,9 +69,10 @@ name, in every pool (a missing module is skipped). The calls themselves run in e
 import itertools
 import os
 
+import faults
 import tool_calls
 from chat import ChatTokens
-from envs.calls import Calls, LOST, check_messages, close, per_episode
+from envs.calls import Calls, check_messages, close, per_episode
 from rewards import load_object
 from worker_pool import CallPool
 
@@ -136,9 +138,16 @@ class Environment:
         self.max_chars = cfg.tool_output_max_tokens * max(map(len, tokenizer.get_vocab()))
 
     def start(self):
-        """Start the worker processes (rank 0, which plays the episodes)."""
+        """Start the worker processes (rank 0, which plays the episodes), and run the environment's
+        check() in one of them: an environment that cannot run there (PythonTool's sandbox without
+        bwrap, or where it cannot make namespaces) stops the run before training, in one line."""
         self.pool = CallPool(Calls(self.spec), self.cfg.tool_workers, self.cfg.tool_timeout, kind="tool",
                              check=None, fallback=None)
+        if callable(getattr(self.probe, "check", None)):
+            _, failed = self.pool.map([(None, False, "check", None, None)])
+            if failed:
+                self.close()
+                raise ValueError(f"environment={self.spec!r} cannot run here: {failed[0][2]}")
 
     def reset(self, row):
         """The first messages of the row's episodes (rendered into its prompt once, at load time). A
@@ -146,12 +155,16 @@ class Environment:
         stays open in the trainer (an OpenEnv adapter's reset builds an environment)."""
         if not callable(getattr(self.probe, "reset", None)):
             return default_reset(row)
-        instance = self.make() if self.factory else self.probe
         try:
-            messages = check_messages(instance.reset(row))
-        finally:
-            if self.factory:
-                close(instance)
+            instance = self.make() if self.factory else self.probe
+            try:
+                messages = check_messages(instance.reset(row))
+            finally:
+                if self.factory:
+                    close(instance)
+        except Exception as e:  # noqa: BLE001 - user code may raise anything: the run stops here, in one line
+            raise ValueError(f"environment={self.spec!r}: making or resetting it for a prompt raised "
+                             f"{type(e).__name__}: {e}; fix the environment (envs/environment.py)") from None
         self.chat.check_first(messages, self.spec)
         return messages
 
@@ -188,38 +201,30 @@ class Environment:
     def reply(self, episodes):
         """The environment's reply to each episode's last turn: for each, its reply messages (each cut
         to tool_output_max_tokens) and their token ids as the chat template renders them, None when
-        the episode ends there, or a str when the infrastructure lost it (why: it is not scored);
-        and the calls that failed, as (kind, why). The rollout appends them (episodes.take_replies).
-
-        An exception of step, a timeout or a crash is told to the policy as an "error: ..." tool
-        message (its input may have caused it, as a tool's error is in TRL), except that with a
-        per-episode environment a timeout or a crash took the episode's instance with its worker,
-        and the episode ends there unscored, as do the others whose instances that worker held."""
+        the episode ends there, or a str when the failure is ours (why: the episode ends unscored);
+        and the calls that failed, as (kind, why), kind a row of faults.FAULTS, which decides whose
+        each is: the policy's are told to it as an "error: ..." tool message and the episode goes on.
+        The rollout appends them (episodes.take_replies)."""
         replies, asked = [None] * len(episodes), []
         for i, e in enumerate(episodes):  # a call the parser could not read is answered here
             unread = self.parser.unread(e.messages[-1]) if self.parser else None
             if unread:
-                replies[i] = ([{"role": "tool", "content": f"error: {unread}"}], "bad_calls")
+                replies[i] = ([{"role": "tool", "content": f"error: {unread}"}], "tool_bad_calls", None)
             else:
                 asked.append(i)
         values, failures = self.call([episodes[i] for i in asked], "step")
         for i, value in zip(asked, values):
             replies[i] = value
-        failures = [(asked[i], what, why) for i, what, why in failures]
-        failed = [(what, f"episode {episodes[i].k}: {why}") for i, what, why in failures]
-        for i, what, why in failures:
-            lost = self.factory and what != "errors"  # the episode's instance went with its worker
-            replies[i] = ([], f"its call failed ({what}: {why}), and its instance with the worker") if lost else \
-                ([{"role": "tool", "content": f"error: {why}"}], None)
-        out = []
-        for e, (reply, kind) in zip(episodes, replies):
-            if kind == "bad_calls":
-                failed.append((kind, f"episode {e.k}: the policy's call was answered {reply[0]['content']!r}"))
-            if kind == "lost":
-                kind = "its environment was lost with its worker (another episode's call failed there)"
-                failed.append(("lost", f"episode {e.k}: {kind}"))
-            if kind not in (None, "bad_calls"):  # the infrastructure's failure, not the policy's
-                out.append(kind)
+        for i, what, why in failures:  # the pool's: a call past tool_timeout, a worker that died
+            replies[asked[i]] = ([], f"tool_{what}", why)
+        out, failed = [], []
+        for e, (reply, kind, why) in zip(episodes, replies):
+            if kind == "tool_bad_calls":
+                why = f"the policy's call was answered {reply[0]['content']!r}"
+            if kind:
+                failed.append((kind, f"episode {e.k}: {why}"))
+            if faults.ours(kind):
+                out.append(f"its environment call failed ({kind}): {why}")
                 continue
             reply = [self.truncate(m) for m in reply]
             self.chat.check_roles(reply, self.spec)  # a role the template drops stops the run, in one line
@@ -228,18 +233,16 @@ class Environment:
 
     def finish(self, episodes):
         """At the episodes' end: each one's reward from the environment (None when it has no reward
-        method) and its instance closed. Returns the rewards, the rewards that failed as (index,
-        kind, why; kind "lost" for an instance gone with an earlier worker), and the closes that
-        failed as ("errors", why): a failed close keeps its reward."""
+        method) and its instance closed. Returns the rewards and the failures as (index, kind, why),
+        every one ours (faults.FAULTS): a reward that raised, hung or crashed (reward_*), a close that
+        raised or hung ("tool_errors", ...), an instance gone with an earlier worker ("tool_lost")."""
         if not (self.factory or self.scores):
-            return [None] * len(episodes), [], []
+            return [None] * len(episodes), []
         values, failures = self.call(episodes, "finish")
-        failures = [(i, "lost" if why == f"LookupError: {LOST}" else what, why) for i, what, why in failures]
-        closes = [("errors", f"episode {e.k}: {v[1]}") for e, v in zip(episodes, values) if v and v[1]]
-        rewards = [v[0] if v else None for v in values]
-        if not self.scores:  # without a reward, finish only cleans up: its failures are the closes'
-            return rewards, [], closes + [(what, f"episode {episodes[i].k}: {why}") for i, what, why in failures]
-        return rewards, failures, closes
+        # what the pool saw fail in "finish" is the reward's, or without one the close's
+        failed = [(i, f"{'reward' if self.scores else 'tool'}_{what}", why) for i, what, why in failures]
+        failed += [(i, v[1], v[2]) for i, v in enumerate(values) if v and v[1]]
+        return [v[0] if v else None for v in values], sorted(failed)
 
     def discard(self, episodes):
         """Close the instances of episodes that will not be scored (their rollout failed); quiet."""

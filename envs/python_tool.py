@@ -8,14 +8,17 @@ Its doors: none; the trainer loads it by its spec like any environment.
 
 import re
 
+from envs import sandbox
 from envs.sandbox import START_TIME, Interpreter, Limits
-from tool_calls import ToolError
+from tool_calls import ToolError, Unavailable
 
 
 class PythonTool:
     """The policy writes <python>code</python>; the code runs in the episode's Interpreter and
     what it printed comes back as a tool message. A turn without code ends the episode. The code's
-    exception or a limit is the policy's mistake: told as "error: ..." and counted (tool_bad_calls)."""
+    exception or a limit is the policy's mistake: told as "error: ..." and counted (tool_bad_calls).
+    A sandbox that cannot start is ours: the run checks it at start-up (check, in a tool worker),
+    and should it fail later the episode ends unscored (tool_unavailable), never told to the policy."""
 
     stop = ["</python>"]
     limits = Limits(cpu=5, wall=5.0)
@@ -34,12 +37,21 @@ class PythonTool:
         question = prompt if isinstance(prompt, str) else prompt[-1]["content"]
         return [{"role": "system", "content": self.system}, {"role": "user", "content": question}]
 
+    @classmethod
+    def check(cls):
+        """One cell in a fresh sandbox (envs.environment.Environment.start runs it in a tool worker):
+        where bwrap is missing or cannot make namespaces the run stops here, in one line."""
+        sandbox.probe(cls.limits)
+
     def step(self, row, messages):
         call = re.search(r"<python>(.*?)</python>", messages[-1]["content"], re.S)
         if call is None:
             return []
         self.interpreter = self.interpreter or Interpreter(self.limits)
-        result = self.interpreter.run(call.group(1))
+        try:
+            result = self.interpreter.run(call.group(1))
+        except RuntimeError as e:  # the sandbox did not start (Interpreter.start): ours, not the code's
+            raise Unavailable(str(e)) from None
         output = (result.stdout + result.stderr).strip()
         if result.error:
             raise ToolError(f"{result.error}\n{output}".strip())

@@ -12,12 +12,19 @@ it as root); envs/sandbox_process.py builds its command line. What holds, and by
 - Files: only /usr (and /bin, /lib... beside it) and the interpreter's own prefixes (the venv,
   the Python it was made from), read-only; a /tmp that is the cwd and HOME, and a /dev/shm, each
   a tmpfs of its own (gone when the sandbox ends: a restart empties them; a venv that lives under
-  /tmp is bound read-only into it at its own path). Nothing of the checkout,
+  /tmp is bound read-only into it at its own path), the only places it can write: / and /dev are
+  read-only (/dev/null and the other devices are written all the same). Nothing of the checkout,
   the datasets, the output directory, /etc, the home or the host's /tmp and /dev/shm.
 - Namespaces: a network of its own loopback only (nothing outside it, the host's loopback
   neither), a pid namespace with its own /proc (bwrap's reaper is its pid 1), ipc, uts. As root:
   no user namespace, and the code runs as a uid of its own (setpriv: no groups, no new
-  privileges); not root: a user namespace in which the code is uid 1000.
+  privileges); not root: a user namespace in which the code is uid 1000 and can make no other
+  (bwrap 0.8's --disable-userns, and the seccomp filter below).
+- Kernel: a seccomp filter (bwrap --seccomp; x86_64 and aarch64, none elsewhere) refuses ptrace and
+  process_vm_readv/writev (not root, bwrap's pid 1 has the code's uid), add_key, request_key and
+  keyctl, and a user namespace (unshare or clone with CLONE_NEWUSER; clone3 answers ENOSYS, and
+  glibc then uses clone); on x86_64, every x32 call too, and a 32-bit call (int 0x80) kills its process.
+  The sandbox joins a session keyring of its own: the trainer's keys are not within its reach.
 - Life: bwrap dies with the process that started it (--die-with-parent; the tool worker, or its
   thread that started it), and with bwrap its pid 1 and so every process of the sandbox. At the
   wall clock, and when a reply does not check, we SIGKILL its pid 1: the whole tree goes. After
@@ -35,11 +42,13 @@ it as root); envs/sandbox_process.py builds its command line. What holds, and by
   not (a cell that wrote on the reply pipe) kills the sandbox and answers the cell as an error.
   Code in the cell can still find the nonce by introspection (frames, the gc): this keeps a
   model's mistakes from corrupting the protocol, not a determined attacker. Same for the rest:
-  the kernel is shared and there is no seccomp filter.
-- Environment: PATH, HOME, TMPDIR, LANG and thread counts; none of the trainer's variables.
+  the kernel is shared, and the seccomp filter refuses only the calls above.
+- Environment: PATH, HOME, TMPDIR, LANG and thread counts; none of the trainer's variables, in
+  the code's process or in bwrap's (whose pid 1 the code can read, not root: /proc/1/environ).
 Fails closed: without bwrap, or where it cannot make namespaces, the first cell raises one line
-naming the fix. SANDBOX_ISOLATION=none (or Limits(isolation="none")) opts into running the code
-unisolated, with a warning: rlimits (no process limit) and a scratch directory, nothing else.
+naming the fix (probe() runs one cell, to find that out at a worker's start). SANDBOX_ISOLATION=none
+(or Limits(isolation="none")) opts into running the code unisolated, with a warning: rlimits (no
+process limit) and a scratch directory, nothing else.
 
 Its door: envs/python_tool.py (PythonTool) runs the policy's code here; no core file names it.
 """
@@ -59,8 +68,13 @@ import tempfile
 import time
 import warnings
 
-from envs.sandbox_process import command, environment, memory_cgroup, oom_kills
+from envs.sandbox_process import command, environment, memory_cgroup, new_session_keyring, oom_kills, seccomp_pipe
 
+# what Interpreter.fail and probe say to do where bwrap cannot start a sandbox
+FIX = ("; where bwrap cannot make namespaces: as root in a container, allow them (docker run --privileged, "
+       "or a seccomp profile that permits unshare); not root, enable user namespaces (sysctl "
+       "user.max_user_namespaces=15000 kernel.unprivileged_userns_clone=1, on Ubuntu "
+       "kernel.apparmor_restrict_unprivileged_userns=0); or run the code unisolated with SANDBOX_ISOLATION=none")
 UIDS = 2_000_000_000  # the sandboxes' uids, as root: UIDS + a random offset below 2**24, no user's
 START_TIME = 4.0  # seconds the sandboxed interpreter may take to start (it takes ~0.1 s)
 
@@ -144,16 +158,19 @@ class Interpreter:
         # same would share their process limit, and nothing else: their pids and files are apart)
         self.uid = UIDS + random.randrange(1 << 24) if isolated and os.geteuid() == 0 else None
         self.cgroup, self.pidfd = memory_cgroup(self.limits.memory) if isolated else None, None
-        line = command(self.limits, self.uid, replies, info_w)
+        seccomp = seccomp_pipe() if isolated else None
+        line = command(self.limits, self.uid, replies, info_w, seccomp)
         if self.cgroup:  # bwrap enters the cgroup before it forks: sh moves itself there, then becomes bwrap
             line = ["sh", "-c", 'echo 0 > "$0/cgroup.procs" && exec "$@"', self.cgroup, *line]
-        try:
-            self.proc = subprocess.Popen(line, cwd=self.scratch, env=None if isolated else environment(self.scratch),
+        try:  # bwrap too starts with the sandbox's variables: its pid 1, as not root, is the code's to read
+            self.proc = subprocess.Popen(line, cwd=self.scratch, env=environment(self.scratch or "/tmp"),
                                          stdin=cells, stdout=self.out, stderr=self.err, start_new_session=True,
-                                         pass_fds=(replies, info_w) if isolated else (replies,))
+                                         preexec_fn=new_session_keyring if isolated else None,
+                                         pass_fds=[fd for fd in (replies, isolated and info_w, seccomp) if fd])
         finally:
-            for fd in (cells, replies, info_w):
-                os.close(fd)
+            for fd in (cells, replies, info_w, seccomp):
+                if fd is not None:
+                    os.close(fd)
         ready = read_line(self.replies, time.monotonic() + START_TIME) == b'{"ready": true}'
         with os.fdopen(info) as f:  # bwrap wrote its pid 1's pid there, and closed it, before that started us
             pid = json.loads(f.read() or "{}").get("child-pid") if isolated and ready else None
@@ -165,11 +182,7 @@ class Interpreter:
         why = " ".join(os.pread(self.err.fileno(), 400, 0).decode(errors="replace").split())
         self.stop()
         raise RuntimeError(f"the sandboxed interpreter did not start: {why or f'no answer in {START_TIME:g} s'}" + (
-            "; where bwrap cannot make namespaces: as root in a container, allow them (docker run --privileged, "
-            "or a seccomp profile that permits unshare); not root, enable user namespaces (sysctl "
-            "user.max_user_namespaces=15000 kernel.unprivileged_userns_clone=1, on Ubuntu "
-            "kernel.apparmor_restrict_unprivileged_userns=0); or run the code unisolated with SANDBOX_ISOLATION=none"
-            if why.startswith("bwrap") else ""))
+            FIX if why.startswith("bwrap") else ""))
 
     def run(self, code):
         """Run one cell; returns its Result."""
@@ -272,3 +285,12 @@ def run(code, limits=None):
     """Run code once in a fresh sandbox; returns its Result."""
     with Interpreter(limits) as py:
         return py.run(code)
+
+
+def probe(limits=None):
+    """Run print(1) in a fresh sandbox (~0.1 s): None where it prints 1, else a RuntimeError of one line
+    that names the fix, so that a worker that will run the policy's code can fail at its start."""
+    result = run("print(1)", limits)  # a sandbox that cannot start raises its own line (start, fail)
+    if result.error or result.stdout != "1\n":
+        said = " ".join(f"{result.error or ''} {result.stderr or result.stdout!r}".split())[:400]
+        raise RuntimeError(f"the sandbox started, but print(1) answered {said}" + FIX)

@@ -1,13 +1,31 @@
 """The sandbox's process, as envs/sandbox.py's Interpreter starts it: its command line (bwrap,
-then as root setpriv, then Python), the program that runs the cells inside it, its environment
-variables and, as root, its memory cgroup. envs/sandbox.py says what holds and by what.
+then as root setpriv, then Python), its seccomp filter, the program that runs the cells inside it,
+its environment variables, its session keyring and, as root, its memory cgroup. envs/sandbox.py
+says what holds and by what.
 """
 
 import contextlib
+import ctypes
+import functools
 import inspect
 import os
+import platform
 import secrets
+import shutil
+import struct
+import subprocess
 import sys
+
+# The system calls the seccomp filter refuses (their numbers per architecture, from the kernel's
+# unistd tables; AUDIT_ARCH_* from linux/audit.h): ptrace and process_vm_readv/writev (another
+# process's memory: as not root, bwrap's pid 1 is the code's own uid), add_key, request_key and keyctl
+# (keys), and unshare and clone where their flags ask for CLONE_NEWUSER: in a user namespace of its
+# own the code would be root again, and could mount a tmpfs of any size past Limits.disk. clone3
+# passes its flags in memory, which a filter cannot read: it is told ENOSYS, and glibc falls back to clone.
+ARCHES = {"x86_64": dict(arch=0xC000003E, denied=(101, 310, 311, 248, 249, 250), newuser=(272, 56), clone3=435),
+          "aarch64": dict(arch=0xC00000B7, denied=(117, 270, 271, 217, 218, 219), newuser=(97, 220), clone3=435)}
+KEYCTL = {"x86_64": 250, "aarch64": 219}.get(platform.machine())  # keyctl's number, for new_session_keyring
+SYSCALLS = ARCHES.get(platform.machine()) if struct.calcsize("P") == 8 else None  # None: a 32-bit Python
 
 
 def python_dirs():
@@ -19,8 +37,9 @@ def python_dirs():
     return sorted(d for d in dirs if d != "/" and d != "/usr" and not d.startswith("/usr/"))
 
 
-def command(limits, uid, reply_fd, info_fd):
-    """The sandbox's command line: bwrap, then (as root) setpriv to the sandbox's uid, then Python."""
+def command(limits, uid, reply_fd, info_fd, seccomp_fd):
+    """The sandbox's command line: bwrap, then (as root) setpriv to the sandbox's uid, then Python.
+    Its environment is environment("/tmp"), which bwrap is given to pass on (sandbox.py's Popen)."""
     rlimits = dict(RLIMIT_AS=limits.memory, RLIMIT_FSIZE=limits.file_size, RLIMIT_NOFILE=limits.open_files,
                    RLIMIT_CORE=0, **({} if limits.isolation == "none" else dict(RLIMIT_NPROC=limits.processes)))
     python = [sys.executable, "-I", "-B", "-u", "-c", f"{inspect.getsource(interpreter)}\n"
@@ -28,11 +47,15 @@ def command(limits, uid, reply_fd, info_fd):
     if limits.isolation == "none":
         return python
     tmpfs = ["--size", str(limits.disk), "--perms", "1777", "--tmpfs"]  # writable by the sandbox's uid
-    line = ["bwrap", "--die-with-parent", "--new-session", "--info-fd", str(info_fd),
+    bwrap = shutil.which("bwrap") or "bwrap"  # found on the trainer's PATH, not on the sandbox's
+    line = [bwrap, "--die-with-parent", "--new-session", "--info-fd", str(info_fd),
+            *(["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []),
             # root makes namespaces without a user namespace, which would map the code to uid 0,
             # for which RLIMIT_NPROC does not hold; setpriv below gives it a uid of its own
             *(["--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
               if uid is not None else ["--unshare-all", "--uid", "1000", "--gid", "1000"]),
+            # not root, no user namespace inside ours either (bwrap 0.8; the seccomp filter refuses them too)
+            *(["--unshare-user", "--disable-userns"] if uid is None and "--disable-userns" in options(bwrap) else []),
             "--ro-bind", "/usr", "/usr"]
     for path in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):  # links into /usr on merged systems
         line += (["--symlink", os.readlink(path), path] if os.path.islink(path) else
@@ -44,11 +67,60 @@ def command(limits, uid, reply_fd, info_fd):
         parents = [path[:i] for i in range(1, len(path)) if path[i] == "/"]
         line += [a for p in parents if p not in ("/tmp", "/dev", "/dev/shm") for a in ("--perms", "0755", "--dir", p)]
         line += ["--ro-bind", os.path.realpath(path), path]
-    line += ["--chdir", "/tmp",
-             "--clearenv", *[a for k, v in environment("/tmp").items() for a in ("--setenv", k, v)], "--"]
+    # / and /dev read-only (not root, they are tmpfs the code owns, of no size limit): only /tmp and
+    # /dev/shm, each of Limits.disk, take files; /dev/null and the other devices are written all the same
+    line += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp", "--"]
     if uid is not None:
         line += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--"]
     return line + python
+
+
+@functools.cache
+def options(bwrap):
+    """bwrap's --help, once: the options this version knows."""
+    return subprocess.run([bwrap, "--help"], capture_output=True, text=True).stdout
+
+
+def seccomp_filter():
+    """The sandbox's seccomp filter, for bwrap --seccomp: a classic BPF program (struct sock_filter:
+    code, jt, jf, k) over struct seccomp_data (nr at offset 0, arch at 4, the low half of args[0] at
+    16) that refuses ARCHES's calls. None on an architecture we hold no numbers for: the code then
+    runs without it, bwrap's namespaces and the rlimits still hold."""
+    if SYSCALLS is None:
+        return None
+    load, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ/JGE/JSET|K, BPF_RET
+    allow, kill, eperm, enosys = 0x7FFF0000, 0x80000000, 0x50000 | 1, 0x50000 | 38  # SECCOMP_RET_*, ERRNO|errno
+    program = [(load, 0, 0, 4), (jeq, 1, 0, SYSCALLS["arch"]), (ret, 0, 0, kill),  # i386's int 0x80: killed
+               (load, 0, 0, 0)]
+    if platform.machine() == "x86_64":  # the x32 ABI: the same arch, its numbers with bit 30 set
+        program += [(jge, 0, 1, 0x40000000), (ret, 0, 0, eperm)]
+    for nr, errno in [(nr, eperm) for nr in SYSCALLS["denied"]] + [(SYSCALLS["clone3"], enosys)]:
+        program += [(jeq, 0, 1, nr), (ret, 0, 0, errno)]
+    unshare, clone = SYSCALLS["newuser"]
+    program += [(jeq, 1, 0, unshare), (jeq, 0, 3, clone),  # either: look at its flags; else allow
+                (load, 0, 0, 16), (jset, 0, 1, 0x10000000), (ret, 0, 0, eperm),  # CLONE_NEWUSER
+                (ret, 0, 0, allow)]
+    return b"".join(struct.pack("=HBBI", *op) for op in program)
+
+
+def seccomp_pipe():
+    """A pipe's read end that holds the seccomp filter, for bwrap --seccomp to read; None without one."""
+    if (program := seccomp_filter()) is None:
+        return None
+    fd, write = os.pipe()
+    os.write(write, program)  # some 30 instructions of 8 bytes: the pipe's buffer holds them
+    os.close(write)
+    return fd
+
+
+def new_session_keyring(keyctl=ctypes.CDLL(None, use_errno=True).syscall):
+    """Popen's preexec_fn: bwrap, and so the sandbox, joins an anonymous session keyring of its own
+    (keyctl(KEYCTL_JOIN_SESSION_KEYRING, NULL)) in place of the trainer's, whose keys any process
+    holding that keyring may read, whatever its uid. It only calls the syscall, bound in advance (after
+    fork, with no lock of another thread taken). Its failure is ignored (a container's seccomp profile
+    that refuses keyctl, a user's key quota spent): the filter still refuses keyctl to the code."""
+    if KEYCTL is not None:
+        keyctl(KEYCTL, 1, None)
 
 
 def interpreter(reply_fd, cpu, rlimits, isolated):
@@ -128,7 +200,8 @@ def oom_kills(cgroup):
 
 
 def environment(home):
-    """The sandbox's environment variables: nothing of the trainer's (no HF_TOKEN, no WANDB_API_KEY)."""
+    """The sandbox's environment variables: nothing of the trainer's (no HF_TOKEN, no WANDB_API_KEY).
+    bwrap itself starts with them: its pid 1 keeps its environment, which the code may read (not root)."""
     return dict(PATH=f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin", HOME=home, TMPDIR=home,
                 LANG="C.UTF-8", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",  # a thread per core would
                 MKL_NUM_THREADS="1")  # count as processes

@@ -32,20 +32,30 @@ SYSTEM = ("You can use a calculator tool. To compute an expression, call it like
 
 def value(node):
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
-    if isinstance(node, ast.BinOp) and type(node.op) in OPS:
-        return OPS[type(node.op)](value(node.left), value(node.right))
-    if isinstance(node, ast.UnaryOp) and type(node.op) in OPS:
-        return OPS[type(node.op)](value(node.operand))
-    raise ValueError("only numbers, + - * / and parentheses")
+        out = node.value
+    elif isinstance(node, ast.BinOp) and type(node.op) in OPS:
+        out = OPS[type(node.op)](value(node.left), value(node.right))
+    elif isinstance(node, ast.UnaryOp) and type(node.op) in OPS:
+        out = OPS[type(node.op)](value(node.operand))
+    else:
+        raise ValueError("only numbers, + - * / and parentheses")
+    # bounded as envs/calculator.py bounds it: a 400-digit integer does not convert to float, 1e308 * 10
+    # is inf, and products of huge integers take seconds
+    if not abs(out) <= 1e15:
+        raise OverflowError("number too large")
+    return out
 
 
 def calculate(expression):
+    """The expression's value, or "error: ..." for one the policy got wrong: an answer it sees, as a
+    tool's, never an exception, which would end the run and leave the episode unscored."""
     try:
         result = value(ast.parse(str(expression).replace("x", "*"), mode="eval").body)
-    except (SyntaxError, ValueError, TypeError, ZeroDivisionError) as e:
+        return str(int(result)) if float(result).is_integer() else f"{result:.10g}"
+    except (SyntaxError, ValueError, TypeError, ArithmeticError) as e:  # ArithmeticError: / 0, overflow
         return f"error: {e}"
-    return str(int(result)) if float(result).is_integer() else f"{result:.10g}"
+    except RecursionError:  # "-" * 5000 + "1": nested past the parser's (or value's) recursion limit
+        return "error: the expression is nested too deeply"
 
 
 def question(row):

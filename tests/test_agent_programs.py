@@ -109,7 +109,8 @@ def test_programs_play_score_and_fail_apart(tmp_path, tiny_model_dir, fn):
 
 @pytest.mark.subprocess
 def test_a_reward_fn_is_added_to_a_returned_reward_and_failed_groups_leave(tmp_path, tiny_model_dir):
-    cfg, tok, a = agents(tmp_path, tiny_model_dir, reward_fn=f"{__file__}:exact_reward", num_unique_prompts_rollout=7)
+    cfg, tok, a = agents(tmp_path, tiny_model_dir, reward_fn=f"{__file__}:exact_reward", num_unique_prompts_rollout=7,
+                        unscored_stop=1.0)
     try:
         pool = RewardPool(exact_reward, workers=0, fallback=float("nan"))
         samples, stats = sample_groups(cfg, ScriptedClient(tok, ["ab", "cd"], IM_END), rows(tok), 7, 1, pool,
@@ -165,3 +166,19 @@ def test_a_run_ends_its_episode_at_the_gateway(tmp_path, tiny_model_dir):
             assert g.close(key).calls == late == (1 if mode == "late" else 2)
     finally:
         g.shutdown()
+
+
+@pytest.mark.parametrize("expression", ["1" + "0" * 400 + " / 3", "1" + "0" * 400, "2" * 2000 + " * " + "3" * 2000,
+                                        "1e308 * 10", "9**9**9", "-" * 5000 + "1"])
+def test_the_calculator_agent_answers_an_overflow_as_the_policys_error(expression):
+    """examples/calculator_agent.py: a policy-written expression too large (or too deep) to compute is
+    the tool's answer "error: ...", as a malformed one is, never an exception that ends the run (and
+    leaves the episode unscored)."""
+    import os
+
+    from helpers import ROOT
+    from rewards import load_object
+
+    calculate = load_object(os.path.join(ROOT, "examples", "calculator_agent.py:calculate"), "agent")
+    assert calculate(expression).startswith("error: ")
+    assert (calculate("214 + 659"), calculate("7 / 2")) == ("873", "3.5")

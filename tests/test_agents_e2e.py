@@ -232,7 +232,7 @@ def test_an_agent_command_trains_and_faults_are_counted(tiny_model_dir, tmp_path
         # the rewards the command printed, of episodes 3, 4 and 5 (3's group is unscored: the crash's)
         assert round(3 * r["reward_mean"], 6) in (0, 1, 2, 3) and r["reward_errors"] == 0, r
     said = [line for line in out.stdout.splitlines() if "could not be scored" in line]
-    assert len(said) == 2 and "3 of 6 episode(s)" in said[0] and "no answer after agent_timeout=30" in said[0], said
+    assert len(said) == 2 and "3 of 6 episode(s)" in said[0] and "2 of 3 group(s)" in said[0] and "no answer after agent_timeout=30" in said[0], said
     # the hung commands were ended with their workers' process groups, not left sleeping
     assert subprocess.run(["pgrep", "-f", str(tmp_path / "agent.py")], capture_output=True).returncode == 1
 
@@ -243,6 +243,7 @@ def test_an_agent_command_trains_and_faults_are_counted(tiny_model_dir, tmp_path
     assert out.returncode == 1, out.stderr[-3000:]
     lines = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1 and re.fullmatch(
-        r"error: step 1: 6 of 6 episodes could not be scored \(unscored_stop=1\); first: the agent: RuntimeError: "
+        r"error: step 1: 3 of 3 groups left the batch with episodes that could not be scored \(more than "
+        r"unscored_stop=0.5 of them\); first: the agent: RuntimeError: "
         r"agent_cmd exited with code 1: the tool server is down", lines[0]), out.stderr[-3000:]
     assert metrics(bad) == [] and not os.path.exists(bad / "out" / "final")

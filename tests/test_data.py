@@ -182,7 +182,7 @@ def test_completion_text_strips_any_stop_id(llama_like_dir):
 class KeepExamples:
     """A RewardPool stand-in: scores 0 and keeps the examples the reward would see."""
 
-    def score(self, prompts, completions, examples, completion_ids=None):
+    def score(self, prompts, completions, examples, completion_ids=None, alone=None):
         self.examples = examples
         return [0.0] * len(prompts), {}, None
 

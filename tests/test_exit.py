@@ -1,5 +1,5 @@
 """A finished 2-rank run exits 0 on every rank: the process group is torn down before the
-interpreter exits (parallel.close_distributed)."""
+interpreter exits (parallel.close_distributed). A server that does not come up ends the run in one line."""
 
 import os
 import re
@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import train
 
 pytestmark = pytest.mark.subprocess  # every test here starts processes (ranks, workers)
 
@@ -33,3 +34,16 @@ def test_a_gloo_thread_busy_at_exit_does_not_abort_the_rank(tiny_model_dir):
     assert sorted(r for r, _ in left) == ["0", "1"], out[-4000:]
     for _, names in left:
         assert "gloo" not in names, names  # pt_gloo_runloop, gloo_tcp_loop: joined by close_distributed
+
+
+def test_a_server_that_does_not_answer_in_time_ends_the_run_in_one_line(tiny_model_dir, tmp_path):
+    """On a loaded machine the server may not come up within vllm_startup_timeout: one line names the limit,
+    the log and the fix. Before: a traceback of some 40 lines, ending in the log's tail."""
+    out_dir = tmp_path / "out"
+    out = train(["--model_name_or_path", tiny_model_dir, "--output_dir", str(out_dir), "--eval_freq", "0",
+                 "--vllm_startup_timeout", "1"], timeout=300)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert lines == [f"error: the vLLM server did not answer within vllm_startup_timeout=1s; see its log "
+                     f"{out_dir / 'vllm.log'} (raise --vllm_startup_timeout on a loaded machine)"], out.stderr[-3000:]

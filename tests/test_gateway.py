@@ -2,7 +2,11 @@
 and the episode's Sample recorded as exactly the tokens vLLM saw and sampled, with the real chat
 templates of Qwen2.5, Qwen3 and Llama-3.1."""
 
+import http.client
+import json
+import socket
 import threading
+import time
 
 import openai
 import pytest
@@ -36,17 +40,18 @@ class Recording(ScriptedClient):
 
 @pytest.fixture
 def make():
-    """make(family, script, parser=False, **cfg) -> (gateway, tokenizer, openai client, key); shut down after."""
+    """make(family, script, parser=False, serve=None, **cfg) -> (gateway, tokenizer, openai client, key), the
+    gateway built with serve's keywords; shut down after."""
     made = []
 
-    def build(family, script, parser=False, **kw):
+    def build(family, script, parser=False, serve=None, **kw):
         tok = family_tokenizer(family)
         cfg = Config(agent="tests/agent.py:run", **{"max_turns": 4, "max_prompt_length": 1024,
                                                     "response_length": 1024, **kw})
         if parser:
             import tool_calls
             parser = tool_calls.Parser("hermes", tok, None)
-        g = gateway.Gateway(tok, cfg, parser=parser or None)
+        g = gateway.Gateway(tok, cfg, parser=parser or None, **(serve or {}))
         made.append(g)
         g.client = Recording(tok, script, tok.convert_tokens_to_ids(tok.eos_token))
         url, key = g.open("k1", 1.0, lambda t: 100 + t)
@@ -300,3 +305,109 @@ def test_new_tools_are_a_new_prompt(make):
         reply.model_dump(exclude_none=True), {"role": "user", "content": "Now use the tool."}])
     trace = g.close(key)
     assert trace.sample.restarts and "calculate" in tok.decode(g.client.calls[1]["prompt"])
+
+
+def closed(sock, within):
+    """Whether the gateway closes `sock` (its end of the connection) within `within` seconds."""
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+
+
+def test_idle_connections_are_closed_and_a_call_is_served_beside_them(make):
+    """Connections need no key: 50 that send nothing do not keep a call from being served, and the
+    gateway closes each after idle_timeout seconds (each held a thread of rank 0)."""
+    g, tok, client, key = make("qwen2.5-instruct", ["Five."], serve=dict(idle_timeout=1.0))
+    idle = [socket.create_connection(g.server.server_address[:2], timeout=5) for _ in range(50)]
+    assert client.chat.completions.create(model="any", messages=FIRST).choices[0].message.content == "Five."
+    started = time.monotonic()
+    assert all(closed(s, 5.0) for s in idle) and time.monotonic() - started < 5.0
+    for s in idle:
+        s.close()
+
+
+def test_connections_past_the_cap_are_refused_at_once(make):
+    """Past max_connections a connection is answered 503 and closed, no thread started for it; once
+    the idle ones are closed, a call is served again."""
+    g, tok, client, key = make("qwen2.5-instruct", ["Five."], serve=dict(idle_timeout=1.0, max_connections=4))
+    idle = [socket.create_connection(g.server.server_address[:2], timeout=5) for _ in range(4)]
+    time.sleep(0.3)  # accepted, each on its thread
+    extra = socket.create_connection(g.server.server_address[:2], timeout=5)
+    assert extra.recv(1000).startswith(b"HTTP/1.1 503") and closed(extra, 1.0)
+    assert all(closed(s, 5.0) for s in idle)
+    time.sleep(0.2)  # their threads end
+    assert client.chat.completions.create(model="any", messages=FIRST).choices[0].message.content == "Five."
+    for s in idle + [extra]:
+        s.close()
+
+
+def test_a_401_reads_its_body_and_the_connection_serves_the_next_request(make):
+    """An unknown key's 401 reads (at most MAX_BODY bytes of) the request's body: on the same
+    keep-alive connection the next request is answered as itself, not by the body read as a
+    request. A body over MAX_BODY is a 413 and the connection is closed."""
+    g, tok, client, key = make("qwen2.5-instruct", ["Five."])
+    conn = http.client.HTTPConnection(*g.server.server_address[:2], timeout=5)
+    hidden = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"  # a body that reads as a request of its own
+    conn.request("POST", "/v1/chat/completions", hidden, {"Authorization": "Bearer nobody"})
+    response = conn.getresponse()
+    assert response.status == 401 and not response.will_close
+    response.read()
+    conn.request("POST", f"/e/{key}/v1/chat/completions", json.dumps(dict(model="any", messages=FIRST)),
+                 {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200 and json.loads(response.read())["choices"][0]["message"]["content"] == "Five."
+    conn.putrequest("POST", f"/e/{key}/v1/chat/completions")
+    conn.putheader("Content-Length", str(gateway.MAX_BODY + 1))
+    conn.endheaders()
+    response = conn.getresponse()
+    assert response.status == 413 and response.will_close
+    assert g.close(key).calls == 1
+
+
+def test_a_server_failure_in_a_call_the_agent_gave_up_on_still_stops_the_step(make):
+    """The agent's client timed out while the server failed: the call is taken back, the server's
+    error is not (agent_programs.Agents.play raises it and the step stops)."""
+    g, tok, client, key = make("qwen2.5-instruct", ["x"])
+    failing = Failing(tok, "failed /v1/completions after 4 attempt(s): URLError: refused")
+    g.client.submit = lambda *args, **kwargs: (time.sleep(1.5), failing.submit())
+    impatient = openai.OpenAI(base_url=client.base_url, api_key=key, max_retries=0, timeout=0.3)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.chat.completions.create(model="any", messages=FIRST)
+    trace = g.close(key)
+    assert "URLError" in str(trace.server_error) and "URLError" in trace.failure and trace.sample is None
+
+
+class Misaligned(Recording):
+    """Answers one logprob short: a server whose answer does not hold together."""
+
+    def submit(self, *args, **kwargs):
+        future = super().submit(*args, **kwargs)
+        future.result()[0]["logprobs"].pop()
+        return future
+
+
+def test_an_answer_without_one_logprob_per_token_is_the_servers_failure(make):
+    """As episodes.Episode.add checks: the call fails (502), nothing is recorded, and the error is
+    the server's, for the rollout to raise (not the policy's, nor the agent's)."""
+    g, tok, client, key = make("qwen2.5-instruct", ["Five."])
+    g.client = Misaligned(tok, ["Five."], tok.convert_tokens_to_ids(tok.eos_token))
+    with pytest.raises(openai.APIStatusError) as e:
+        client.chat.completions.create(model="any", messages=FIRST)
+    trace = g.close(key)
+    assert e.value.status_code == 502 and trace.sample is None
+    assert "token ids and" in str(trace.server_error) and "logprobs for one turn" in trace.failure
+
+
+def test_the_tool_list_cache_is_bounded(make):
+    """An agent sending ever-new tool lists keeps at most TOOL_LISTS ChatTokens on rank 0, the
+    least recently used dropped."""
+    g, tok, client, key = make("qwen2.5-instruct", ["x"])
+    lists = [[dict(TOOLS[0], function=dict(TOOLS[0]["function"], name=f"tool{i}"))] for i in range(40)]
+    for tools in lists:
+        g.chat_tokens(tools)
+    assert len(g.chats) == gateway.TOOL_LISTS < 40
+    kept = g.chat_tokens(lists[-gateway.TOOL_LISTS])  # the oldest kept, used again: kept past one more list
+    g.chat_tokens([])
+    assert g.chat_tokens(lists[-gateway.TOOL_LISTS]) is kept and len(g.chats) == gateway.TOOL_LISTS

@@ -109,3 +109,20 @@ def test_a_port_in_use_is_refused_before_the_server_starts(tmp_path):
         port = s.getsockname()[1]
         with pytest.raises(VLLMError, match=f"port {port} is taken .*--vllm_port"):
             vllm_server.launch_server("serving/m", parse_args([]), str(tmp_path / "log"), port=port)
+
+
+def test_vllm_engine_sockets_go_into_the_servers_private_directory(monkeypatch, tmp_path):
+    """vLLM's ZMQ ipc sockets between its API server and engine go where VLLM_RPC_BASE_PATH says (the shared
+    temporary directory by default): into the 0700 directory of the server's own socket, which other users
+    cannot enter and which goes with the server (or with the next run, after a SIGKILL). Before: in /tmp."""
+    seen = {}
+
+    def popen(cmd, env, **kw):
+        seen.update(cmd=cmd, env=env)
+        raise Started
+
+    monkeypatch.setattr(vllm_server.subprocess, "Popen", popen)
+    with pytest.raises(Started):
+        vllm_server.launch_server("serving/m", parse_args([]), str(tmp_path / "log"))
+    uds = seen["cmd"][seen["cmd"].index("--uds") + 1]
+    assert seen["env"]["VLLM_RPC_BASE_PATH"] == os.path.dirname(uds)

@@ -7,6 +7,7 @@ on SmolLM2 with the real vLLM server."""
 import concurrent.futures
 import copy
 import os
+from dataclasses import replace
 import re
 import threading
 
@@ -176,9 +177,9 @@ def test_budgets_cut_episodes_with_ids_mask_and_logprobs_aligned(tiny_model_dir)
 
 
 @pytest.mark.subprocess
-def test_tools_that_hang_crash_or_raise_become_error_messages(tiny_model_dir):
-    """In worker processes: each misbehaving tool is told to the policy as an error, counted, and
-    the episode goes on to its next turn."""
+def test_tools_that_hang_crash_or_raise_end_their_episodes_unscored(tiny_model_dir):
+    """In worker processes: a tool that hangs, kills its worker or raises something other than
+    ToolError is ours (faults.FAULTS): its episode ends there, unscored, counted; the others go on."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -186,13 +187,14 @@ def test_tools_that_hang_crash_or_raise_become_error_messages(tiny_model_dir):
             dict(prompt="d")]
     episodes, stats, _ = episodes_of(tok, ["<calc>2+3</calc>", "done."], rows, workers=2,
                                      num_samples_per_prompt_rollout=2)
-    said = {e.row.get("tool"): e.messages[-2]["content"] for e in episodes}
-    assert said[None] == "5"
-    assert said["hang"] == "error: no answer after tool_timeout=2.0s"
-    assert said["crash"].startswith("error: the tool's process died (exit code 3)")
-    assert said["raise"] == "error: ValueError: boom"
-    assert sorted(kind for kind, _ in stats["tool_failures"]) == ["crashes"] * 2 + ["errors"] * 2 + ["timeouts"] * 2
-    assert all(e.turns == 2 and e.completion == "done." for e in episodes)
+    why = {e.row.get("tool"): e.failure for e in episodes}
+    assert why[None] is None and all(e.turns == 2 and e.completion == "done." for e in episodes[6:])
+    assert why["hang"] == "its environment call failed (tool_timeouts): no answer after tool_timeout=2.0s"
+    assert why["crash"].startswith("its environment call failed (tool_crashes): the tool's process died (exit code 3)")
+    assert why["raise"] == "its environment call failed (tool_errors): ValueError: boom"
+    assert sorted(kind for kind, _ in stats["tool_failures"]) == ["tool_crashes"] * 2 + ["tool_errors"] * 2 + \
+        ["tool_timeouts"] * 2
+    assert all(e.turns == 1 and e.messages[-1]["role"] == "assistant" for e in episodes[:6])  # nothing told
 
 
 @pytest.mark.parametrize("spec,fragment", [("envs.calculator:OPS", "has no step(row, messages) method"),
@@ -415,7 +417,7 @@ def test_a_per_episode_environment_whose_worker_dies_ends_its_episodes(tiny_mode
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     episodes, stats, _ = play_file(tmp_path, CRASHY, "Counter", tok, ["x"] * 6, [dict(prompt="c", crash=True),
                                                                                  dict(prompt="c")], workers=2)
-    assert sorted(kind for kind, _ in stats["tool_failures"]) == ["crashes", "crashes", "lost", "lost"]
+    assert sorted(kind for kind, _ in stats["tool_failures"]) == ["tool_crashes"] * 2 + ["tool_lost"] * 2
     assert [e.turns for e in episodes] == [2] * 4 and all(e.done for e in episodes)
     assert [[m["content"] for m in e.messages[1:]] for e in episodes] == [["x", "1", "x"]] * 4
 
@@ -438,12 +440,13 @@ def test_the_first_environment_failure_of_a_step_is_printed(tiny_model_dir, caps
         env.start()
         rows = [dict(prompt="q", answer="5", tool=tool)]
         with_prompts(env, tok, rows)
-        _, m = sample_groups(cfg, ScriptedClient(tok, [script, "x"]), rows, 0, 7, pool, tok, env)
+        _, m = sample_groups(replace(cfg, unscored_stop=1.0), ScriptedClient(tok, [script, "x"]), rows, 0, 7, pool,
+                             tok, env)
         out = capsys.readouterr().out
         if tool is None:  # the calculator's answer to a bad expression: the policy's bad call
             assert m["tool_bad_calls"] == 2 and m["tool_errors"] == 0 and "failed" not in out
-        else:
-            assert m["tool_errors"] == 2 and m["tool_bad_calls"] == 0
+        else:  # ours: unscored, and the run stops (unscored_stop)
+            assert m["tool_errors"] == 2 and m["tool_bad_calls"] == 0 and m["unscored_groups"] == 1
             assert "step 7: 2 environment call(s) failed; first: episode 0: ValueError: boom" in out
 
 
@@ -515,7 +518,8 @@ def test_an_episode_whose_instance_died_with_another_episodes_worker_is_not_trai
     (tmp_path / "env.py").write_text(ONE_CRASH)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     cfg = Config(environment=f"{tmp_path}/env.py:Steps", tool_workers=2, tool_timeout=20.0, max_prompt_length=200,
-                 response_length=256, max_turns=4, num_samples_per_prompt_rollout=2, filter_zero_std_samples=False)
+                 response_length=256, max_turns=4, num_samples_per_prompt_rollout=2, filter_zero_std_samples=False,
+                 unscored_stop=1.0)
     env = Environment(cfg.environment, tok, cfg)
     env.start()
     try:
@@ -526,7 +530,7 @@ def test_an_episode_whose_instance_died_with_another_episodes_worker_is_not_trai
         env.close()
     assert samples == [] and m["unscored_episodes"] == 2 and m["unscored_groups"] == 2
     assert m["tool_crashes"] == 1 and m["reward_errors"] == 0 and sorted(m["rewards"].tolist()) == [3.0, 3.0]
-    assert "2 of 4 episode(s) could not be scored and left the batch with their groups; first: episode" in \
+    assert "2 of 4 episode(s) could not be scored, and 2 of 2 group(s) left the batch with them; first: episode" in \
         capsys.readouterr().out
 
 
@@ -555,7 +559,9 @@ class Closing:
 '''
 
 
-def test_a_close_that_raises_keeps_the_reward_already_earned(tiny_model_dir, tmp_path, monkeypatch):
+def test_a_close_that_raises_leaves_its_episode_unscored(tiny_model_dir, tmp_path, monkeypatch):
+    """The environment's own code raised (faults.FAULTS: tool_errors, ours): its episodes are unscored,
+    as for a step that raises, and every instance is still closed."""
     from transformers import AutoTokenizer
 
     from rollout import score
@@ -564,9 +570,9 @@ def test_a_close_that_raises_keeps_the_reward_already_earned(tiny_model_dir, tmp
     monkeypatch.setenv("CLOSE_LOG", str(tmp_path / "log"))
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     episodes, stats, env = play_file(tmp_path, CLOSES, "Closing", tok, ["x", "y"], [dict(prompt="p")], max_turns=2)
-    assert [e.env_reward for e in episodes] == [1.0, 1.0] and not any(e.failure for e in episodes)
-    assert score(None, episodes, env)[0] == [1.0, 1.0]
-    assert [kind for kind, _ in stats["tool_failures"]] == ["errors", "errors"]
+    assert all(e.failure.startswith("its environment (tool_errors): close() raised OSError") for e in episodes)
+    assert all(r != r for r in score(None, episodes, env)[0])
+    assert [kind for kind, _ in stats["tool_failures"]] == ["tool_errors", "tool_errors"]
     assert "close() raised OSError: the disk is gone" in stats["tool_failures"][0][1]
     # a prompt's rendering at load time closes the instance it reset: 1 row, and 2 episodes
     assert (tmp_path / "log").read_text().count("closed") == 3
@@ -685,7 +691,8 @@ def test_a_reward_that_fails_on_every_sample_stops_the_run_in_one_line(tiny_mode
     cfg = Config(response_length=8, num_samples_per_prompt_rollout=2)
     rows = [dict(prompt="q", answer="5", prompt_text="q", prompt_ids=tok("q")["input_ids"])]
     pool = RewardPool("test_multiturn:needs_a_list", workers=0, fallback=float("nan"))  # as train.py makes it
-    with pytest.raises(Refused, match=r"step 3: 2 of 2 episodes could not be scored \(unscored_stop=1\); "
+    with pytest.raises(Refused, match=r"step 3: 1 of 1 groups left the batch with episodes that could not be "
+                                      r"scored \(more than unscored_stop=0.5 of them\); "
                                       r"first: the reward: TypeError: completions must be a list"):
         sample_groups(cfg, ScriptedClient(tok, ["5"]), rows, 0, 3, pool, tok)
     cfg = Config(response_length=8, num_samples_per_prompt_rollout=2, unscored_stop=1.5)
@@ -741,7 +748,7 @@ def test_a_replaced_worker_leaves_no_scratch_of_its_episodes(tiny_model_dir, tmp
         log.write_text("")  # the directories of the episodes, not of the prompts' rendering
         episodes, stats = play(cfg, ScriptedClient(tok, ["x"] * 3), rows, 2, 0, tok, env)
         made = log.read_text().split()
-        assert len(made) >= 4 and sum(kind == "crashes" for kind, _ in stats["tool_failures"]) == 2
+        assert len(made) >= 4 and sum(kind == "tool_crashes" for kind, _ in stats["tool_failures"]) == 2
         assert [d for d in made if os.path.exists(d)] == []  # the pool is still up: gone with their workers
     finally:
         env.close()
@@ -817,7 +824,8 @@ def test_an_environments_reward_that_hangs_is_a_reward_timeout(tiny_model_dir, t
     from episodes import Refused
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    with pytest.raises(Refused, match=r"2 of 2 episodes could not be scored \(unscored_stop=1\); first: the "
+    with pytest.raises(Refused, match=r"1 of 1 groups left the batch with episodes that could not be scored "
+                                      r"\(more than unscored_stop=0.5 of them\); first: the "
                                       r"environment's reward: no answer after tool_timeout=1.0s"):
         failing_rewards(tmp_path, tok, spec, [dict(prompt="p")])
     _, m = failing_rewards(tmp_path, tok, spec, [dict(prompt="p")], unscored_stop=2.0)

@@ -432,3 +432,17 @@ def test_a_sample_of_two_sequences_is_its_sequences_apart(models, attn):
             assert torch.allclose(got[k], v, atol=1e-5, rtol=0), k
     with pytest.raises(ValueError, match="packs only"):
         packing.collate_padded([both], 0)
+
+
+def test_the_row_length_estimate_is_the_collated_row_with_a_restarted_sample():
+    """packing.row_length (what pack_ranks compares its two assignments by) counts a sample of
+    several sequences (an agent's restarted call) with its own prompt, as collate lays it out
+    under --shared_prefix: it never shares its prompt, nor does the sample before it."""
+    both, _ = restarted()
+    mates = [replace(s, prompt_ids=both.prompt_ids) for s in groups(1, 3, seed=4)]
+    for row in (mates + [both], [mates[0], both, mates[1], mates[2]], [both] + mates):
+        assert packing.row_length(row) == packing.collate(row, share=True)["input_ids"].shape[1]
+    batch = mates + [both] + [replace(s, restarts=()) for s in [both] * 4]  # two groups of 4, one sample restarted
+    for rank in packing.pack_ranks(batch, 2, 4096, group_size=4, share=True):
+        for mb in rank:
+            assert packing.row_length(mb) == packing.collate(mb, share=True)["input_ids"].shape[1]

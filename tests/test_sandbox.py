@@ -1,12 +1,15 @@
 """The sandbox (envs/sandbox.py): each limit fires on the code that needs it, ends as a counted error
 with the interpreter (or the next one) working, and leaves no process behind; the attacks of a
 hostile review fail (files, network, /tmp and /dev/shm, an owner killed mid-cell, a forged reply,
-processes after the cell, memory of several processes), as root and, in one script, as a user;
-and the PythonTool environment through the trainer's episodes."""
+processes after the cell, memory of several processes; the kernel's doors: bwrap's environment,
+ptrace, keys, nested user namespaces, writes to / and /dev), as root and, in scripts, as a user;
+probe(); and the PythonTool environment through the trainer's episodes."""
 
+import ast
 import contextlib
 import json
 import os
+import platform
 import shutil
 import signal
 import socket
@@ -367,13 +370,30 @@ print(json.dumps(out))
 """
 
 
-def test_the_attacks_fail_as_a_user_too(host_dir):
+def as_trainer(who, script, host_dir, argv=(), env=None):
+    """The last line of stdout (JSON) of script, run from host_dir (given a copy of envs/) as a trainer run by
+    root, or by a user (uid 65534 with a Python it can read; where we are not root, ourselves)."""
     python = "/usr/bin/python3"
-    if os.geteuid() != 0 or not shutil.which("setpriv") or not os.access(python, os.X_OK):
-        pytest.skip("needs root (to become uid 65534), setpriv and a Python that uid can read at /usr/bin/python3")
-    os.mkdir(os.path.join(host_dir, "envs"))
+    if who == "root" and os.geteuid() != 0:
+        pytest.skip("runs as root")
+    if who == "user" and os.geteuid() == 0 and not (shutil.which("setpriv") and os.access(python, os.X_OK)):
+        pytest.skip("needs setpriv (to become uid 65534) and a Python that uid can read at /usr/bin/python3")
+    os.makedirs(os.path.join(host_dir, "envs"), exist_ok=True)
     for name in ("__init__.py", "sandbox.py", "sandbox_process.py"):
         shutil.copy(os.path.join(ROOT, "envs", name), os.path.join(host_dir, "envs"))
+    become = who == "user" and os.geteuid() == 0
+    user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if become else []
+    done = subprocess.run([*user, python if user else sys.executable, "-I", "-c",
+                           f"import sys; sys.path.insert(0, '.'); sys.argv[1:] = {list(argv)!r}\n{script}"],
+                          cwd=host_dir, env=dict(PATH="/usr/bin:/bin", HOME=host_dir, **(env or {})),
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_the_attacks_fail_as_a_user_too(host_dir):
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to become uid 65534 and own the trainer's files")
     os.mkdir(os.path.join(host_dir, "checkout"))
     for name, mode in (("token", 0o600), ("answers.jsonl", 0o644), ("checkout/train.py", 0o644)):
         with open(os.path.join(host_dir, name), "w") as f:
@@ -381,17 +401,84 @@ def test_the_attacks_fail_as_a_user_too(host_dir):
         os.chmod(os.path.join(host_dir, name), mode)
     for path in (host_dir, *(os.path.join(host_dir, p) for p in ("token", "checkout", "checkout/train.py"))):
         os.chown(path, 65534, 65534)  # the trainer's user owns its files
-    done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-I", "-c",
-                           f"import sys; sys.path.insert(0, '.'); sys.argv[1:] = [{OWNER!r}]\n{AS_USER}"],
-                          cwd=host_dir, env=dict(PATH="/usr/bin:/bin", HOME=host_dir), capture_output=True,
-                          text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-2000:]
-    out = json.loads(done.stdout.splitlines()[-1])
+    out = as_trainer("user", AS_USER, host_dir, [OWNER])
     assert out["uid"] == "1000" and out["read"] == "" and out["wrote"].startswith(("PermissionError", "FileNotFound"))
     assert not os.path.exists(os.path.join(host_dir, "checkout/x")), out
     assert out["connect"].startswith(("OSError", "ConnectionRefusedError")) and out["bomb"] == "processes", out
     assert "reply pipe" in out["forged"] and out["child"] is None and out["children_left"] == [], out
     assert not out["host_tmp"] and out["next_tmp"] == "[]\n" and out["owner_started"] and out["orphans"] == [], out
+
+
+# The kernel's doors, tried by a cell of a trainer run by root and by a user: the environment of the sandbox's
+# pid 1 (bwrap: the code's own uid in a user namespace, not root), ptrace and another process's memory, the
+# keys in the trainer's session keyring, nested user namespaces (in one the code could mount a tmpfs of any
+# size), and files in / and /dev (only /tmp and /dev/shm are writable, of Limits.disk each).
+KERNEL = r"""
+import ctypes, json
+from envs import sandbox
+
+libc = ctypes.CDLL(None, use_errno=True)
+key = libc.syscall(248, b"user", b"sandbox-test-key", b"hf_secret_key", 13, -3)  # add_key to our session keyring
+cell = '''
+import ctypes, os, subprocess
+libc = ctypes.CDLL(None, use_errno=True)
+def errno(nr, *args):  # 0 where the call went through
+    return 0 if libc.syscall(nr, *args) >= 0 else ctypes.get_errno()
+def forked(nr, *args):  # the call in a child that exits at once (a raw clone's own child exits too)
+    if (pid := os.fork()) == 0:
+        os._exit(errno(nr, *args))
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+try:
+    environ = 'hf_secret_env' in open('/proc/1/environ').read()
+except OSError as e:
+    environ = type(e).__name__
+payload = ctypes.create_string_buffer(64)
+libc.syscall(250, 11, KEY, payload, 64)  # keyctl(KEYCTL_READ)
+wrote = []
+for path in ('/x', '/dev/x', '/usr/x', '/dev/null', '/dev/shm/x', '/tmp/x'):
+    try:
+        open(path, 'w').write('a')
+        wrote.append(path)
+    except OSError:
+        pass
+filled, fd = 0, os.open('/tmp/fill', os.O_WRONLY | os.O_CREAT)
+try:
+    while filled < 64 << 20:
+        filled += os.write(fd, bytes(1 << 20))
+except OSError:
+    pass
+print(dict(environ=environ, ptrace_pid1=forked(101, 0x4206, 1, 0, 0),  # PTRACE_SEIZE: it does not stop pid 1
+           ptrace_child=forked(101, 0x4206, os.getpid(), 0, 0),  # its parent, the interpreter
+           vm_read=errno(310, 1, 0, 0, 0, 0, 0), keyctl=errno(250, 0, -3, 0), payload=payload.value.decode(),
+           listed='sandbox-test-key' in open('/proc/keys').read(), unshare=forked(272, 0x10000000),
+           clone=forked(56, 0x10000000 | 17, 0, 0, 0, 0), clone3=errno(435, 0, 0), x32=errno(0x40000000 | 39),
+           unshare_r=subprocess.run(['unshare', '-Ur', 'true'], capture_output=True).returncode,
+           wrote=wrote, filled=filled, dev_null=subprocess.run(['sh', '-c', 'echo a > /dev/null']).returncode))
+'''
+result = sandbox.run(cell.replace("KEY", str(key)), sandbox.Limits(cpu=5, wall=30.0, disk=8 << 20))
+print(json.dumps(dict(key=key, stdout=result.stdout, error=result.error)))
+"""
+
+
+@pytest.mark.parametrize("who", ["root", "user"])
+def test_the_kernel_attacks_fail(who, host_dir):
+    if platform.machine() != "x86_64":
+        pytest.skip("the cell calls x86_64's syscall numbers")
+    out = as_trainer(who, KERNEL, host_dir, env=dict(HF_TOKEN="hf_secret_env"))
+    assert out["error"] is None, out
+    found = ast.literal_eval(out["stdout"])
+    # the sandbox's pid 1 has nothing of the trainer's environment (as root its uid is not the code's)
+    assert found["environ"] in (False, "PermissionError"), found
+    eperm, enosys = 1, 38
+    assert found["ptrace_pid1"] == found["ptrace_child"] == found["vm_read"] == found["keyctl"] == eperm, found
+    # the trainer's key is not the sandbox's to read (a user's code, of the trainer's uid, sees its name in
+    # /proc/keys, not its payload); out["key"] < 0 where keys are refused to the trainer too (a container)
+    assert out["key"] < 0 or (found["payload"] == "" and not (who == "root" and found["listed"])), (out, found)
+    # no user namespace, by unshare, clone or unshare(1); clone3 is told ENOSYS (glibc falls back to clone)
+    assert found["unshare"] == found["clone"] == eperm and found["unshare_r"] != 0 and found["clone3"] == enosys, found
+    assert found["x32"] == eperm, found  # the x32 ABI's numbers, which a filter of x86_64's would miss
+    assert found["wrote"] == ["/dev/null", "/dev/shm/x", "/tmp/x"] and found["dev_null"] == 0, found
+    assert 7 << 20 <= found["filled"] <= 8 << 20, found  # /tmp takes Limits.disk, and no more
 
 
 def test_without_bwrap_it_refuses_to_start_unless_asked_to_run_unisolated(monkeypatch):
@@ -405,6 +492,18 @@ def test_without_bwrap_it_refuses_to_start_unless_asked_to_run_unisolated(monkey
     with pytest.raises(ValueError, match="'bwrap' or 'none'"):
         Limits(isolation="off")
 
+
+def test_probe_runs_a_cell_or_says_in_one_line_what_to_fix(monkeypatch):
+    assert sandbox.probe() is None
+    with monkeypatch.context() as patch:
+        patch.setenv("PATH", "/nonexistent")  # no bwrap
+        with pytest.raises(RuntimeError, match="apt-get install bubblewrap") as missing:
+            sandbox.probe()
+    # a sandbox that starts but does not answer as it should (here: it prints nothing)
+    monkeypatch.setattr(sandbox, "run", lambda code, limits=None: sandbox.Result(stdout="", stderr="", error=None))
+    with pytest.raises(RuntimeError, match="SANDBOX_ISOLATION=none") as wrong:
+        sandbox.probe()
+    assert "\n" not in str(missing.value) + str(wrong.value)
 
 def test_the_python_tool_keeps_each_episodes_variables_and_counts_its_errors(tiny_model_dir, monkeypatch):
     """Two rows of two episodes through episodes.play with two tool workers: each episode counts
@@ -432,6 +531,6 @@ def test_the_python_tool_keeps_each_episodes_variables_and_counts_its_errors(tin
     answers = [[m["content"] for m in e.messages if m["role"] == "tool"] for e in episodes]
     assert [a[0] for a in answers] == ["1 []"] * 4 and [a[1] for a in answers] == ["2"] * 4  # nothing shared
     assert all(a[2].startswith("error: ZeroDivisionError: division by zero") for a in answers)
-    assert sorted(kind for kind, _ in stats["tool_failures"]) == ["bad_calls"] * 4
+    assert sorted(kind for kind, _ in stats["tool_failures"]) == ["tool_bad_calls"] * 4
     assert alive(bwraps(token)) == []  # every sandbox ended
     assert PythonTool.call_time <= Config().tool_timeout  # the default timeout lets a call finish

@@ -145,7 +145,7 @@ def test_an_episode_with_native_calls_is_the_templates_rendering(tmp_path, worke
             "error: amount must be positive", "error: the tool call does not parse in the hermes format",
             '{"entries": [2, 3], "sum": 5}']  # this episode's ledger only
         assert e.messages[-1] == {"role": "assistant", "content": script[-1]} and e.env_reward == 1.0
-    assert [what for what, _ in stats["tool_failures"]] == ["bad_calls"] * 6
+    assert [what for what, _ in stats["tool_failures"]] == ["tool_bad_calls"] * 6
 
 
 @vllm_import
@@ -167,7 +167,7 @@ def test_the_native_calculator_answers_hermes_calls_on_a_chatml_template():
     for e in episodes:
         assert [m["content"] for m in e.messages if m["role"] == "tool"][-3:] == ["84", "error: invalid syntax", "89"]
         assert e.turns == 4 and e.tool_calls == 3 and e.completion == "\\boxed{89}"
-    assert [what for what, _ in stats["tool_failures"]] == ["bad_calls"] * 2
+    assert [what for what, _ in stats["tool_failures"]] == ["tool_bad_calls"] * 2
 
 
 def test_a_wrongly_typed_argument_is_the_policys_bad_call():

@@ -73,17 +73,22 @@ def test_sigterm_stops_the_server_we_started(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_reward_that_fails_on_every_sample_stops_the_run_in_one_line(tiny_model_dir, tmp_path):
-    """A reward that raises on every sample used to print reward_errors each step and exit 0 having
-    trained nothing; the run now stops at the first step, on both ranks, in one line naming the exception."""
-    (tmp_path / "r.py").write_text("def reward(prompt, completion, example):\n"
-                                   "    raise KeyError('solution')\n")
+def test_a_reward_that_fails_on_half_the_samples_stops_the_run_in_one_line(tiny_model_dir, tmp_path):
+    """A reward that raises on half the samples at random, groups of 8: an episode-count rule (stop when
+    every episode fails) let the run go on training on the 1 group in 256 left whole, with a healthy
+    reward_mean; the run now stops at the first step, on both ranks, in one line naming the exception
+    (it goes on only if 3 of the 4 groups came through whole: about 1 run in 4 million)."""
+    (tmp_path / "r.py").write_text("import random\n\n\ndef reward(prompt, completion, example):\n"
+                                   "    if random.random() < 0.5:\n        raise KeyError('solution')\n"
+                                   "    return 1.0\n")
     out = train(["--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path / "out"),
-                 "--num_training_steps", "3", "--eval_freq", "0", "--reward_fn", f"{tmp_path}/r.py:reward"],
+                 "--num_training_steps", "3", "--eval_freq", "0", "--reward_fn", f"{tmp_path}/r.py:reward",
+                 "--num_unique_prompts_rollout", "4", "--num_samples_per_prompt_rollout", "8"],
                 nproc=2, timeout=600)
-    assert out.returncode != 0, out.stderr[-3000:]
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
     lines = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
-    assert lines and re.match(r"error: step 1: (\d+) of \1 episodes could not be scored \(unscored_stop=1\); "
+    assert lines and re.match(r"error: step 1: [34] of 4 groups left the batch with episodes that could not be "
+                              r"scored \(more than unscored_stop=0.5 of them\); "
                               r"first: the reward: KeyError: 'solution'$", lines[0]), \
         out.stderr[-3000:]
     assert not os.path.exists(tmp_path / "out" / "final")

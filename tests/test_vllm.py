@@ -184,6 +184,40 @@ def test_weight_files_go_to_a_private_directory(tmp_path):
     assert not os.path.exists(sync.dir)
 
 
+@pytest.mark.subprocess
+def test_the_directories_of_a_killed_trainer_go_with_the_next_run(tmp_path, monkeypatch):
+    """A trainer killed by SIGKILL cannot remove its server's socket directory (in TMPDIR) nor the weight
+    sync's copy of the model (in /dev/shm); the next run's own removes them, and not those of a live
+    owner. Before: each killed run left a copy of its model in /dev/shm."""
+    import shutil
+    import tempfile
+
+    code = ("import time, vllm_server, weight_sync\n"
+            f"print(vllm_server.private_socket(), weight_sync.FilesystemSync(None, 0, {str(tmp_path / 'a')!r}).dir)\n"
+            "print(flush=True)\ntime.sleep(600)\n")
+    tmp = tempfile.mkdtemp(dir="/tmp")  # not tmp_path: vLLM's socket paths in the directory must fit in 107 bytes
+    proc = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, TMPDIR=tmp), cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True)
+    uds, weights = proc.stdout.readline().split()
+    proc.kill()
+    proc.wait()
+    monkeypatch.setattr(tempfile, "tempdir", tmp)  # the next run's temporary directory: the same
+    syncs, sockets = [], []
+    try:
+        assert os.path.isdir(os.path.dirname(uds)) and os.path.isdir(weights)
+        sockets.append(vllm_server.private_socket())
+        syncs.append(weight_sync.FilesystemSync(None, 0, str(tmp_path / "b")))
+        assert not os.path.exists(os.path.dirname(uds)) and not os.path.exists(weights)
+        sockets.append(vllm_server.private_socket())
+        syncs.append(weight_sync.FilesystemSync(None, 0, str(tmp_path / "c")))
+        assert os.path.isdir(os.path.dirname(sockets[0])) and os.path.isdir(syncs[0].dir)  # their owner lives
+    finally:
+        shutil.rmtree(weights, ignore_errors=True)  # in /dev/shm: not left there when the test fails
+        for sync in syncs:
+            sync.close()
+        shutil.rmtree(tmp)
+
+
 def test_unreachable_server_fails_with_name_and_reason():
     client = vllm_client.VLLMClient(["http://127.0.0.1:9"], "m", timeout=2, max_retries=2)
     t = time.monotonic()

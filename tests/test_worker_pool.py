@@ -1,9 +1,12 @@
-"""The reward pool: rewards that hang, kill their own process or raise score 0, are counted,
+"""The reward pool: rewards that hang, kill their own process or raise score NaN, are counted,
 and scoring goes on with fresh workers (a hung worker's children end with it; a worker that
 died idle is replaced without a failure); every number type a reward may return is accepted."""
 
 import os
 import signal
+import subprocess
+import sys
+import tempfile
 import time
 
 import pytest
@@ -43,6 +46,8 @@ def typed(prompt, completion, example):
             "float": 0.75, "text": "1.0", "vector": torch.ones(2), "nan": float("nan")}[completion]
 
 
+NAN = float("nan")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEC, TYPED = (f"{os.path.abspath(__file__)}:{name}" for name in ("misbehaving", "typed"))
 
 
@@ -57,18 +62,18 @@ def test_every_number_type_is_a_reward(workers):
         values, counts, first = run(pool, ["bool", "np", "npint", "tensor", "int", "float", "text", "vector", "nan"])
     finally:
         pool.close()
-    assert values == [1.0, 0.25, 3.0, 0.5, 2.0, 0.75, 0.0, 0.0, 0.0]
-    assert counts == dict(reward_errors=3, reward_timeouts=0, reward_crashes=0)
+    assert values == pytest.approx([1.0, 0.25, 3.0, 0.5, 2.0, 0.75, NAN, NAN, NAN], nan_ok=True)
+    assert counts == dict(reward_errors=3, reward_timeouts=0, reward_crashes=0, reward_none=0)
     assert "TypeError" in first and "'1.0'" in first
 
 
-def test_hang_crash_and_raise_score_zero_and_the_pool_goes_on():
+def test_hang_crash_and_raise_score_nan_and_the_pool_goes_on():
     pool = RewardPool(SPEC, workers=2, timeout=2.0)
     try:
         batch = ["0.5", "hang", "1", "die", "raise", "0.25", "hang", "die", "2"]
         values, counts, first = run(pool, batch)
-        assert values == [0.5, 0.0, 1.0, 0.0, 0.0, 0.25, 0.0, 0.0, 2.0]
-        assert counts == dict(reward_errors=1, reward_timeouts=2, reward_crashes=2)
+        assert values == pytest.approx([0.5, NAN, 1.0, NAN, NAN, 0.25, NAN, NAN, 2.0], nan_ok=True)
+        assert counts == dict(reward_errors=1, reward_timeouts=2, reward_crashes=2, reward_none=0)
         assert first is not None
         alive = [w.proc.pid for w in pool.workers]
         assert len(alive) == 2 and all(w.proc.is_alive() for w in pool.workers)
@@ -115,7 +120,7 @@ def test_a_timed_out_call_ends_its_children_with_it(tmp_path):
     try:
         values, counts, _ = run(pool, [f"spawn {tmp_path}/pid", "1"])
         child = int((tmp_path / "pid").read_text())
-        assert values == [0.0, 1.0] and counts["reward_timeouts"] == 1
+        assert values == pytest.approx([NAN, 1.0], nan_ok=True) and counts["reward_timeouts"] == 1
         deadline = time.monotonic() + 10
         while running(child) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -151,7 +156,7 @@ def test_the_first_failure_described_is_the_first_sample_s_whichever_worker_ends
         values, counts, first = run(pool, ["slow raise", "raise"])
     finally:
         pool.close()
-    assert values == [0.0, 0.0] and counts["reward_errors"] == 2
+    assert values == pytest.approx([NAN, NAN], nan_ok=True) and counts["reward_errors"] == 2
     assert first == "sample 0: ValueError: slow bad reward"
 
 
@@ -188,7 +193,9 @@ CHAT = [{"role": "user", "content": "1+1="}]
 def test_a_trl_reward_scores_standard_and_conversational_prompts(workers):
     """TRL's `reward(completions, **kwargs) -> list` runs unmodified: one-element lists per sample, the row's
     prompt as `prompts` (a string, or messages: then each completion is an assistant message), the sampled ids,
-    the dataset's columns by name; None scores 0 and is no failure. Before: every sample a TypeError, scored 0."""
+    the dataset's columns by name. None is "not applicable": the only reward of its sample, it leaves the sample
+    unscored (NaN), counted and said (reward_none), where it used to score 0, a reward nobody earned; beside
+    another reward (alone=False) it adds 0. Before: every sample a TypeError, scored 0."""
     rows = [dict(prompt="1+1=", answer="2", level=1, prompt_text="1+1=", prompt_ids=[1, 2]),
             dict(prompt=CHAT, answer="2", level=3, prompt_text="<chat>1+1=", prompt_ids=[5], completion="2")]
     examples, completions, ids = [rows[0], rows[1], rows[0], rows[1]], ["2", "2", "3", "skip"], [[7, 8], [7], [], [1]]
@@ -198,7 +205,12 @@ def test_a_trl_reward_scores_standard_and_conversational_prompts(workers):
         values, counts, first = pools[1].score(["p"] * 4, ["2", "3", "3", "2"], renamed)  # no completion_ids
         assert values == [1.0, 0.0, 0.0, 3.0] and first is None
         values, counts, first = pools[0].score([r["prompt_text"] for r in examples], completions, examples, ids)
-        assert values == [1.02, 11.01, 0.0, 0.0] and sum(counts.values()) == 0 and first is None
+        assert values == pytest.approx([1.02, 11.01, 0.0, NAN], nan_ok=True) and counts["reward_none"] == 1
+        assert sum(counts.values()) == 1 and first == "sample 3: the reward returned None (not applicable), and no " \
+                                                      "other reward scores the sample"
+        values, counts, _ = pools[0].score([r["prompt_text"] for r in examples], completions, examples, ids,
+                                           [True, True, True, False])
+        assert values == [1.02, 11.01, 0.0, 0.0] and sum(counts.values()) == 0
     finally:
         for pool in pools:
             pool.close()
@@ -213,8 +225,40 @@ def test_a_trl_reward_that_returns_the_wrong_thing_is_an_error(workers):
         values, counts, first = run(pool, ["none", "number", "two", "text", "ok"])
     finally:
         pool.close()
-    assert values == [0.0, 0.0, 0.0, 0.0, 0.5] and counts["reward_errors"] == 4
+    assert values == pytest.approx([NAN, NAN, NAN, NAN, 0.5], nan_ok=True) and counts["reward_errors"] == 4
     assert first == "sample 0: ValueError: returned 0 values for 1 completion; a TRL-form reward returns one per " \
                     "completion"
     values, counts, first = RewardPool(TRL_WRONG, workers=0).score(["p"], ["number"], [{}])
     assert sum(counts.values()) == len(values) and first.startswith("sample 0: TypeError: returned 1.0, not a list")
+
+
+def test_a_failed_sample_is_nan_unless_the_caller_says_otherwise():
+    """A failed sample must never read as a real reward of 0. Before: RewardPool's fallback was 0.0 (train.py
+    passed NaN, every other caller got 0)."""
+    values, counts, _ = run(RewardPool(SPEC, workers=0), ["raise", "1"])
+    assert values == pytest.approx([NAN, 1.0], nan_ok=True) and counts["reward_errors"] == 1
+    assert run(RewardPool(SPEC, workers=0, fallback=-1.0), ["raise"])[0] == [-1.0]
+
+
+def test_the_scratch_of_a_killed_trainer_goes_with_the_next_pool(tmp_path, monkeypatch):
+    """A trainer killed by SIGKILL cannot remove its workers' scratch directories; the next pool made on
+    the machine removes them (their owner is dead), and not those of a pool whose owner lives.
+    Before: each killed run left them in /tmp."""
+    code = ("import time, worker_pool\n"
+            "pool = worker_pool.RewardPool('rewards:number_reward', workers=1)\n"
+            "print(pool.workers[0].scratch, flush=True)\ntime.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, TMPDIR=str(tmp_path)), cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True)
+    left = proc.stdout.readline().strip()
+    proc.kill()
+    proc.wait()
+    assert os.path.isdir(left), left
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the next run's temporary directory: the same
+    pools = [RewardPool(SPEC, workers=1, timeout=30)]
+    try:
+        assert not os.path.exists(left)
+        pools.append(RewardPool(SPEC, workers=1, timeout=30))
+        assert os.path.isdir(pools[0].workers[0].scratch)  # its owner, this process, lives
+    finally:
+        for pool in pools:
+            pool.close()

@@ -1,0 +1,52 @@
+"""Whose failure is it: the policy's mistake, or ours. Every failure an episode can meet is one row
+of FAULTS, named by the metric that counts it, and every file that meets one asks here.
+
+- the policy's (POLICY): the policy's input caused it, and it can learn not to. The failure is told to
+  the policy as a tool message ("error: ..."), the episode goes on, is scored and trained on.
+- ours (OURS): the infrastructure's (a worker killed, a call that timed out, a reward that failed, a
+  sandbox that did not start, an environment that could not be made). The episode ends unscored: its
+  group leaves the batch (rollout.sample_groups), counted, and --unscored_stop stops a run that loses
+  that fraction of a step's groups. Nothing of ours is ever a reward the policy learns from.
+
+A failure nobody can pin on the policy is ours: a timeout or a worker's death may follow from what
+the policy wrote, but may as well be a loaded machine or the OOM killer, and a group dropped costs
+samples where a wrong reward costs the run. An environment tells the policy of its mistakes with
+tool_calls.ToolError, and of its own with tool_calls.Unavailable. The same rows hold for a shared
+environment and a per-episode one, in a worker or in the trainer (tool_workers=0: no timeout, no
+crash). docs/operations.md ("Whose failure is it") is this table as users read it.
+"""
+
+POLICY, OURS = "policy", "ours"
+
+FAULTS = {  # the metric that counts it: (whose, what it is)
+    # an --environment's calls (envs/calls.py, envs/environment.py, worker_pool.CallPool)
+    "tool_bad_calls": (POLICY, "the environment raised ToolError, a tool function raised, or the parser could not "
+                               "read the policy's call"),
+    "tool_errors": (OURS, "the environment's step raised an exception other than ToolError, or returned something "
+                           "that is not a list of messages"),
+    "tool_unavailable": (OURS, "the tool could not run (tool_calls.Unavailable: a sandbox that cannot start)"),
+    "tool_resets": (OURS, "a per-episode environment's constructor or reset(row) raised"),
+    "tool_timeouts": (OURS, "a call ran past tool_timeout: its worker was killed"),
+    "tool_crashes": (OURS, "a call's worker died (a signal, or an exit)"),
+    "tool_lost": (OURS, "the episode's per-episode instance died with its worker in another episode's call"),
+    # the reward: --reward_fn, the dataset's, an environment's or an agent's reward() (worker_pool.RewardPool)
+    "reward_errors": (OURS, "the reward raised, or returned something that is not a finite number"),
+    "reward_timeouts": (OURS, "the reward ran past reward_timeout (tool_timeout for an environment's)"),
+    "reward_crashes": (OURS, "the reward's worker died"),
+    "reward_none": (OURS, "a TRL-form reward returned None (not applicable) and no other reward scores the sample"),
+    # an agent program (agent_programs.py, gateway.py)
+    "agent_errors": (OURS, "the program raised, exited non-zero, or returned something that is not a number"),
+    "agent_timeouts": (OURS, "the program ran past agent_timeout"),
+    "agent_crashes": (OURS, "the program's worker died"),
+    "agent_refused": (OURS, "the gateway could not serve one of its calls (a prompt past the context, tools and no "
+                            "--tool_call_parser, the server's failure)"),
+    "agent_idle": (OURS, "the program never called the model"),
+}
+# And one failure that is no episode's: the vLLM server's. The step stops there, a server we launched is
+# restarted and the step played again (generator.Generator.batch); one the user runs stops the run.
+
+
+def ours(kind):
+    """True when the failure `kind` (a key of FAULTS) is the infrastructure's: its episode is unscored.
+    None (no failure) is nobody's; a kind missing from the table is a bug, and raises KeyError."""
+    return kind is not None and FAULTS[kind][0] == OURS
