@@ -65,7 +65,8 @@ class Config:
                             low=1, only_with="multi_turn")
     tool_workers: int = option(2, "with an environment: processes that run its step (tool calls)",
                                low=0, only_with="environment")
-    tool_timeout: float = option(10.0, "seconds one step (tool call) may take; past it the policy is told so",
+    tool_timeout: float = option(10.0, "seconds one step (tool call) may take; past it the episode is unscored "
+                                       "(faults.py)",
                                  above=0, only_with="environment")
     tool_output_max_tokens: int = option(256, "an environment message longer than this is cut",
                                          low=1, only_with="environment")

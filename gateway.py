@@ -250,15 +250,16 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.reply(200, {"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "trainer"}]})
 
     def do_POST(self):
-        data = self.body()  # read first, whatever the answer: what is left unread would be read as a request
-        if data is None:
-            return
         key = self.path.split("/e/", 1)[1].split("/", 1)[0] if self.path.startswith("/e/") else \
             self.headers.get("Authorization", "").removeprefix("Bearer ").strip()
         route, trace = self.path.split("/v1", 1)[-1], self.server.gateway.traces.get(key)
-        if trace is None:
+        if trace is None:  # its body is never read (a caller without a key costs us no memory): the
+            self.close_connection = True  # connection closes, so what is left unread is never read as a request
             return self.reply(401, {"error": {"message": "no episode has this key: use the base URL and API key "
                                                          "the episode was given"}})
+        data = self.body()
+        if data is None:
+            return
         try:
             body = json.loads(data or b"{}")
         except ValueError as e:

@@ -79,22 +79,29 @@ def last_turn(sample):
     return ids[start:k]
 
 
-def unscored(step, episodes, n, cfg):
-    """Say the step's episodes that could not be scored (the first one's why), and stop the run when
-    more than unscored_stop of its groups left the batch for them. The rule counts groups, what is
-    lost, not episodes: a group with one unscored episode leaves whole, so a grader that fails on 30%
-    of calls loses 94% of groups of 8 (1 - 0.7 ** 8) and trains almost nothing, and must not look
-    like a run that trains."""
+def unscored(step, episodes, n):
+    """Say the round's episodes that could not be scored (the first one's why); returns the failure
+    that would name them in a stop (a reward's first), or None."""
     failed = [e for e in episodes if e.failure]
     if not failed:
-        return
+        return None
     groups, lost = len(episodes) // n, len({e.k // n for e in failed})
     tqdm.write(f"step {step}: {len(failed)} of {len(episodes)} episode(s) could not be scored, and {lost} of "
                f"{groups} group(s) left the batch with them; first: episode {failed[0].k}: {failed[0].failure}")
+    return next((e for e in failed if e.reward_failed), failed[0]).failure
+
+
+def check_lost(step, rounds, cfg):
+    """Stop the run when more than unscored_stop of the step's groups so far (every round of active
+    sampling) left the batch for episodes that could not be scored. The rule counts groups, what is
+    lost, not episodes: a group with one unscored episode leaves whole, so a grader that fails on 30%
+    of calls loses 94% of groups of 8 (1 - 0.7 ** 8) and trains almost nothing, and must not look
+    like a run that trains."""
+    lost, groups = sum(r["unscored_groups"] for r in rounds), sum(r["groups"] for r in rounds)
     if lost > cfg.unscored_stop * groups:
-        first = next((e for e in failed if e.reward_failed), failed[0])
+        first = next(r["first_unscored"] for r in rounds if r["first_unscored"])
         raise Refused(f"step {step}: {lost} of {groups} groups left the batch with episodes that could not be scored "
-                      f"(more than unscored_stop={cfg.unscored_stop:g} of them); first: {first.failure}")
+                      f"(more than unscored_stop={cfg.unscored_stop:g} of them); first: {first}")
 
 
 def sample_groups(cfg, client, rows, seed, step, pool, tokenizer, env=None, show=False):
@@ -107,7 +114,7 @@ def sample_groups(cfg, client, rows, seed, step, pool, tokenizer, env=None, show
     episodes, stats = play(cfg, client, rows, n, seed, tokenizer, env)
     t = time.perf_counter()
     rewards, failures = score(pool, episodes, env)
-    unscored(step, episodes, n, cfg)
+    first_unscored = unscored(step, episodes, n)
     lost = stats.pop("tool_failures")
     env_side = [why for what, why in lost if ours(what)]  # the policy's bad calls are its to learn
     if env_side:
@@ -130,6 +137,7 @@ def sample_groups(cfg, client, rows, seed, step, pool, tokenizer, env=None, show
         rewards=rewards[scored], lengths=torch.tensor([len(e.sample.token_ids) for e in episodes], dtype=torch.float),
         **failures, **stats, **tools, time_score=time.perf_counter() - t, stops=sum(not e.cut for e in episodes),
         filtered_groups=int((~signal & ~broken).sum().item()) // n, unscored_episodes=int((~scored).sum().item()),
+        groups=len(rows), first_unscored=first_unscored,
         unscored_groups=int(broken.sum().item()) // n, samples=[show_episode(step, episodes[i], tokenizer) for i in shown])
 
 
@@ -162,11 +170,13 @@ def rollout_batch(cfg, client, sampler, step, pool, tokenizer, env=None):
     show = bool(cfg.log_samples_freq) and step % cfg.log_samples_freq == 0
     samples, stats = sample_groups(cfg, client, sampler.next_batch(prompts), seed(0), step, pool, tokenizer, env, show)
     rounds = [stats]
+    check_lost(step, rounds, cfg)
     while cfg.active_sampling and len(samples) < prompts * n and len(rounds) <= cfg.active_sampling_max_rounds:
         more, stats = sample_groups(cfg, client, sampler.next_batch(prompts), seed(len(rounds)), step, pool,
                                     tokenizer, env)
         samples += more[:prompts * n - len(samples)]  # whole groups: both counts are multiples of n
         rounds.append(stats)
+        check_lost(step, rounds, cfg)
     rewards, lengths = torch.cat([r["rewards"] for r in rounds]), torch.cat([r["lengths"] for r in rounds])
     total = lambda key: sum(r[key] for r in rounds)  # noqa: E731
     # over the scored episodes; None (JSON null, not NaN) where there are too few

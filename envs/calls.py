@@ -50,7 +50,8 @@ class Calls:
       reward is computed, then the instance closed; a close that raises is "tool_errors", and a
       reward that raises goes up to the pool (reward_errors);
     - what="close" only closes it (an episode that will not be scored), quietly;
-    - what="check" runs the environment's check() once, at start-up (Environment.start)."""
+    - what="check" runs the environment's check() once, at start-up (Environment.start), in a worker
+      (with tool_workers=0, in the trainer)."""
 
     def __init__(self, spec):
         self.spec, self.obj = spec, load_object(spec, "environment", "environment")
@@ -63,7 +64,7 @@ class Calls:
 
     def __call__(self, key, first, what, row, messages):
         if what == "check":  # raises when the environment cannot run in this process (a sandbox without bwrap)
-            return self.obj.check() if callable(getattr(self.obj, "check", None)) else None
+            return self.check()
         env = self.obj
         if per_episode(env):
             if first and what != "close":  # an episode's first call; "close": it never had one
@@ -84,6 +85,17 @@ class Calls:
         finally:
             closed = close(env) if per_episode(self.obj) else None
         return (reward, None, None) if closed is None else (None, "tool_errors", closed)
+
+    def check(self):
+        """The environment's check(), on an instance as the episodes will have it (a per-episode one made
+        for it, then closed)."""
+        env = self.obj() if per_episode(self.obj) else self.obj
+        try:
+            if callable(getattr(env, "check", None)):
+                env.check()
+        finally:
+            if per_episode(self.obj):
+                close(env)
 
     def make(self, key, row):
         """The episode's instance, made and reset(row) into INSTANCES; None, or why that raised."""

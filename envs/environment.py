@@ -37,8 +37,9 @@ Text in, messages out: the trainer owns tokenization. The reward (--reward_fn) s
 policy's final turn as the completion and the whole conversation, ending with that turn, as
 example["messages"].
 
-    check(): optional, run once in a worker at start-up; raise when the environment cannot run
-        there (PythonTool: one cell in the sandbox), and the run stops in one line before training
+    check(): optional, run once at start-up on an instance where the calls run (a tool worker; the
+        trainer with tool_workers=0); raise when the environment cannot run there (PythonTool: one
+        cell in the sandbox), and the run stops in one line before training
 
 The calls run in worker processes (worker_pool.CallPool) under tool_timeout. Whose each failure
 is, and how it is counted, is one table, faults.FAULTS (docs/operations.md): a ToolError, or a tool
@@ -234,8 +235,9 @@ class Environment:
     def finish(self, episodes):
         """At the episodes' end: each one's reward from the environment (None when it has no reward
         method) and its instance closed. Returns the rewards and the failures as (index, kind, why),
-        every one ours (faults.FAULTS): a reward that raised, hung or crashed (reward_*), a close that
-        raised or hung ("tool_errors", ...), an instance gone with an earlier worker ("tool_lost")."""
+        every one ours (faults.FAULTS): "finish" that raised, hung or crashed (reward_* with a reward
+        method, whose call it is; tool_* without one: the close's), a close that raised after the
+        reward ("tool_errors"), an instance gone with an earlier worker ("tool_lost")."""
         if not (self.factory or self.scores):
             return [None] * len(episodes), []
         values, failures = self.call(episodes, "finish")

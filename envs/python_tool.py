@@ -17,7 +17,7 @@ class PythonTool:
     """The policy writes <python>code</python>; the code runs in the episode's Interpreter and
     what it printed comes back as a tool message. A turn without code ends the episode. The code's
     exception or a limit is the policy's mistake: told as "error: ..." and counted (tool_bad_calls).
-    A sandbox that cannot start is ours: the run checks it at start-up (check, in a tool worker),
+    A sandbox that cannot start is ours: the run checks it at start-up (check, where the calls run),
     and should it fail later the episode ends unscored (tool_unavailable), never told to the policy."""
 
     stop = ["</python>"]
@@ -39,7 +39,7 @@ class PythonTool:
 
     @classmethod
     def check(cls):
-        """One cell in a fresh sandbox (envs.environment.Environment.start runs it in a tool worker):
+        """One cell in a fresh sandbox (envs.environment.Environment.start runs it where the calls run):
         where bwrap is missing or cannot make namespaces the run stops here, in one line."""
         sandbox.probe(cls.limits)
 

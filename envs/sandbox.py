@@ -20,8 +20,9 @@ it as root); envs/sandbox_process.py builds its command line. What holds, and by
   no user namespace, and the code runs as a uid of its own (setpriv: no groups, no new
   privileges); not root: a user namespace in which the code is uid 1000 and can make no other
   (bwrap 0.8's --disable-userns, and the seccomp filter below).
-- Kernel: a seccomp filter (bwrap --seccomp; x86_64 and aarch64, none elsewhere) refuses ptrace and
-  process_vm_readv/writev (not root, bwrap's pid 1 has the code's uid), add_key, request_key and
+- Kernel: a seccomp filter (bwrap --seccomp; x86_64 and aarch64, none elsewhere) refuses ptrace,
+  process_vm_readv/writev and pidfd_getfd (not root, bwrap's pid 1 has the code's uid; its memory
+  stays readable at /proc/1/mem, and holds nothing of the trainer's), add_key, request_key and
   keyctl, and a user namespace (unshare or clone with CLONE_NEWUSER; clone3 answers ENOSYS, and
   glibc then uses clone); on x86_64, every x32 call too, and a 32-bit call (int 0x80) kills its process.
   The sandbox joins a session keyring of its own: the trainer's keys are not within its reach.

@@ -17,13 +17,16 @@ import subprocess
 import sys
 
 # The system calls the seccomp filter refuses (their numbers per architecture, from the kernel's
-# unistd tables; AUDIT_ARCH_* from linux/audit.h): ptrace and process_vm_readv/writev (another
-# process's memory: as not root, bwrap's pid 1 is the code's own uid), add_key, request_key and keyctl
+# unistd tables; AUDIT_ARCH_* from linux/audit.h): ptrace, process_vm_readv/writev and pidfd_getfd
+# (another process's memory and files: as not root, bwrap's pid 1 is the code's own uid, and its
+# /proc/1/mem stays readable; it holds nothing of the trainer's), add_key, request_key and keyctl
 # (keys), and unshare and clone where their flags ask for CLONE_NEWUSER: in a user namespace of its
 # own the code would be root again, and could mount a tmpfs of any size past Limits.disk. clone3
 # passes its flags in memory, which a filter cannot read: it is told ENOSYS, and glibc falls back to clone.
-ARCHES = {"x86_64": dict(arch=0xC000003E, denied=(101, 310, 311, 248, 249, 250), newuser=(272, 56), clone3=435),
-          "aarch64": dict(arch=0xC00000B7, denied=(117, 270, 271, 217, 218, 219), newuser=(97, 220), clone3=435)}
+ARCHES = {"x86_64": dict(arch=0xC000003E, denied=(101, 310, 311, 438, 248, 249, 250), newuser=(272, 56),
+                         clone3=435),
+          "aarch64": dict(arch=0xC00000B7, denied=(117, 270, 271, 438, 217, 218, 219), newuser=(97, 220),
+                          clone3=435)}
 KEYCTL = {"x86_64": 250, "aarch64": 219}.get(platform.machine())  # keyctl's number, for new_session_keyring
 SYSCALLS = ARCHES.get(platform.machine()) if struct.calcsize("P") == 8 else None  # None: a 32-bit Python
 

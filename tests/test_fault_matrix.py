@@ -198,3 +198,62 @@ def test_the_docs_table_is_the_code_table():
     text = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "operations.md")).read()
     rows = re.findall(r"^\| `(\w+)` \| (the policy|ours) \| (.+) \|$", text, re.M)
     assert [(k, w) for k, w, _ in rows] == [(k, "the policy" if w == POLICY else "ours") for k, (w, _) in FAULTS.items()]
+
+
+CHECKED = '''
+class Instance:
+    def reset(self, row):
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, row, messages):
+        return []
+
+    def check(self):
+        raise RuntimeError("no GPU here")
+
+
+def factory():
+    return Instance()
+'''
+
+
+@pytest.mark.parametrize("workers", [0, pytest.param(1, marks=pytest.mark.subprocess)])
+@pytest.mark.parametrize("name", ["Instance", "factory"])
+def test_an_environment_that_cannot_run_here_is_refused_at_start(tiny_model_dir, tmp_path, workers, name):
+    """check() runs on an instance, as the episodes' (a class's method, a factory's product), where the
+    calls run: its failure is one line, before any episode."""
+    from transformers import AutoTokenizer
+
+    (tmp_path / "env.py").write_text(CHECKED)
+    cfg = Config(environment=f"{tmp_path}/env.py:{name}", tool_workers=workers, max_prompt_length=200)
+    env = Environment(cfg.environment, AutoTokenizer.from_pretrained(tiny_model_dir), cfg)
+    with pytest.raises(ValueError, match=r"^environment=.* cannot run here: RuntimeError: no GPU here$"):
+        env.start()
+
+
+@pytest.mark.subprocess
+def test_a_sandbox_that_cannot_start_stops_the_run_before_training(tiny_model_dir, tmp_path):
+    """bwrap that cannot make namespaces (as in a container that forbids them): train.py with the Python
+    tool stops at start-up in one line naming the fix, before any step; before, each episode's tool
+    message was the sandbox's failure, trained on as the policy's mistake."""
+    import subprocess
+    import sys
+
+    from helpers import ENV, ROOT
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "bwrap").write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
+    (fake / "bwrap").chmod(0o755)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--model_name_or_path", tiny_model_dir,
+                          "--output_dir", str(tmp_path / "out"), "--environment", "envs.python_tool:PythonTool",
+                          "--max_prompt_length", "400", "--num_training_steps", "2", "--tool_workers", "1"],
+                         env=dict(ENV, PATH=f"{fake}:{ENV['PATH']}"), capture_output=True, text=True, timeout=300,
+                         cwd=ROOT)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert len(errors) == 1 and errors[0].startswith("error: environment='envs.python_tool:PythonTool' cannot run "
+                                                     "here: ") and "bwrap: No permissions" in errors[0], errors
+    assert "namespaces" in errors[0]
+    log = tmp_path / "out" / "metrics.jsonl"  # step 0 (what the run read) at most: no step ran
+    assert not log.exists() or all('"step": 0' in line for line in log.read_text().splitlines())

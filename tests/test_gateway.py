@@ -343,17 +343,18 @@ def test_connections_past_the_cap_are_refused_at_once(make):
         s.close()
 
 
-def test_a_401_reads_its_body_and_the_connection_serves_the_next_request(make):
-    """An unknown key's 401 reads (at most MAX_BODY bytes of) the request's body: on the same
-    keep-alive connection the next request is answered as itself, not by the body read as a
-    request. A body over MAX_BODY is a 413 and the connection is closed."""
+def test_a_401_closes_its_connection_and_its_body_is_never_a_request(make):
+    """An unknown key's 401 reads nothing of the request's body (a caller without a key makes rank 0
+    hold no memory for it) and closes the connection: the body is never read as a request of its
+    own, and the next request, on a new connection, is answered as itself. A body over MAX_BODY is
+    a 413 and the connection is closed."""
     g, tok, client, key = make("qwen2.5-instruct", ["Five."])
     conn = http.client.HTTPConnection(*g.server.server_address[:2], timeout=5)
     hidden = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"  # a body that reads as a request of its own
     conn.request("POST", "/v1/chat/completions", hidden, {"Authorization": "Bearer nobody"})
     response = conn.getresponse()
-    assert response.status == 401 and not response.will_close
-    response.read()
+    assert response.status == 401 and response.will_close
+    response.read()  # http.client opens a new connection for the next request
     conn.request("POST", f"/e/{key}/v1/chat/completions", json.dumps(dict(model="any", messages=FIRST)),
                  {"Content-Type": "application/json"})
     response = conn.getresponse()

@@ -683,21 +683,62 @@ def test_a_reward_that_fails_on_every_sample_stops_the_run_in_one_line(tiny_mode
     exception, where it used to score 0 everywhere and train nothing, exit 0."""
     from transformers import AutoTokenizer
 
+    from data import PromptSampler
     from episodes import Refused
-    from rollout import sample_groups
+    from rollout import rollout_batch
     from worker_pool import RewardPool
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    cfg = Config(response_length=8, num_samples_per_prompt_rollout=2)
+    cfg = Config(response_length=8, num_samples_per_prompt_rollout=2, num_unique_prompts_rollout=1)
     rows = [dict(prompt="q", answer="5", prompt_text="q", prompt_ids=tok("q")["input_ids"])]
-    pool = RewardPool("test_multiturn:needs_a_list", workers=0, fallback=float("nan"))  # as train.py makes it
+    pool = RewardPool("test_multiturn:needs_a_list", workers=0)
     with pytest.raises(Refused, match=r"step 3: 1 of 1 groups left the batch with episodes that could not be "
                                       r"scored \(more than unscored_stop=0.5 of them\); "
                                       r"first: the reward: TypeError: completions must be a list"):
-        sample_groups(cfg, ScriptedClient(tok, ["5"]), rows, 0, 3, pool, tok)
-    cfg = Config(response_length=8, num_samples_per_prompt_rollout=2, unscored_stop=1.5)
-    samples, m = sample_groups(cfg, ScriptedClient(tok, ["5"]), rows, 0, 3, pool, tok)
+        rollout_batch(cfg, ScriptedClient(tok, ["5"]), PromptSampler(rows, 0), 3, pool, tok)
+    samples, m = rollout_batch(replace(cfg, unscored_stop=1.5), ScriptedClient(tok, ["5"]), PromptSampler(rows, 0), 3,
+                               pool, tok)
     assert samples == [] and m["unscored_groups"] == 1 and m["reward_errors"] == 2
+
+
+class Batches:
+    """Hands out the given batches of rows in order, as PromptSampler.next_batch would."""
+
+    def __init__(self, batches):
+        self.batches, self.position = list(batches), 0
+
+    def next_batch(self, n):
+        self.position += n
+        return self.batches.pop(0)
+
+
+def test_the_stop_rule_counts_the_groups_of_the_whole_step(tiny_model_dir):
+    """With active sampling the rule weighs every round of the step: round 0 loses none of its 4 groups,
+    round 1 loses 3 of its 4. That is 3 of 8, under unscored_stop=0.5: the step goes on (a rule per
+    round stopped it), and with one more group lost, 5 of 8, it stops."""
+    from transformers import AutoTokenizer
+
+    from episodes import Refused
+    from rollout import rollout_batch
+    from worker_pool import RewardPool
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = Config(response_length=8, num_samples_per_prompt_rollout=2, num_unique_prompts_rollout=4,
+                 active_sampling=True, active_sampling_max_rounds=1)  # every group has std 0: round 1 is played
+    row = lambda bad: dict(prompt="q", answer="x", bad=bad, prompt_text="q", prompt_ids=tok("q")["input_ids"])  # noqa: E731
+    pool = RewardPool("test_multiturn:fails_when_bad", workers=0)
+    rounds = [[row(False)] * 4, [row(True)] * 3 + [row(False)]]
+    _, m = rollout_batch(cfg, ScriptedClient(tok, ["5"]), Batches(rounds), 1, pool, tok)
+    assert m["unscored_groups"] == 3 and m["active_sampling_rounds"] == 1
+    rounds = [[row(True)] + [row(False)] * 3, [row(True)] * 4]
+    with pytest.raises(Refused, match=r"step 1: 5 of 8 groups left the batch"):
+        rollout_batch(cfg, ScriptedClient(tok, ["5"]), Batches(rounds), 1, pool, tok)
+
+
+def fails_when_bad(prompt, completion, example):
+    if example["bad"]:
+        raise ValueError("a bad row")
+    return 1.0
 
 
 def needs_a_list(prompt, completion, example):

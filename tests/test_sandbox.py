@@ -450,6 +450,7 @@ except OSError:
 print(dict(environ=environ, ptrace_pid1=forked(101, 0x4206, 1, 0, 0),  # PTRACE_SEIZE: it does not stop pid 1
            ptrace_child=forked(101, 0x4206, os.getpid(), 0, 0),  # its parent, the interpreter
            vm_read=errno(310, 1, 0, 0, 0, 0, 0), keyctl=errno(250, 0, -3, 0), payload=payload.value.decode(),
+           getfd=errno(438, max(libc.syscall(434, 1, 0), 0), 0, 0),  # pidfd_getfd of pid 1's stdin
            listed='sandbox-test-key' in open('/proc/keys').read(), unshare=forked(272, 0x10000000),
            clone=forked(56, 0x10000000 | 17, 0, 0, 0, 0), clone3=errno(435, 0, 0), x32=errno(0x40000000 | 39),
            unshare_r=subprocess.run(['unshare', '-Ur', 'true'], capture_output=True).returncode,
@@ -471,6 +472,7 @@ def test_the_kernel_attacks_fail(who, host_dir):
     assert found["environ"] in (False, "PermissionError"), found
     eperm, enosys = 1, 38
     assert found["ptrace_pid1"] == found["ptrace_child"] == found["vm_read"] == found["keyctl"] == eperm, found
+    assert found["getfd"] == eperm, found  # another process's files: pid 1's, as not root of the code's uid
     # the trainer's key is not the sandbox's to read (a user's code, of the trainer's uid, sees its name in
     # /proc/keys, not its payload); out["key"] < 0 where keys are refused to the trainer too (a container)
     assert out["key"] < 0 or (found["payload"] == "" and not (who == "root" and found["listed"])), (out, found)
