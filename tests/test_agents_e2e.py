@@ -231,8 +231,9 @@ def test_an_agent_command_trains_and_faults_are_counted(tiny_model_dir, tmp_path
         assert (r["unscored_episodes"], r["unscored_groups"], r["turns"]) == (3, 2, 1.0), r
         # the rewards the command printed, of episodes 3, 4 and 5 (3's group is unscored: the crash's)
         assert round(3 * r["reward_mean"], 6) in (0, 1, 2, 3) and r["reward_errors"] == 0, r
-    said = [line for line in out.stdout.splitlines() if "could not be scored" in line]
-    assert len(said) == 2 and "3 of 6 episode(s)" in said[0] and "2 of 3 group(s)" in said[0] and "no answer after agent_timeout=30" in said[0], said
+    said = [line for line in out.stdout.splitlines() if "episode(s) could not be scored" in line]  # a step's line
+    assert len(said) == 2 and "3 of 6 episode(s)" in said[0] and "2 of 3 group(s)" in said[0], said
+    assert "no answer after agent_timeout=30" in said[0], said
     # the hung commands were ended with their workers' process groups, not left sleeping
     assert subprocess.run(["pgrep", "-f", str(tmp_path / "agent.py")], capture_output=True).returncode == 1
 
