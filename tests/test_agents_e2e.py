@@ -208,7 +208,7 @@ print(1 if len(answer) % 2 == 0 else 0)
 
 CMD_RUN = ["--max_prompt_length", "128", "--response_length", "16", "--num_unique_prompts_rollout", "3",
            "--num_samples_per_prompt_rollout", "2", "--agent_workers", "2", "--agent_timeout", "30",
-           "--unscored_stop", "1.0", "--checkpoint_state_freq", "100"]
+           "--checkpoint_state_freq", "100"]
 
 
 @pytest.mark.slow
@@ -219,8 +219,8 @@ def test_an_agent_command_trains_and_faults_are_counted(tiny_model_dir, tmp_path
     step 1 in one line naming the agent's failure."""
     (tmp_path / "agent.py").write_text(FAULTY)
     good = tmp_path / "good"
-    out = run(command("train.py", 1) + flags(tiny_model_dir, good, 2, *CMD_RUN, "--agent_cmd",
-                                             f"{sys.executable} {tmp_path / 'agent.py'}"))
+    out = run(command("train.py", 1) + flags(tiny_model_dir, good, 2, *CMD_RUN, "--unscored_stop", "1.0",
+                                             "--agent_cmd", f"{sys.executable} {tmp_path / 'agent.py'}"))
     assert out.returncode == 0, out.stderr[-4000:]
     assert "'s return (None: copy_reward)" in out.stdout, out.stdout[-3000:]
     rows = metrics(good)
