@@ -56,7 +56,8 @@ class Config:
                                          "is unscored: its group leaves the batch", above=0)
     unscored_stop: float = option(0.5, "stop the run when more than this fraction of a step's groups left the batch "
                                        "because an episode of theirs could not be scored (a failure of ours: "
-                                       "faults.py); 0 = at the first such group, 1 = never stop",
+                                       "faults.py); 0 = at the first such group, 1 = only when every group "
+                                       "left, above 1 = never stop",
                                   low=0, resumable=True)
     environment: Optional[str] = option(None, "multi-turn episodes: \"module:name\" or \"file.py:name\" "
                                               "(envs/environment.py; built-in: envs.calculator:calculator); None = one "

@@ -5,7 +5,7 @@ of FAULTS, named by the metric that counts it, and every file that meets one ask
   the policy as a tool message ("error: ..."), the episode goes on, is scored and trained on.
 - ours (OURS): the infrastructure's (a worker killed, a call that timed out, a reward that failed, a
   sandbox that did not start, an environment that could not be made). The episode ends unscored: its
-  group leaves the batch (rollout.sample_groups), counted, and --unscored_stop stops a run that loses
+  group leaves the batch (rollout.sample_groups), counted, and --unscored_stop stops a run that loses more than
   that fraction of a step's groups. Nothing of ours is ever a reward the policy learns from.
 
 A failure nobody can pin on the policy is ours: a timeout or a worker's death may follow from what

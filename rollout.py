@@ -97,11 +97,13 @@ def check_lost(step, rounds, cfg):
     lost, not episodes: a group with one unscored episode leaves whole, so a grader that fails on 30%
     of calls loses 94% of groups of 8 (1 - 0.7 ** 8) and trains almost nothing, and must not look
     like a run that trains."""
-    lost, groups = sum(r["unscored_groups"] for r in rounds), sum(r["groups"] for r in rounds)
-    if lost > cfg.unscored_stop * groups:
+    lost, groups, most = sum(r["unscored_groups"] for r in rounds), sum(r["groups"] for r in rounds), cfg.unscored_stop
+    # 1 stops only a step that lost every group (what 1 always meant), and above 1 never stops
+    if lost and (lost > most * groups or (lost == groups and most <= 1)):
         first = next(r["first_unscored"] for r in rounds if r["first_unscored"])
+        rule = f"more than unscored_stop={most:g} of them" if lost > most * groups else f"every one; unscored_stop={most:g}"
         raise Refused(f"step {step}: {lost} of {groups} groups left the batch with episodes that could not be scored "
-                      f"(more than unscored_stop={cfg.unscored_stop:g} of them); first: {first}")
+                      f"({rule}); first: {first}")
 
 
 def sample_groups(cfg, client, rows, seed, step, pool, tokenizer, env=None, show=False):

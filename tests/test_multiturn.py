@@ -898,3 +898,19 @@ def test_openenv_a_last_turn_action_refuses_is_the_policys_mistake():
     env, row = fake_openenv(), {}
     messages = env.reset(row) + [{"role": "assistant", "content": "refused"}]
     assert env.reward(row, messages) == 0.0 and env.env.actions == []
+
+
+@pytest.mark.parametrize("stop,lost,stops", [(0.5, 2, False), (0.5, 3, True), (0.0, 1, True), (1.0, 3, False),
+                                             (1.0, 4, True), (1.5, 4, False)])
+def test_the_stop_rule_at_its_edges(stop, lost, stops):
+    """More than unscored_stop of the step's groups; 1 (the old default) still stops a step that lost every
+    group, and only that; above 1 never stops."""
+    from episodes import Refused
+    from rollout import check_lost
+
+    rounds = [dict(unscored_groups=lost, groups=4, first_unscored="the reward: KeyError")]
+    if stops:
+        with pytest.raises(Refused, match=rf"step 2: {lost} of 4 groups left the batch"):
+            check_lost(2, rounds, Config(unscored_stop=stop))
+    else:
+        check_lost(2, rounds, Config(unscored_stop=stop))
