@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from config import MOVED_ENVIRONMENTS, Config
+from config import Config
 
 COMPLETE = re.compile(r"^step_(\d{8})$")
 
@@ -49,8 +49,6 @@ def check_resumable(saved, cfg, path):
     defaults = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
                 for f in dataclasses.fields(cfg)}
     now = asdict(cfg)
-    if saved.get("environment") in MOVED_ENVIRONMENTS:  # a built-in environment saved under its old spec
-        saved = dict(saved, environment=MOVED_ENVIRONMENTS[saved["environment"]])
     changed = [k for k in now if k not in RESUMABLE and saved.get(k, defaults[k]) != now[k]]
     if cfg.lr_scheduler_type != "constant" and saved.get("num_training_steps") != cfg.num_training_steps:
         changed.append("num_training_steps")

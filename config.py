@@ -12,17 +12,12 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from options import check_fields, default, option
-from plan import check_batch, check_distributed, max_seed
+from episodes import max_seed
 
 
 def flash_attention_available() -> bool:
     import torch  # here, not above: importing config.py needs no torch
     return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
-
-
-MOVED_ENVIRONMENTS = {"environments:calculator": "envs.calculator:calculator",  # the specs before envs/: refused,
-                      "environments:calculator_tool": "envs.calculator:calculator_tool",  # and resumed as the new
-                      "sandbox:PythonTool": "envs.python_tool:PythonTool"}  # (checkpoint.check_resumable)
 
 
 @dataclass
@@ -254,8 +249,8 @@ class Config:
         (options.check_fields), then each section's check, which returns a message or None."""
         self.loss_denominator = str(self.loss_denominator)
         check_fields(self, {"multi_turn": "environment, agent or agent_cmd", "agent_program": "agent or agent_cmd"})
-        if problem := (self._check_data() or self._check_rollouts() or check_batch(self) or self._check_objective()
-                       or self._check_reference() or self._check_lora() or check_distributed(self) or self._check_output()):
+        if problem := (self._check_data() or self._check_rollouts() or self._check_batch() or self._check_objective()
+                       or self._check_reference() or self._check_lora() or self._check_distributed() or self._check_output()):
             raise ValueError(problem)
 
     def _check_data(self):
@@ -266,9 +261,6 @@ class Config:
                     "there, or use packed_sdpa (the default)")
 
     def _check_rollouts(self):
-        if self.environment in MOVED_ENVIRONMENTS:
-            return (f"environment={self.environment!r} moved with the built-in environments into envs/: pass "
-                    f"{MOVED_ENVIRONMENTS[self.environment]!r}")
         if sum(map(bool, (self.environment, self.agent, self.agent_cmd))) > 1:
             return ("environment, agent and agent_cmd each play the episodes: set one of them (an agent program calls "
                     "its own tools)")
@@ -369,6 +361,52 @@ class Config:
             return ("offload_ref_policy=True with lora_rank > 0: the reference is an adapter of the policy, there is "
                     "no separate model to offload; set offload_ref_policy=False")
 
+    def _check_batch(self):
+        """Config's rules on the batch: a micro-batch holds a whole sequence, a mini-batch whole groups."""
+        if self.max_tokens_per_micro_batch < self.max_prompt_length + self.response_length:
+            return (f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} cannot hold one sequence of "
+                    f"max_prompt_length + response_length = {self.max_prompt_length + self.response_length} tokens; "
+                    f"raise it to at least {self.max_prompt_length + self.response_length}")
+        if self.num_unique_prompts_rollout % self.num_mini_batches:
+            return (f"num_unique_prompts_rollout={self.num_unique_prompts_rollout} must be divisible by "
+                    f"num_mini_batches={self.num_mini_batches} (each mini-batch takes whole groups)")
+
+    def _check_distributed(self):
+        """Config's rules on the ranks and GPUs: sequence parallelism, single_gpu_mode, the collectives' timeout."""
+        if problem := self._check_sequence_parallel():
+            return problem
+        if self.single_gpu_mode and self.vllm_server_urls:
+            return ("single_gpu_mode=True shares the trainer's GPU with a server we launch (in sleep mode); "
+                    "remove vllm_server_urls or set single_gpu_mode=False")
+        if self.single_gpu_mode and self.weight_sync_transport == "nccl":
+            return ("single_gpu_mode=True cannot use weight_sync_transport='nccl' (NCCL cannot link two processes "
+                    "on one GPU); use weight_sync_transport='filesystem'")
+        if self.single_gpu_mode and self.vllm_gpu_memory_utilization > 0.5:
+            return (f"single_gpu_mode=True with vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} "
+                    "leaves too little of the GPU for the trainer's weights and AdamW state, which stay on it "
+                    "while vLLM generates; set it to at most 0.5 (0.3 is a start)")
+        if self.weight_sync_timeout >= 60 * self.backend_timeout:
+            return (f"weight_sync_timeout={self.weight_sync_timeout}s must be below backend_timeout="
+                    f"{self.backend_timeout} min: the other ranks wait for rank 0's sync in a collective that "
+                    "backend_timeout ends first; lower weight_sync_timeout or raise backend_timeout")
+
+    def _check_sequence_parallel(self):
+        sp = self.sequence_parallel_size
+        if sp > 1 and self.fsdp_shard_size and self.fsdp_shard_size % sp:
+            return (f"sequence_parallel_size={sp} must divide fsdp_shard_size={self.fsdp_shard_size}: a sequence's "
+                    "ranks sit in one shard group (one node), where the all-to-alls run on the fast links")
+        if sp > 1 and self.attn_implementation != "packed_sdpa":
+            return (f"sequence_parallel_size={sp} runs packed_sdpa on whole rows between its all-to-alls; "
+                    f"attn_implementation={self.attn_implementation!r} is not supported with it: set packed_sdpa")
+        if sp > 1 and self.objective and self.objective.sequences:
+            return (f"loss_fn={self.loss_fn!r} with sequence_parallel_size={sp}: the sequence ratio needs all of a sequence's "
+                    "tokens, which may sit on two ranks; pick another loss_fn or sequence_parallel_size=1")
+        if sp > 1 and self.vllm_importance_sampling_mask == "sequence":
+            return (f"vllm_importance_sampling_mask='sequence' with sequence_parallel_size={sp}: a sequence's tokens "
+                    "may sit on two ranks; use the token mask or sequence_parallel_size=1")
+        if sp > 1 and self.single_gpu_mode:
+            return f"single_gpu_mode=True runs one trainer process; sequence_parallel_size={sp} needs {sp} ranks"
+
     def _check_output(self):
         if (self.checkpoint_state_dir is None) != (self.checkpoint_state_freq <= 0):
             return ("checkpoint_state_dir and checkpoint_state_freq go together: set both "
@@ -379,7 +417,7 @@ class Config:
     @property
     def objective(self):
         """loss_fn's row (its function and what it needs; loss.objective), or None for an unknown name."""
-        from loss import objective  # noqa: PLC0415 - loss.py imports torch
+        from user_code import objective  # noqa: PLC0415 - loss.py imports torch
         return objective(self.loss_fn)
 
     @property

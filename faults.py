@@ -46,6 +46,23 @@ FAULTS = {  # the metric that counts it: (whose, what it is)
 # restarted and the step played again (generator.Generator.batch); one the user runs stops the run.
 
 
+# --- what stops a run: train.py catches these three, checkpoints what was trained and exits in one line
+
+
+class VLLMError(RuntimeError):
+    """A server that cannot be reached, answers with an error, or dies (vllm_client.py, vllm_server.py)."""
+
+
+class SyncError(RuntimeError):
+    """The trainer's logprobs and vLLM's disagree on tokens the current weights sampled: the
+    last weight sync did not take (update.check_sync)."""
+
+
+class Refused(RuntimeError):
+    """A step that cannot go on (too many groups unscored, an environment's answer the policy would
+    never see): the run stops, on every rank, in one line (Generator.batch, train.py)."""
+
+
 def ours(kind):
     """True when the failure `kind` (a key of FAULTS) is the infrastructure's: its episode is unscored.
     None (no failure) is nobody's; a kind missing from the table is a bug, and raises KeyError."""

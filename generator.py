@@ -1,6 +1,6 @@
 """The trainer's side of vLLM: the server, the weights in it, and each step's batch on every rank.
 
-    gen = Generator(cfg, policy, tokenizer, sampler, pool, rank, device, env)
+    gen = Generator(cfg, policy, tokenizer, sampler, pool, rank, device, player)
     samples, m = gen.batch(step, policy)   # every rank; rank 0 asks vLLM, scores, broadcasts
     gen.sync(policy)                       # every rank: the policy's weights into the server
     gen.close()
@@ -8,10 +8,9 @@
 The server is ours (launched on an untied copy of the policy, stopped on close) or the
 user's (vllm_server_urls, given our weights first). A server we launched that dies is
 restarted, up to vllm_max_restarts times, given the current weights, and asked for the
-same step's prompts again; any other failure raises vllm_client.VLLMError on every rank.
+same step's prompts again; any other failure raises VLLMError on every rank.
 """
 
-import fcntl
 import os
 
 import torch.distributed as dist
@@ -19,55 +18,29 @@ from tqdm import tqdm
 
 import vllm_client
 import vllm_server
-from episodes import Refused
+from faults import Refused, VLLMError
 from model_files import stop_token_ids
 from rollout import Rollouts, drop_stale, evaluate, rollout_batch
+from tracking import claim_output_dir
 from weight_sync import make_weight_sync, write_serving_dir
-
-
-HELD = {}  # run.lock path -> its open file, which this process holds (flock's lock lives as long as it is open)
-
-
-def claim_output_dir(output_dir):
-    """Lock output_dir/run.lock for this process's life (rank 0), or ValueError naming the run that
-    holds it: two runs in one output_dir overwrite each other's serving copy, metrics and checkpoints.
-    The kernel drops the lock when the process ends, however it ends (SIGKILL included), so a
-    killed run can be resumed at once. A second call in the same process is a no-op."""
-    path = os.path.realpath(os.path.join(output_dir, "run.lock"))
-    if path in HELD:
-        return
-    os.makedirs(output_dir, exist_ok=True)
-    f = open(path, "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        other = f.read().strip() or "unknown"
-        f.close()
-        raise ValueError(f"output_dir={output_dir!r} is in use by another run (pid {other}); give this run "
-                         "another --output_dir, or stop that run") from None
-    f.truncate(0)
-    f.write(f"{os.getpid()}\n")
-    f.flush()
-    HELD[path] = f
 
 
 def make_sync(cfg, client, rank, device):
     """The weight sync the config asks for (weight_sync.py); with LoRA the adapter's, or the merged
     weights' (lora_sync.py, LoRA's door: imported only then)."""
     if cfg.lora_rank:
-        import lora_sync  # noqa: PLC0415 - the optional concept's door
+        from lora import sync as lora_sync  # noqa: PLC0415 - the optional concept's door
         return lora_sync.make_weight_sync(cfg, client, rank)
     return make_weight_sync(cfg, client, rank, device, vllm_server.server_dtype(cfg))
 
 
 class Generator:
-    def __init__(self, cfg, policy, tokenizer, sampler, pool, rank, device, env=None):
+    def __init__(self, cfg, policy, tokenizer, sampler, pool, rank, device, player):
         self.cfg, self.tokenizer, self.sampler, self.pool, self.rank, self.device = cfg, tokenizer, sampler, pool, rank, device
-        self.env = env  # an --environment (envs.environment.Environment) or None: one turn per episode
-        if env and rank == 0:
+        self.player = player  # what plays the episodes (episodes.Player), chosen at start-up
+        if rank == 0:
             try:
-                env.start()  # its steps (tool calls) in worker processes with a per-call timeout
+                player.start()  # an environment's calls, an agent's programs: in worker processes
             except ValueError as e:  # it cannot run here (a sandbox without bwrap): one line, before training
                 raise SystemExit(f"error: {e}") from None
         self.client = self.server = self.weight_sync = self.rollouts = None
@@ -79,7 +52,7 @@ class Generator:
             # the model's every end-of-sequence id, sent with each request: the server we launch
             # ignores generation_config.json (--generation-config vllm), and its serving copy has none
             stop_ids = stop_token_ids(tokenizer, cfg.model_name_or_path)
-            if rank == 0:  # before the serving copy and the log below are written (startup.check_outside may have claimed it)
+            if rank == 0:  # before the serving copy and the log below are written (train.load_inputs may have claimed it)
                 try:
                     claim_output_dir(cfg.output_dir)
                 except ValueError as e:
@@ -107,7 +80,7 @@ class Generator:
             raise
 
     def make_batch(self, step):
-        return rollout_batch(self.cfg, self.client, self.sampler, step, self.pool, self.tokenizer, self.env)
+        return rollout_batch(self.cfg, self.client, self.sampler, step, self.pool, self.tokenizer, self.player)
 
     def batch(self, step, policy):
         """(samples, metrics) of `step` on every rank: rank 0 takes them from vLLM (generated ahead
@@ -123,7 +96,7 @@ class Generator:
                     samples, stale = drop_stale(samples, self.client.version, self.max_staleness,
                                                 self.cfg.num_samples_per_prompt_rollout)
                     payload = [(samples, dict(m, **stale, vllm_restarts=self.restarts))]
-                except vllm_client.VLLMError as e:
+                except VLLMError as e:
                     died = self.server is not None and self.server.poll() is not None
                     payload = [dict(error=str(e), restart=died and self.restarts < self.cfg.vllm_max_restarts)]
                 except Refused as e:  # episodes nobody could score, an environment's answer the policy cannot see
@@ -136,7 +109,7 @@ class Generator:
             if payload[0].get("refused"):  # every rank stops (train.py checkpoints, then says why in one line)
                 raise Refused(payload[0]["error"])
             if not payload[0]["restart"]:
-                raise vllm_client.VLLMError(payload[0]["error"])
+                raise VLLMError(payload[0]["error"])
             self.restart(step, policy)
 
     def restart(self, step, policy):
@@ -160,10 +133,10 @@ class Generator:
         self.weight_sync.sync(policy)
 
     def evaluate(self, eval_rows):
-        """Rank 0: greedy accuracy on the held-out prompts (and with an environment the fraction of
-        episodes that called a tool), as metrics."""
-        accuracy, tool_calls = evaluate(self.cfg, self.client, eval_rows, self.pool, self.tokenizer, self.env)
-        return dict(eval_accuracy=accuracy, **({"eval_tool_calls": tool_calls} if self.env else {}))
+        """Rank 0: greedy accuracy on the held-out prompts (and with episodes of several turns the
+        fraction that called a tool), as metrics."""
+        accuracy, tool_calls = evaluate(self.client, eval_rows, self.pool, self.player)
+        return dict(eval_accuracy=accuracy, **({"eval_tool_calls": tool_calls} if self.player.multi_turn else {}))
 
     def sleep(self):  # single_gpu_mode: the server frees the GPU for training
         self.client.sleep()
@@ -177,4 +150,5 @@ class Generator:
         if self.weight_sync:
             self.weight_sync.close()
         if self.rank == 0:
+            self.player.close()
             vllm_server.stop_server(self.server)

@@ -7,8 +7,6 @@ accumulated over micro-batches and summed over ranks (update.py undoes FSDP's av
 equal the gradient of one loss over the whole step.
 """
 
-import functools
-import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -218,38 +216,10 @@ OBJECTIVES = {  # loss_fn
 }
 
 
-def objective(loss_fn):
-    """loss_fn's row: a name of OBJECTIVES, or "file.py:name" / "module:name" naming an Objective of
-    your own (nothing in this file to edit); None for an unknown name. ValueError naming the fix."""
-    return OBJECTIVES.get(loss_fn) if ":" not in loss_fn else objective_of_your_own(loss_fn)
-
-
-@functools.cache  # its file runs once per process and spec
-def objective_of_your_own(loss_fn):
-    """The row loss_fn names, checked before anything starts: an Objective, clip fields that exist,
-    and a function that takes what grpo_loss will pass it."""
-    from rewards import load_object  # noqa: PLC0415 - rewards.py reads user files; loss.py stays pure
-
-    row = load_object(loss_fn, flag="loss_fn", kind="Objective")
-    if not isinstance(row, Objective):
-        raise ValueError(f"loss_fn={loss_fn!r} is not a loss.Objective but {type(row).__name__!r}; name a row such "
-                         "as Objective(my_loss, clip=(...)) in that file")
-    if unknown := set(row.clip) - {"clip_lower", "clip_higher"}:
-        raise ValueError(f"loss_fn={loss_fn!r}: clip names {', '.join(sorted(unknown))}; the clip fields are "
-                         "clip_lower and clip_higher")
-    needs = {k: None for k, wanted in (("seq_ids", row.sequences), ("ess_value", row.ess)) if wanted}
-    try:
-        inspect.signature(row.fn).bind(None, None, None, None, **needs)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"loss_fn={loss_fn!r}: its function cannot take (logp, old_logp, adv, cfg"
-                         + "".join(f", {k}=" for k in needs) + f") ({e}); fix its signature or its row") from None
-    return row
-
-
 def grpo_loss(logp, old_logp, adv, seq_ids, denominator, cfg, *, ref_logp=None, tis_weight=None, mismatch_mask=None,
               ess_value=1.0, kl_heads=None):
     """The loss of one micro-batch: (sum over its tokens of policy term + trust term + beta * KL)
-    / denominator, with the objective of cfg.loss_fn (objective()) and, when ref_logp is given, the
+    / denominator, with the objective of cfg.loss_fn (cfg.objective: its row) and, when ref_logp is given, the
     KL estimator cfg.kl_estimator weighted by cfg.beta.
 
     tis_weight (N,), truncated importance sampling min(pi_old/pi_vllm, cap), multiplies the
@@ -260,7 +230,7 @@ def grpo_loss(logp, old_logp, adv, seq_ids, denominator, cfg, *, ref_logp=None, 
     kl_estimator="topk". Returns (loss, sums) where sums holds per-micro-batch totals for
     logging (they are summed over micro-batches and ranks, then divided by the tokens).
     """
-    row = objective(cfg.loss_fn)
+    row = cfg.objective
     if row is None:
         raise ValueError(f"loss_fn={cfg.loss_fn!r} is not implemented: add it to loss.OBJECTIVES")
     needs = dict(seq_ids=seq_ids) if row.sequences else {}

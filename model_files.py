@@ -2,7 +2,7 @@
 model id the hub can send), its tokenizer, its config.json, and the token ids that end a generation
 (the tokenizer's EOS and generation_config.json's eos_token_id). An error here names its fix.
 
-Used by: startup.py (locate_model, load_tokenizer, load_model_config); generator.py (stop_token_ids, sent
+Used by: train.py (locate_model, load_tokenizer, load_model_config); generator.py (stop_token_ids, sent
 with every vLLM request); episodes.completion_text (what a turn's text ends before).
 """
 

@@ -31,6 +31,32 @@ import torch
 from sample import Sample
 
 
+def batch_plan(cfg, world_size: int) -> dict:
+    """Derive the per-rank batch arithmetic. Rollout:
+    prompts x samples sequences, split into num_mini_batches optimizer steps of whole groups, each spread over
+    world_size ranks by tokens (packing.py) and packed into micro-batches of at most max_tokens_per_micro_batch
+    tokens (gradient accumulation). How many depends on the completions' lengths: the plan gives the count
+    when every sequence has its full length, an upper estimate."""
+    seqs = cfg.num_unique_prompts_rollout * cfg.num_samples_per_prompt_rollout
+    per_mini = seqs // cfg.num_mini_batches
+    per_rank = -(-per_mini // (world_size // cfg.sequence_parallel_size))  # a sequence-parallel group shares its rows
+    full = per_rank * (cfg.max_prompt_length + cfg.response_length)
+    return dict(sequences=seqs, mini_batches=cfg.num_mini_batches, per_mini_batch=per_mini, per_rank=per_rank,
+                micro_batches_at_full_length=-(-full // cfg.max_tokens_per_micro_batch),
+                optimizer_steps=cfg.num_mini_batches * cfg.num_epochs)
+
+
+def describe(cfg, plan):
+    """The start-up line of the batch arithmetic (batch_plan)."""
+    sp = cfg.sequence_parallel_size
+    share = "rank" if sp == 1 else f"group of {sp} ranks (each holds 1/{sp} of every row)"
+    return (f"batch: {cfg.num_unique_prompts_rollout} prompts x {cfg.num_samples_per_prompt_rollout} samples = "
+            f"{plan['sequences']} sequences -> {plan['mini_batches']} mini-batch(es) of {plan['per_mini_batch']} -> "
+            f"about {plan['per_rank']} per {share}, balanced by tokens -> micro-batches of at most "
+            f"{cfg.max_tokens_per_micro_batch} tokens ({plan['micro_batches_at_full_length']} if every sequence had "
+            f"its full length); {plan['optimizer_steps']} optimizer step(s) per rollout")
+
+
 def length(s):
     """Tokens of one sample in the forward pass: the prompt and every token after it."""
     return len(s.prompt_ids) + len(s.token_ids)
@@ -238,7 +264,7 @@ def shares_prompts(cfg):
 
 
 def unshared_reason(cfg):
-    """The line startup.announce prints when shared_prefix is asked for and cannot apply:
+    """The line train.announce prints when shared_prefix is asked for and cannot apply:
     transformers' sdpa, eager, flex_attention and flash_attention_2 build their own mask."""
     if cfg.shared_prefix and not shares_prompts(cfg):
         return (f"shared_prefix: off: attn_implementation={cfg.attn_implementation!r} builds its own mask over a row, "

@@ -42,8 +42,23 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
                                     register_fsdp_forward_method)
 
-from plan import mesh_shape
 from policy import check_architecture, sequence_logprobs
+
+
+def mesh_shape(cfg, world_size: int) -> tuple:
+    """(replicas, shard size) of the device mesh; refuse sizes the world does not fit."""
+    if cfg.single_gpu_mode and world_size != 1:
+        raise ValueError(f"single_gpu_mode=True runs one trainer process beside the server, got {world_size} "
+                         "ranks; run `python train.py` without torchrun or set single_gpu_mode=False")
+    shard = cfg.fsdp_shard_size or world_size
+    if shard > world_size or world_size % shard:
+        raise ValueError(f"fsdp_shard_size={cfg.fsdp_shard_size} does not divide the world of {world_size} "
+                         f"ranks into equal groups; pick a divisor of {world_size} (ranks per node is usual) "
+                         "or 0 to shard over all ranks")
+    if world_size % cfg.sequence_parallel_size:
+        raise ValueError(f"sequence_parallel_size={cfg.sequence_parallel_size} does not divide the world of "
+                         f"{world_size} ranks into sequence-parallel groups; pick a divisor of {world_size}")
+    return world_size // shard, shard
 
 
 def setup_distributed(cfg):
@@ -112,10 +127,10 @@ def load_model(cfg, device, mesh, reference=False):
     model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=torch.float32, attn_implementation=attn)
     check_architecture(model)
     if sp > 1:
-        sequence_parallel.check_heads(model.config, sp)  # startup.check_outside checked it already
+        sequence_parallel.check_heads(model.config, sp)  # train.check_model checked it already
     if cfg.lora_rank and not reference:  # before the wrappers and the sharding: each adapter is sharded with its layer
-        import lora  # noqa: PLC0415 - the optional concept's door
-        lora.add_adapters(model, cfg)
+        from lora import adapters  # noqa: PLC0415 - the optional concept's door
+        adapters.add_adapters(model, cfg)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" \
         else MixedPrecisionPolicy()
     offload = cfg.offload_ref_policy if reference else cfg.offload_params

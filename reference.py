@@ -149,8 +149,8 @@ def make_reference(cfg, policy, load_copy):
     every = cfg.ref_policy_update_freq
     if not cfg.lora_rank:
         return EMAReference(load_copy(), policy, cfg.alpha, every=every) if every else Reference(load_copy())
-    import lora  # noqa: PLC0415 - the optional concept's door
+    from lora import adapters  # noqa: PLC0415 - the optional concept's door
     if not every:
-        return Reference(lora.WithAdapter(policy, None))
-    pairs = [[p for _, p in lora.adapter_parameters(policy, a)] for a in (lora.REFERENCE, lora.ADAPTER)]
-    return EMAReference(lora.WithAdapter(policy, lora.REFERENCE), policy, cfg.alpha, params=pairs, every=every)
+        return Reference(adapters.WithAdapter(policy, None))
+    pairs = [[p for _, p in adapters.adapter_parameters(policy, a)] for a in (adapters.REFERENCE, adapters.ADAPTER)]
+    return EMAReference(adapters.WithAdapter(policy, adapters.REFERENCE), policy, cfg.alpha, params=pairs, every=every)

@@ -24,13 +24,12 @@ use signals, which fail outside the main thread; they are switched off here and 
 pool's per-sample timeout guards instead.
 """
 
-import importlib
-import importlib.util
 import inspect
 import logging
 import math
-import os
 import re
+
+from user_code import load_object
 
 # math-verify warns once per process that its timeouts are off; the pool is the guard
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -142,32 +141,6 @@ def to_float(r):
     if not math.isfinite(value):
         raise ValueError(f"returned {value}, not a finite number")
     return value
-
-
-def load_object(path, flag="reward_fn", kind="function"):
-    """`module:name` (importable) or `path/to/file.py:name`; errors name the flag it came from."""
-    module_name, sep, name = path.rpartition(":")
-    if not sep or not module_name or not name:
-        raise ValueError(f"{flag}={path!r} must look like 'module:{kind}' or 'file.py:{kind}'")
-    if module_name.endswith(".py") and not os.path.isfile(module_name):
-        raise ValueError(f"{flag} file {module_name!r} does not exist; give a path to a .py file")
-    try:
-        if module_name.endswith(".py"):
-            spec = importlib.util.spec_from_file_location(f"user_{flag}", module_name)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"{flag}={path!r}: cannot import {module_name!r} ({e}); check the module path") from None
-    except Exception as e:  # noqa: BLE001 - a SyntaxError, or whatever the file raises when it runs
-        where = f" (line {e.lineno})" if isinstance(e, SyntaxError) and e.lineno else ""
-        raise ValueError(f"{flag}={path!r}: {module_name!r} does not load: {type(e).__name__}{where}: "
-                         f"{getattr(e, 'msg', e)}; fix the file") from None
-    obj = getattr(module, name, None)
-    if obj is None:
-        raise ValueError(f"{flag}={path!r}: {module_name!r} has no {kind} {name!r}")
-    return obj
 
 
 def load_reward_fn(path):

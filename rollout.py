@@ -1,7 +1,7 @@
 """The rollout: the scored, grouped samples the trainer learns from, made on rank 0.
 
-`rollout_batch` is one step's batch: prompts -> episodes (episodes.py: vLLM completions, and with
-an --environment its replies, turn after turn) -> rewards -> group advantages. `Rollouts` hands
+`rollout_batch` is one step's batch: prompts -> episodes (the run's player, episodes.Player: vLLM
+completions, an environment's turns, an agent's program) -> rewards -> group advantages. `Rollouts` hands
 them to the loop, made on demand (async_steps=0: the synchronous loop, exact and debuggable),
 or up to async_steps steps ahead on a thread while the trainer trains, so generation and
 training overlap (the server is its own process; the thread only waits on HTTP).
@@ -13,8 +13,8 @@ import time
 import torch
 from tqdm import tqdm
 
-from episodes import Refused, play
-from faults import FAULTS, ours
+from episodes import round_seed
+from faults import FAULTS, Refused, ours
 from loss import group_advantages
 from rewards import has_answer_format
 
@@ -22,36 +22,36 @@ SAMPLES_SHOWN = 4  # episodes a step logs every log_samples_freq steps
 # how an environment's calls and the rewards fail, and whose each failure is: faults.FAULTS
 TOOL_FAILURES = tuple(k for k in FAULTS if k.startswith("tool_"))
 REWARD_FAILURES = tuple(k for k in FAULTS if k.startswith("reward_"))
+PER_EPISODE = ("turns", "tool_calls")  # counts a player returns that a step logs as means per episode
 
 
-def evaluate(cfg, client, eval_rows, pool, tokenizer, env=None):
+def evaluate(client, eval_rows, pool, player):
     """Greedy episodes on held-out prompts: the task's mean reward (format_reward not included) over
-    the episodes that could be scored and, with an environment, the fraction of episodes that called a tool."""
+    the episodes that could be scored and, with episodes of several turns, the fraction that called a tool."""
     if not eval_rows:
         return None, None
-    episodes, _ = play(cfg, client, eval_rows, 1, None, tokenizer, env, temperature=0.0)
-    rewards = [r for r in score(pool, episodes, env)[0] if r == r]  # NaN: unscored
+    episodes, _ = player.play(client, eval_rows, 1, None, 0.0)
+    rewards = [r for r in score(pool, episodes)[0] if r == r]  # NaN: unscored
     return (sum(rewards) / len(rewards) if rewards else None,
-            sum(e.tool_calls > 0 for e in episodes) / len(episodes) if env else None)
+            sum(e.tool_calls > 0 for e in episodes) / len(episodes) if player.multi_turn else None)
 
 
-def score(pool, episodes, env=None):
+def score(pool, episodes):
     """Rewards of the episodes' final answers (the policy's last turn), the row as the example,
-    with an environment's whole conversation as example["messages"]. An environment with a
-    reward method scores its own episodes (Environment.finish, on the episode's instance);
-    --reward_fn, when set, is added to it. An episode that could not be scored (its reward
+    with the whole conversation, if there is one, as example["messages"]. The reward (`pool`) scores
+    the episodes whose player asks for it (Episode.needs_reward), and is added to the player's own
+    (an environment's, an agent's: Episode.env_reward). An episode that could not be scored (its reward
     raised, timed out or crashed; the infrastructure lost it: Episode.failure) gets NaN and its
     failure. Returns the rewards, and the counts of each way a reward failed (the reward_* rows of
     faults.FAULTS, all ours)."""
-    examples = [dict(e.row, messages=e.messages) if env else e.row for e in episodes]
-    own = env is not None and env.scores  # an environment's reward, or an agent's (a --reward_fn is added)
-    asked = [i for i, e in enumerate(episodes) if e.failure is None and (not own or env.cfg.reward_fn or e.needs_reward)]
+    examples = [e.row if e.messages is None else dict(e.row, messages=e.messages) for e in episodes]
+    asked = [i for i, e in enumerate(episodes) if e.failure is None and e.needs_reward]
     values, counts = [0.0] * len(episodes), dict.fromkeys(REWARD_FAILURES, 0)
     if asked:
         got, found, first = pool.score([episodes[i].row["prompt_text"] for i in asked],
                                         [episodes[i].completion for i in asked], [examples[i] for i in asked],
                                         [last_turn(episodes[i].sample) for i in asked],
-                                        [not own or episodes[i].needs_reward for i in asked])
+                                        [episodes[i].env_reward is None for i in asked])
         counts.update(found)
         for i, v in zip(asked, got):
             values[i] = v
@@ -61,8 +61,6 @@ def score(pool, episodes, env=None):
         if failed and failed[0].failure == "the reward failed":  # the first, in the order of the samples, described
             failed[0].failure = f"the reward: {first.split(': ', 1)[1]}"
     for e in episodes:
-        if own and e.env_reward is None and e.failure is None and not e.needs_reward:
-            e.failure = "the environment gave no reward"  # not called: its episode failed before
         if e.reward_failed in counts:  # the environment's reward failed: counted with the reward's failures
             counts[e.reward_failed] += 1
     return [float("nan") if e.failure else v + (e.env_reward or 0.0) for v, e in zip(values, episodes)], counts
@@ -106,21 +104,23 @@ def check_lost(step, rounds, cfg):
                       f"({rule}); first: {first}")
 
 
-def sample_groups(cfg, client, rows, seed, step, pool, tokenizer, env=None, show=False):
-    """One generation round: num_samples_per_prompt_rollout episodes of each row, scored by
+def sample_groups(cfg, client, rows, seed, step, pool, tokenizer, player, show=False):
+    """One generation round: num_samples_per_prompt_rollout episodes of each row played by `player`, scored by
     `pool` (a RewardPool), with group advantages. A group with an episode that could not be
     scored leaves the batch whole: its advantages would rank the others against a reward nobody
     earned. Returns the samples of the groups kept and the round's counts; with show=True a few
     whole episodes as "samples"."""
     n = cfg.num_samples_per_prompt_rollout
-    episodes, stats = play(cfg, client, rows, n, seed, tokenizer, env)
+    episodes, stats = player.play(client, rows, n, seed, cfg.temperature)
     t = time.perf_counter()
-    rewards, failures = score(pool, episodes, env)
+    rewards, failures = score(pool, episodes)
     first_unscored = unscored(step, episodes, n)
-    lost = stats.pop("tool_failures")
-    env_side = [why for what, why in lost if ours(what)]  # the policy's bad calls are its to learn
-    if env_side:
-        tqdm.write(f"step {step}: {len(env_side)} environment call(s) failed; first: {env_side[0]}")
+    if "tool_failures" in stats:  # an environment's calls that failed, as (kind, why): counted by kind
+        lost = stats.pop("tool_failures")
+        stats.update({kind: sum(what == kind for what, _ in lost) for kind in TOOL_FAILURES})
+        env_side = [why for what, why in lost if ours(what)]  # the policy's bad calls are its to learn
+        if env_side:
+            tqdm.write(f"step {step}: {len(env_side)} environment call(s) failed; first: {env_side[0]}")
     if cfg.format_reward:
         rewards = [r + cfg.format_reward * has_answer_format(e.completion) for r, e in zip(rewards, episodes)]
     rewards = torch.tensor(rewards)
@@ -132,12 +132,10 @@ def sample_groups(cfg, client, rows, seed, step, pool, tokenizer, env=None, show
     for e, a, r in zip(episodes, adv.tolist(), rewards.tolist()):
         e.sample.adv, e.sample.reward = (float("nan"), r) if e.failure else (a, r)
     shown = range(0, len(episodes), max(1, len(episodes) // SAMPLES_SHOWN))[:SAMPLES_SHOWN] if show else []
-    tools = dict(tool_calls=sum(e.tool_calls for e in episodes), turns=sum(e.turns for e in episodes),
-                 **{kind: sum(what == kind for what, _ in lost) for kind in TOOL_FAILURES})
     scored = ~rewards.isnan()
     return [e.sample for e, k in zip(episodes, kept.tolist()) if k], dict(
         rewards=rewards[scored], lengths=torch.tensor([len(e.sample.token_ids) for e in episodes], dtype=torch.float),
-        **failures, **stats, **tools, time_score=time.perf_counter() - t, stops=sum(not e.cut for e in episodes),
+        **failures, played=list(stats), **stats, time_score=time.perf_counter() - t, stops=sum(not e.cut for e in episodes),
         filtered_groups=int((~signal & ~broken).sum().item()) // n, unscored_episodes=int((~scored).sum().item()),
         groups=len(rows), first_unscored=first_unscored,
         unscored_groups=int(broken.sum().item()) // n, samples=[show_episode(step, episodes[i], tokenizer) for i in shown])
@@ -155,7 +153,7 @@ def show_episode(step, e, tokenizer):
     return dict(step=step, prompt=e.row["prompt_text"], completion=text, reward=None if e.failure else s.reward)
 
 
-def rollout_batch(cfg, client, sampler, step, pool, tokenizer, env=None):
+def rollout_batch(cfg, client, sampler, step, pool, tokenizer, player):
     """Rank 0: prompts -> episodes -> rewards (scored by `pool`) -> group advantages.
     With active_sampling (DAPO's dynamic sampling) the groups the zero-std filter drops are
     refilled from new prompts, a whole batch of prompts per round, for at most
@@ -164,18 +162,14 @@ def rollout_batch(cfg, client, sampler, step, pool, tokenizer, env=None):
     counts over every round; times summed); every log_samples_freq steps they carry a few
     episodes of the first round as "samples"."""
     prompts, n = cfg.num_unique_prompts_rollout, cfg.num_samples_per_prompt_rollout
-    # Disjoint sampling seeds: vLLM seeds sample j of a request seed + j, so the request of
-    # prompt i gets base + i * n (vllm_client.py), a later turn of episode k base + turn * prompts * n + k
-    # (play), and every step and round its own block of seeds.
-    block = prompts * n * cfg.episode_turns
-    seed = lambda r: cfg.seed * 2 ** 32 + (step * (cfg.active_sampling_max_rounds + 1) + r) * block  # noqa: E731
     show = bool(cfg.log_samples_freq) and step % cfg.log_samples_freq == 0
-    samples, stats = sample_groups(cfg, client, sampler.next_batch(prompts), seed(0), step, pool, tokenizer, env, show)
+    samples, stats = sample_groups(cfg, client, sampler.next_batch(prompts), round_seed(cfg, step, 0), step, pool,
+                                   tokenizer, player, show)
     rounds = [stats]
     check_lost(step, rounds, cfg)
     while cfg.active_sampling and len(samples) < prompts * n and len(rounds) <= cfg.active_sampling_max_rounds:
-        more, stats = sample_groups(cfg, client, sampler.next_batch(prompts), seed(len(rounds)), step, pool,
-                                    tokenizer, env)
+        more, stats = sample_groups(cfg, client, sampler.next_batch(prompts), round_seed(cfg, step, len(rounds)),
+                                    step, pool, tokenizer, player)
         samples += more[:prompts * n - len(samples)]  # whole groups: both counts are multiples of n
         rounds.append(stats)
         check_lost(step, rounds, cfg)
@@ -186,17 +180,14 @@ def rollout_batch(cfg, client, sampler, step, pool, tokenizer, env=None):
              reward_std=rewards.std().item() if len(rewards) > 1 else None, response_length=lengths.mean().item(),
              **{kind: total(kind) for kind in REWARD_FAILURES}, stop_frac=total("stops") / len(lengths),
              filtered_groups=total("filtered_groups"), unscored_episodes=total("unscored_episodes"),
-             unscored_groups=total("unscored_groups"), time_generate=total("time_generate"),
-             time_score=total("time_score"), prompts_seen=sampler.position, response_tokens=lengths.sum().item())
+             unscored_groups=total("unscored_groups"),
+             time_score=total("time_score"), prompts_seen=sampler.position, response_tokens=lengths.sum().item(),
+             **{k: total(k) / (len(lengths) if k in PER_EPISODE else 1) for k in rounds[0]["played"]})
     if rounds[0]["samples"]:
         m["samples"] = rounds[0]["samples"]
     if not samples and m["unscored_groups"]:  # unscored_stop > 1 let it go on: say it loudly
         tqdm.write(f"step {step}: WARNING: no group is left to train on; {m['unscored_groups']} group(s) left the "
                    f"batch with episodes that could not be scored (unscored_groups)")
-    if env:  # assistant turns and tool calls per episode; tools that failed; seconds in the environment
-        m.update(turns=total("turns") / len(lengths), tool_calls=total("tool_calls") / len(lengths),
-                 **{kind: total(kind) for kind in TOOL_FAILURES}, time_tools=total("time_tools"))
-    m.update({k: total(k) for k in rounds[0] if k.startswith("agent_")})  # an --agent's counts (agent_programs.py)
     if cfg.active_sampling:  # extra rounds run, and groups still missing after them
         m.update(active_sampling_rounds=len(rounds) - 1, active_sampling_missing_groups=prompts - len(samples) // n)
     return samples, m

@@ -13,7 +13,7 @@ Its doors, each entered only when sequence_parallel_size > 1 (a plain run never 
     parallel.setup_distributed   init_groups
     parallel.load_model          register_attention before the model is built (the policy and every
                                  reference, adapters included, run "ulysses"), check_heads
-    startup.check_outside        check_heads, before any process group
+    train.check_model            check_heads, before any process group
     update.train_on_batch        piece of each micro-batch
 policy.sequence_logprobs takes a piece's targets and hands row_position_ids to the attention;
 config.py refuses what a split row cannot do (below).
@@ -35,7 +35,7 @@ What is reduced, and how: the ranks of a group hold disjoint tokens, so every pe
 the token denominator is the mini-batch's count as before. Each rank's loss over its own tokens,
 divided by that count and multiplied by the world size against FSDP's mean (update.py), sums to
 the gradient of one loss. FSDP still shards over every rank: an SP group is a set of
-data-parallel ranks that share rows. Anything per sequence is refused (plan.py: an objective
+data-parallel ranks that share rows. Anything per sequence is refused (config.py: an objective
 whose row in loss.OBJECTIVES has sequences=True, and the sequence-level mismatch mask): a sequence may straddle two pieces.
 
 KV heads: repeated (each one in place, as grouped-query attention shares them) up to

@@ -1,4 +1,5 @@
-"""What a run records, on rank 0: run_info.json before step 0, one metrics.jsonl line and
+"""What a run writes: its directories made and checked, output_dir claimed by a lock (run.lock), and
+on rank 0: run_info.json before step 0, one metrics.jsonl line and
 one console line per step, every log_samples_freq steps a few (prompt, completion, reward)
 in samples.jsonl and on the console, and optionally Weights & Biases (samples as a table)
 or TensorBoard (samples as text).
@@ -7,6 +8,7 @@ A resumed run keeps the lines up to its checkpoint and rewrites the rest, so
 metrics.jsonl and samples.jsonl always read as one run.
 """
 
+import fcntl
 import json
 import os
 import platform
@@ -21,8 +23,53 @@ CONSOLE = ("step", "reward_mean", "eval_accuracy", "eval_tool_calls", "response_
            "clip_frac", "entropy", "grad_norm", "vllm_logp_diff_max", "time_step")
 
 
+HELD = {}  # run.lock path -> its open file, which this process holds (flock's lock lives as long as it is open)
+
+
+def claim_output_dir(output_dir):
+    """Lock output_dir/run.lock for this process's life (rank 0), or ValueError naming the run that
+    holds it: two runs in one output_dir overwrite each other's serving copy, metrics and checkpoints.
+    The kernel drops the lock when the process ends, however it ends (SIGKILL included), so a
+    killed run can be resumed at once. A second call in the same process is a no-op."""
+    path = os.path.realpath(os.path.join(output_dir, "run.lock"))
+    if path in HELD:
+        return
+    os.makedirs(output_dir, exist_ok=True)
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        other = f.read().strip() or "unknown"
+        f.close()
+        raise ValueError(f"output_dir={output_dir!r} is in use by another run (pid {other}); give this run "
+                         "another --output_dir, or stop that run") from None
+    f.truncate(0)
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    HELD[path] = f
+
+
+def make_dirs(cfg):
+    """The directories the run writes, made and checked writable (ValueError with one line naming
+    the fix), and output_dir claimed for this run on rank 0 (claim_output_dir)."""
+    for name in ("output_dir", "checkpoint_state_dir", "weight_sync_dir"):
+        path = getattr(cfg, name)
+        if path is None:
+            continue
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:  # a file of that name, a read-only or virtual file system (/proc)
+            raise ValueError(f"{name}={path!r} cannot be made a directory ({e.strerror}); pick a writable "
+                             "directory") from None
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"{name}={path!r} is not writable; pick a writable directory")
+    if int(os.environ.get("RANK", 0)) == 0:
+        claim_output_dir(cfg.output_dir)  # a second run into it stops here, before it overwrites anything
+
+
 def run_info(cfg, world_size):
-    """What reproduces the run: config, git SHA, versions, world size."""
+    """What reproduces the run: config, git SHA, versions, world size (write_run_info writes it)."""
     import transformers
 
     sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -34,6 +81,14 @@ def run_info(cfg, world_size):
     except ImportError:
         pass
     return dict(config=asdict(cfg), git_sha=sha, versions=versions, world_size=world_size)
+
+
+def write_run_info(cfg, world_size, device, **more):
+    """output_dir/run_info.json (run_info and `more`), and its line on the console."""
+    info = run_info(cfg, world_size)
+    with open(os.path.join(cfg.output_dir, "run_info.json"), "w") as f:
+        json.dump(dict(info, **more), f, indent=2)
+    print(f"run: {json.dumps(info['versions'])}, git {info['git_sha']}, world size {world_size}, device {device}")
 
 
 def open_tracker(cfg):

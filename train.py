@@ -42,20 +42,101 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import checkpoint
+import packing
 import tracking
 import vllm_client
 from cli import parse_args_or_exit
 from config import Config
-from data import PromptSampler
-from episodes import Refused
+from data import PromptSampler, load_prompts
+from episodes import Completions
+from faults import Refused, SyncError, VLLMError
 from generator import Generator
-from parallel import close_distributed, load_model, setup_distributed
-from plan import batch_plan
+from model_files import load_model_config, load_tokenizer, locate_model
+from packing import batch_plan
+from parallel import close_distributed, load_model, mesh_shape, setup_distributed
+from policy import check_model_config, check_vocabulary
 from reference import make_reference
-from startup import announce, load_inputs, reward_name
-from update import SyncError, TrainState, make_optimizer, train_on_batch
+from update import TrainState, make_optimizer, train_on_batch
+from vllm_server import check_launch
 from weight_sync import full_state_dict
 from worker_pool import RewardPool
+
+
+def check_model(cfg):
+    """The model's config.json against what the trainer implements: its vocabulary, its LM head and
+    layout, LoRA's targets, the heads sequence parallelism splits. ValueError naming the fix."""
+    model_config = load_model_config(cfg)
+    check_vocabulary(model_config, cfg.kl_topk)
+    meta_model = check_model_config(model_config)  # an LM head or layout the logprobs do not implement
+    if cfg.lora_rank:  # LoRA targets the model lacks, or outside its decoder layers
+        from lora import adapters  # noqa: PLC0415 - the optional concept's door
+        adapters.check(meta_model, cfg)
+    if cfg.sequence_parallel_size > 1:
+        from sequence_parallel import check_heads  # noqa: PLC0415 - the optional concept's door
+        check_heads(model_config, cfg.sequence_parallel_size)
+
+
+def choose_player(cfg, tokenizer):
+    """What plays the episodes (episodes.Player), and the environment whose first messages the prompts
+    start with, if any. The optional concepts' doors: envs/ (--environment) and agent_programs/ (--agent)."""
+    if cfg.environment:  # episodes of several turns, answered by an environment
+        from envs.environment import Environment  # noqa: PLC0415 - the optional concept's one door
+        env = Environment(cfg.environment, tokenizer, cfg)
+        return env, env
+    if cfg.agent_program:  # episodes played by a program, through the gateway
+        from agent_programs.runner import Agents  # noqa: PLC0415 - the optional concept's one door
+        return Agents(cfg, tokenizer), None
+    return Completions(cfg, tokenizer), None
+
+
+def load_inputs(cfg):
+    """Before any process group, model or server: the tokenizer, the player, the prompts, the reward
+    and the tracker, each checked; bad input exits with one line naming the fix (exit 2)."""
+    rank0 = int(os.environ.get("RANK", 0)) == 0
+    try:
+        check_launch(cfg, torch.cuda.is_available())  # where our vLLM server would go, before any model
+        mesh_shape(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # a world the mesh does not fit
+        locate_model(cfg.model_name_or_path)  # in seconds offline, not after the hub's minute of retries
+        tokenizer = load_tokenizer(cfg)
+        check_model(cfg)
+        tracking.make_dirs(cfg)  # output_dir claimed: a second run into it stops here
+        if rank0:
+            vllm_client.check_servers(cfg.vllm_server_urls, cfg.vllm_request_timeout)
+        player, env = choose_player(cfg, tokenizer)
+        train_rows, eval_rows, skipped, reward_fn = load_prompts(cfg, tokenizer, env)
+        return tokenizer, player, (train_rows, eval_rows, skipped, reward_fn), tracking.open_tracker(cfg) if rank0 else None
+    except ValueError as e:
+        if rank0:
+            print(f"error: {e}", file=sys.stderr)
+        else:  # torchrun ends every rank when one exits: rank 0 says why first
+            time.sleep(5)
+        sys.exit(2)
+
+
+def what_scores(cfg, player, reward_fn):
+    """The reward, as the data: line names it: an environment or an agent that scores its episodes,
+    plus a --reward_fn you set (an agent's None left to the reward), or the reward alone."""
+    reward = getattr(reward_fn, "__name__", str(reward_fn))
+    if not player.scores:
+        return reward
+    return (f"{player.name}'s {'return' if cfg.agent_program else 'own'}" + (
+        f" + {cfg.reward_fn}" if cfg.reward_fn else f" (None: {reward})" if cfg.agent_program else ""))
+
+
+def announce(cfg, plan, world_size, device, data, player, resumed_from, start, policy):
+    """Rank 0, before step 0: what reproduces the run (run_info.json), the batch arithmetic, the data."""
+    train_rows, eval_rows, skipped, reward_fn = data
+    tracking.write_run_info(cfg, world_size, device, skipped_rows=skipped, resumed_from=resumed_from)
+    print(packing.describe(cfg, plan))
+    if line := packing.unshared_reason(cfg):
+        print(line)
+    print(f"data: {len(train_rows)} train / {len(eval_rows)} eval prompts from {cfg.dataset!r}, skipped {skipped}; "
+          f"reward {what_scores(cfg, player, reward_fn)}")
+    if cfg.lora_rank:
+        from lora import adapters  # noqa: PLC0415 - the optional concept's door
+        print(adapters.describe(policy, cfg))
+    if resumed_from:
+        print(f"resumed from {resumed_from} (step {start})")
 
 
 class Sigterm:
@@ -135,7 +216,7 @@ def export(cfg, policy, tokenizer, rank, name):
     full = full_state_dict(policy)
     if rank == 0:
         if cfg.lora_rank:
-            import lora_sync  # noqa: PLC0415 - the optional concept's door
+            from lora import sync as lora_sync  # noqa: PLC0415 - the optional concept's door
             full = lora_sync.export(full, cfg, os.path.join(cfg.output_dir, f"{name}_adapter"))
         checkpoint.export(full, policy.config, tokenizer, os.path.join(cfg.output_dir, name))
 
@@ -161,10 +242,23 @@ def finish_log(cfg, log, m, gen, eval_rows, last, started, device):
     log.write(m)
 
 
+def save(cfg, state, step, position, tokenizer, rank, stopping):
+    """A checkpoint when due (and at the last step, or on a SIGTERM), then an export when due. Returns
+    whether a checkpoint was written."""
+    last = step == cfg.num_training_steps
+    saved = bool(cfg.checkpoint_state_dir) and (step % cfg.checkpoint_state_freq == 0 or last or stopping)
+    if saved:
+        checkpoint.save(cfg.checkpoint_state_dir, step, state, position, cfg, cfg.keep_last_n_checkpoints)
+    if last or (cfg.save_freq > 0 and step % cfg.save_freq == 0):
+        export(cfg, state.policy, tokenizer, rank, "final" if last else f"step_{step}")
+    return saved
+
+
 def main(cfg: Config):
     """One run; returns the exit status (0, or 143 after a SIGTERM). The caller then calls
     close_distributed(), once the run's models are out of scope."""
-    tokenizer, env, train_rows, eval_rows, skipped, reward_fn, tracker = load_inputs(cfg)
+    tokenizer, player, data, tracker = load_inputs(cfg)
+    train_rows, eval_rows, skipped, reward_fn = data
     sigterm = Sigterm()
     rank, world_size, device, mesh = setup_distributed(cfg)
     plan = batch_plan(cfg, world_size)
@@ -177,12 +271,11 @@ def main(cfg: Config):
                       fallback=float("nan")) if rank == 0 else None
     log = tracking.MetricsLog(cfg.output_dir, start, tracker) if rank == 0 else None
     if rank == 0:
-        announce(cfg, plan, world_size, device, (train_rows, eval_rows, skipped, reward_name(cfg, env, reward_fn)),
-                 resumed_from, start, state.policy)
+        announce(cfg, plan, world_size, device, data, player, resumed_from, start, state.policy)
     gen, saved, trained, skipped_in_a_row = None, start, start, 0
     try:
         # inside the try: a server we launched is stopped (finally) however the run ends, its start included
-        gen = Generator(cfg, state.policy, tokenizer, sampler, pool, rank, device, env)  # our vLLM server, or yours
+        gen = Generator(cfg, state.policy, tokenizer, sampler, pool, rank, device, player)  # our server, or yours
         if rank == 0 and cfg.eval_freq > 0 and eval_rows and not start:  # a resumed run has its step 0 logged
             log.write({"step": 0, **gen.evaluate(eval_rows), "skipped_rows": skipped})
         sigterm.in_loop = True
@@ -210,28 +303,23 @@ def main(cfg: Config):
                 with timed(m, "time_sync"):
                     if samples:
                         gen.sync(state.policy)
-            except (vllm_client.VLLMError, SyncError, Refused):  # a server we cannot repair, a sync that did not
-                # take (found before the step's update: vLLM would go on sampling from other weights than these,
-                # and training on its samples would be off-policy unseen), or a step nobody could score: log and
-                # checkpoint what was trained, then stop
+            except (VLLMError, SyncError, Refused):  # a server we cannot repair, a sync that did not take (found
+                # before the step's update: vLLM would go on sampling from other weights than these, and training
+                # on its samples would be off-policy unseen), or a step nobody could score: log and checkpoint
+                # what was trained (not twice: the last checkpoint may be this step's), then stop
                 if rank == 0 and trained == step:
                     log.write(m)
-                if cfg.checkpoint_state_dir and saved < trained:  # not twice: the last one may be this step's
+                if cfg.checkpoint_state_dir and saved < trained:
                     checkpoint.save(cfg.checkpoint_state_dir, trained, state,
                                     gen.position if trained == step else position, cfg, cfg.keep_last_n_checkpoints)
                 raise
             # --- checkpoint and export. A SIGTERM reaches the ranks at different moments; asking them all
             # (a collective) stops every rank after the same step, where one rank alone would leave the
             # others waiting in the next step's collectives
-            stopping, last = sigterm.on_any_rank(device), step == cfg.num_training_steps
-            if cfg.checkpoint_state_dir and (step % cfg.checkpoint_state_freq == 0 or last or stopping):
-                checkpoint.save(cfg.checkpoint_state_dir, step, state, gen.position, cfg, cfg.keep_last_n_checkpoints)
-                saved = step
-            if last or (cfg.save_freq > 0 and step % cfg.save_freq == 0):
-                export(cfg, state.policy, tokenizer, rank, "final" if last else f"step_{step}")
-            # --- evaluation and log
-            if rank == 0:
-                finish_log(cfg, log, m, gen, eval_rows, last, started, device)
+            stopping = sigterm.on_any_rank(device)
+            saved = step if save(cfg, state, step, gen.position, tokenizer, rank, stopping) else saved
+            if rank == 0:  # --- evaluation and log
+                finish_log(cfg, log, m, gen, eval_rows, step == cfg.num_training_steps, started, device)
             if stopping:
                 if rank == 0:
                     print(f"SIGTERM: stopped after step {step}" + (f", checkpoint in {cfg.checkpoint_state_dir}"
@@ -247,7 +335,7 @@ if __name__ == "__main__":
     cfg = parse_args_or_exit()
     try:
         status = main(cfg)
-    except (Refused, vllm_client.VLLMError) as e:  # nobody could score, a server not up or past repair: one line
+    except (Refused, VLLMError) as e:  # nobody could score, a server not up or past repair: one line
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr)
         status = 1

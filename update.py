@@ -25,14 +25,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from loss import ess_from_sums, ess_sums, grpo_loss, mismatch_mask, objective, step_denominator
+from faults import SyncError
+from loss import ess_from_sums, ess_sums, grpo_loss, mismatch_mask, step_denominator
 from packing import PER_TOKEN, micro_batches
 from reference import Reference
-
-
-class SyncError(RuntimeError):
-    """The trainer's logprobs and vLLM's disagree on tokens the current weights sampled: the
-    last weight sync did not take (check_sync)."""
 
 
 @dataclass
@@ -176,7 +172,7 @@ class StepMetrics:
                  vllm_logp_diff_mean=self.vllm_logp_diff_mean,
                  vllm_logp_diff_max=self.vllm_logp_diff_max.item(), skipped_updates=self.skipped,
                  trained_tokens=int(s["tokens"]))
-        if objective(cfg.loss_fn).ess:
+        if cfg.objective.ess:
             m.update(ess=sum(self.ess) / len(self.ess), ess_trust=s["ess_trust"] / n)
         if cfg.vllm_importance_sampling_mask != "none":
             m["vllm_importance_sampling_masked_frac"] = s["masked"] / n
@@ -252,7 +248,7 @@ def dropout(model, on):
 def mini_batch_backward(cfg, policy, mbs, frozens, forward, denom, world_size, metrics, sync_check):
     """Forward and backward of one mini-batch's micro-batches on this rank (gradients accumulate
     until the last one reduce-scatters them); their summed loss."""
-    ess_value, reads_ess = 1.0, objective(cfg.loss_fn).ess
+    ess_value, reads_ess = 1.0, cfg.objective.ess
     if reads_ess and cfg.ess_scope == "step" and frozens[0].old_logp is not None:
         with torch.no_grad():  # ESS of the whole optimizer step's ratios: one extra forward
             ess_value = ess(torch.cat([torch.exp(forward(policy, b, head_ids=fz.head_ids)[0] - fz.old_logp)

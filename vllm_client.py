@@ -19,9 +19,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-
-class VLLMError(RuntimeError):
-    """A server that cannot be reached, answers with an error, or dies."""
+from faults import VLLMError
 
 
 # What every request pins besides temperature and top_p. A server started without
@@ -74,6 +72,17 @@ def fetch(url, route, data=None, headers=None, timeout=120.0):
     if r.status >= 400:
         raise urllib.error.HTTPError(url + route, r.status, r.reason, r.headers, io.BytesIO(body))
     return body
+
+
+def check_servers(urls, timeout):
+    """Servers the user runs (vllm_server_urls), asked for /health before anything starts: ValueError
+    with one line naming the fix for one that does not answer."""
+    for url in urls:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=timeout).close()
+        except (urllib.error.URLError, OSError) as e:
+            raise ValueError(f"vllm_server_urls: {url} does not answer /health ({getattr(e, 'reason', e)}); "
+                             "start the server first or fix the URL") from None
 
 
 class VLLMClient:

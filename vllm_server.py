@@ -34,7 +34,8 @@ import urllib.error
 
 import torch
 
-from vllm_client import VLLMError, fetch, log_tail
+from faults import VLLMError
+from vllm_client import fetch, log_tail
 from worker_pool import private_dir
 
 
@@ -47,6 +48,17 @@ def die_with_parent():
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # SIGTERM: it then stops its engine too
     except (OSError, AttributeError):
         pass  # not Linux: stop_server and the finally in train.py still stop it on a clean exit
+
+
+def check_launch(cfg, cuda: bool):
+    """Refuse, before any model loads, a GPU run that would launch its vLLM server on a training GPU:
+    launch_server starts it on the first visible GPU, rank 0's, to take vllm_gpu_memory_utilization of
+    a GPU the policy already fills. In a world of one as well, where single_gpu_mode is the way to share."""
+    if cuda and not cfg.vllm_server_urls and not cfg.single_gpu_mode:
+        raise ValueError("on GPUs, without vllm_server_urls rank 0 would launch its vLLM server on its own "
+                         "training GPU; give the servers GPUs of their own with bash scripts/launch_8gpu.sh (or "
+                         "pass vllm_server_urls of servers you run), or set single_gpu_mode=True to share one GPU "
+                         "in a single process")
 
 
 def server_dtype(cfg):

@@ -33,7 +33,7 @@ import threading
 
 import torch
 
-from vllm_client import VLLMError
+from faults import VLLMError
 from worker_pool import private_dir
 
 

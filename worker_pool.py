@@ -45,7 +45,8 @@ import tempfile
 import threading
 import time
 
-from rewards import Reward, load_object, to_float
+from rewards import Reward, to_float
+from user_code import load_object
 
 STARTUP_TIMEOUT = 120.0  # seconds for a new worker to load the function and say it is ready
 MAX_EARLY_DEATHS = 3  # workers killed by a signal before "ready", in a row, before loading is called broken

@@ -19,9 +19,9 @@ import time
 import openai
 from transformers import AutoTokenizer
 
-import tool_calls
+from envs import tool_calls
 from config import Config
-from gateway import Gateway
+from agent_programs.gateway import Gateway
 
 CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "214 + 659"}}\n</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "calculate", "parameters": {

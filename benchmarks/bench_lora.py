@@ -31,7 +31,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # helpers: the plain logprobs of the check
-import lora_sync  # noqa: E402
+from lora import sync as lora_sync  # noqa: E402
 import train  # noqa: E402
 import vllm_client  # noqa: E402
 import vllm_server  # noqa: E402

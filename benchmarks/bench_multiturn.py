@@ -31,7 +31,7 @@ from bench_generation import cpu_name  # noqa: E402
 from config import Config  # noqa: E402
 from data import load_prompts  # noqa: E402
 from envs.environment import Environment  # noqa: E402
-from episodes import play  # noqa: E402
+from episodes import Completions  # noqa: E402
 from model_files import load_tokenizer, stop_token_ids  # noqa: E402
 
 
@@ -56,11 +56,11 @@ def main(argv=None):
     proc, url = vllm_server.launch_server(args.model, cfg, log, extra_args=shlex.split(args.server_args))
     try:
         client = vllm_client.VLLMClient([url], args.model, stop_token_ids=stop_token_ids(tok, args.model))
-        play(cfg, client, rows, cfg.num_samples_per_prompt_rollout, 0, tok, env)  # warm-up
+        env.play(client, rows, cfg.num_samples_per_prompt_rollout, 0, cfg.temperature)  # warm-up
         out = {}
-        for name, e in [("single-turn", None), ("multi-turn", env)] * args.repeats:
+        for name, e in [("single-turn", Completions(cfg, tok)), ("multi-turn", env)] * args.repeats:
             cpu = time.process_time()  # this process's CPU: the client's share of the machine's cores
-            episodes, stats = play(cfg, client, rows, cfg.num_samples_per_prompt_rollout, len(out), tok, e)
+            episodes, stats = e.play(client, rows, cfg.num_samples_per_prompt_rollout, len(out), cfg.temperature)
             cpu = time.process_time() - cpu
             tokens = sum(x.sample.policy_tokens for x in episodes)
             r = out.setdefault(name, dict(tokens_per_s=[], turns=[], tool_calls=[], seconds=[], time_tools=[],

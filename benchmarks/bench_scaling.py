@@ -71,7 +71,7 @@ def worker(args):
     import train
     import update
     from config import Config
-    from plan import batch_plan
+    from packing import batch_plan
     from reference import EMAReference
 
     cfg = Config(model_name_or_path=args.model_dir, num_unique_prompts_rollout=args.prompts,

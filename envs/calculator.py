@@ -12,7 +12,7 @@ import ast
 import operator
 import re
 
-from tool_calls import ToolError
+from envs.tool_calls import ToolError
 
 OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.USub: operator.neg, ast.UAdd: operator.pos}

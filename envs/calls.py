@@ -6,9 +6,10 @@ Its doors: envs/environment.py (Environment.start makes the CallPool of Calls) a
 worker_pool.py (its forkserver preloads this module, so that a replacement worker starts fast).
 """
 
-import tool_calls
-from rewards import load_object, to_float
-from tool_calls import ToolError, Unavailable
+from envs import tool_calls
+from rewards import to_float
+from user_code import load_object
+from envs.tool_calls import ToolError, Unavailable
 
 KEYS = ("role", "content", "name", "tool_call_id", "tool_calls")  # what a message keeps
 

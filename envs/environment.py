@@ -61,20 +61,25 @@ whatever that turn and the earlier ones held; a template that rewrites earlier t
 renders a whole conversation (Qwen3's drops past reasoning) is accepted, and the episode keeps
 what was sampled (docs/data.md says where that differs from the template's rendering).
 
-Its door: startup.py's load_inputs imports Environment when --environment is set; data.py
-(reset, tools, chat), generator.py (start) and episodes.py (new_key, message, reply, finish,
-discard) call its methods without naming it. worker_pool.py's forkserver preloads envs/calls.py by
-name, in every pool (a missing module is skipped). The calls themselves run in envs/calls.py.
+Its door: train.py:choose_player makes Environment, the run's player, when --environment is set;
+data.py reads its first messages, tools and chat (reset, tools, chat), generator.py starts and closes
+it, and rollout.py calls play, as it calls every player. worker_pool.py's forkserver preloads
+envs/calls.py by name, in every pool (a missing module is skipped). The calls themselves run in envs/calls.py.
 """
 
+import concurrent.futures
+import contextlib
 import itertools
 import os
+import time
 
 import faults
-import tool_calls
-from chat import ChatTokens
+from envs import tool_calls
+from envs.chat import ChatTokens
 from envs.calls import Calls, check_messages, close, per_episode
-from rewards import load_object
+from episodes import Episode, take_turn, turn_seed
+from faults import Refused
+from user_code import load_object
 from worker_pool import CallPool
 
 
@@ -104,8 +109,11 @@ def check_needs(spec, probe, stop, cfg):
 
 
 class Environment:
-    """An --environment on the trainer's side: its first messages, stop strings and tools, its
-    calls in worker processes (each episode's in one worker), and the tokens of its replies."""
+    """An --environment on the trainer's side, the player of its episodes (episodes.Player): its first
+    messages, stop strings and tools, its calls in worker processes (each episode's in one worker),
+    and the tokens of its replies."""
+
+    multi_turn = True
 
     def __init__(self, spec, tokenizer, cfg):
         obj = load_object(spec, "environment", "environment")
@@ -128,6 +136,7 @@ class Environment:
         self.make, self.probe, self.stop = obj, probe, list(getattr(probe, "stop", ()))
         check_needs(spec, probe, self.stop, cfg)
         self.scores = callable(getattr(probe, "reward", None))  # the environment scores its episodes
+        self.name = spec
         self.chat = ChatTokens(tokenizer, self.tools)
         self.parser = tool_calls.Parser(cfg.tool_call_parser, tokenizer, self.tools) if cfg.tool_call_parser else None
         self.reasoning = tool_calls.Reasoning(cfg.reasoning_parser, tokenizer, self.chat.generation_prompt()) \
@@ -150,6 +159,74 @@ class Environment:
                 self.close()
                 raise ValueError(f"environment={self.spec!r} cannot run here: {failed[0][2]}")
 
+    def play(self, client, rows, n, seed, temperature):
+        """n episodes of each row, each at its own pace: an episode whose turn is back is answered (with
+        the others back by then) and its next turn sent while others still generate, so the server's
+        batch stays full. Every turn is a request of its own, the first turns too (one request of n would
+        hold all n episodes until the longest first turn ends); turn t of episode k is seeded
+        turn_seed(seed, t, len(rows) * n, k), the same first-turn seeds as episodes.Completions. Returns
+        the episodes and the round's counts; "tool_failures" lists the failed calls as (kind, why)."""
+        cfg = self.cfg
+        episodes = [Episode(k, row, cfg.response_length, list(row["messages"]))  # its first messages (data.py)
+                    for k, row in enumerate(r for r in rows for _ in range(n))]
+        for e in episodes:
+            e.key, e.needs_reward = next(self.keys), not self.scores or bool(cfg.reward_fn)
+
+        def send(e):
+            return client.submit(e.ids, 1, e.budget, temperature, cfg.top_p,
+                                 turn_seed(seed, e.turns, len(episodes), e.k), self.stop)
+
+        started, finished, failures, tools = time.perf_counter(), False, [], 0.0
+        pending = {send(e): e for e in episodes}
+        try:
+            while pending:
+                done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+                back = sorted(((pending.pop(f), f.result()[0]) for f in done), key=lambda p: p[0].k)
+                for e, out in back:
+                    take_turn(e, out, self.tokenizer)
+                    e.messages.append(self.message(e.completion, e.turns - 1))
+                going = [e for e, _ in back if not e.done and e.turns < cfg.episode_turns]
+                if going:
+                    t = time.perf_counter()
+                    try:
+                        replies, lost = self.reply(going)
+                    except ValueError as e:  # an answer the policy would never see (chat.ChatTokens.check_roles)
+                        raise Refused(str(e)) from None
+                    going = take_replies(going, replies)
+                    failures, tools = failures + lost, tools + time.perf_counter() - t
+                    pending.update((send(e), e) for e in going)
+            finished = True
+        finally:  # a request failed (a dead server): the others end before the error goes on, none left behind,
+            concurrent.futures.wait(pending)  # and the episodes' instances are closed
+            if not finished:
+                with contextlib.suppress(Exception):  # cleanup on the way out: the error that got us here goes on
+                    self.discard(episodes)
+        generating, t = time.perf_counter() - started - tools, time.perf_counter()
+        failures += self.score(episodes)
+        return episodes, dict(time_generate=generating, time_tools=tools + time.perf_counter() - t,
+                              turns=sum(e.turns for e in episodes), tool_calls=sum(e.tool_calls for e in episodes),
+                              tool_failures=failures)
+
+    def score(self, episodes):
+        """The environment's reward of each episode the infrastructure did not lose, on its instance,
+        which is then closed. Every failure here is ours (faults.FAULTS): it leaves its episode unscored.
+        Returns them as (kind, why); a reward's are counted with the reward's (rollout.score)."""
+        playing = [e for e in episodes if e.failure is None]
+        self.discard([e for e in episodes if e.failure is not None])
+        rewards, failed = self.finish(playing)
+        for e, r in zip(playing, rewards):
+            e.env_reward = r
+        for i, kind, why in failed:  # a reward that raised, hung or crashed; a close that failed; an instance gone
+            e = playing[i]
+            reward = kind.startswith("reward_")
+            if e.failure is None:  # the first of its failures says why
+                e.failure = f"the environment's reward: {why}" if reward else f"its environment ({kind}): {why}"
+            e.reward_failed = e.reward_failed or (kind if reward else None)
+        for e in playing if self.scores else ():
+            if e.env_reward is None and e.failure is None:
+                e.failure = "the environment gave no reward"
+        return [(kind, f"episode {playing[i].k}: {why}") for i, kind, why in failed if not kind.startswith("reward_")]
+
     def reset(self, row):
         """The first messages of the row's episodes (rendered into its prompt once, at load time). A
         per-episode environment resets an instance of its own for the row, closed at once: none
@@ -168,10 +245,6 @@ class Environment:
                              f"{type(e).__name__}: {e}; fix the environment (envs/environment.py)") from None
         self.chat.check_first(messages, self.spec)
         return messages
-
-    def new_key(self):
-        """A key for a new episode: its calls go to one worker, where its instance lives (per episode)."""
-        return next(self.keys)
 
     def message(self, text, turn):
         """The policy's turn as an assistant message: its text, and with a tool_call_parser its calls.
@@ -205,7 +278,7 @@ class Environment:
         the episode ends there, or a str when the failure is ours (why: the episode ends unscored);
         and the calls that failed, as (kind, why), kind a row of faults.FAULTS, which decides whose
         each is: the policy's are told to it as an "error: ..." tool message and the episode goes on.
-        The rollout appends them (episodes.take_replies)."""
+        play appends them (take_replies)."""
         replies, asked = [None] * len(episodes), []
         for i, e in enumerate(episodes):  # a call the parser could not read is answered here
             unread = self.parser.unread(e.messages[-1]) if self.parser else None
@@ -254,3 +327,22 @@ class Environment:
     def close(self):
         if self.pool:
             self.pool.close()
+
+
+def take_replies(episodes, replies):
+    """Append each episode's reply (Environment.reply: messages and their token ids) with mask 0;
+    returns the episodes still going. No reply ends an episode, and so does one that leaves no room
+    for another turn (the conversation, and the sample, end with the policy's turn)."""
+    going = []
+    for e, reply in zip(episodes, replies):
+        if isinstance(reply, str):  # the infrastructure lost the episode: it ends unscored
+            e.done, e.failure = True, reply
+            continue
+        if reply is None or len(reply[1]) >= e.budget:
+            e.done, e.cut = True, reply is not None
+            continue
+        e.messages += reply[0]
+        e.tool_calls += 1
+        e.add(reply[1], None, sampled=False)
+        going.append(e)
+    return going

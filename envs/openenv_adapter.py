@@ -30,7 +30,7 @@ the environment's, counted and printed like any step's (envs/environment.py).
 Its doors: none; an environment file imports OpenEnv from here.
 """
 
-from tool_calls import ToolError
+from envs.tool_calls import ToolError
 
 
 class OpenEnv:

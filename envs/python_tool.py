@@ -10,7 +10,7 @@ import re
 
 from envs import sandbox
 from envs.sandbox import START_TIME, Interpreter, Limits
-from tool_calls import ToolError, Unavailable
+from envs.tool_calls import ToolError, Unavailable
 
 
 class PythonTool:

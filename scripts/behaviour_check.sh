@@ -12,7 +12,6 @@ repo=$(cd "$1" && pwd); out=$(mkdir -p "$2" && cd "$2" && pwd)
 py=${PYTHON:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python}
 cd "$repo"
 [ -f models/tiny/config.json ] || "$py" scripts/make_tiny_model.py --out models/tiny
-calc=environments:calculator; [ -d envs ] && calc=envs.calculator:calculator
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 # A reward the tiny model earns half the time (the parity of its answer's length): groups train.
 printf 'def reward(prompt, completion, example):\n    return float(len(completion) %% 2)\n' > "$out/parity.py"
@@ -31,7 +30,7 @@ one() {  # name nproc flags...; a run whose checkpoint exists is kept
         || { tail -n 20 "$out/$name.log"; exit 1; }
 }
 one ema 2 --beta 0.1 --load_ref_policy true --ref_policy_update_freq 1 --alpha 0.6
-one tools 2 --dataset calc --environment "$calc" --max_turns 2 --response_length 24 --max_prompt_length 512 --beta 0.1 \
+one tools 2 --dataset calc --environment envs.calculator:calculator --max_turns 2 --response_length 24 --max_prompt_length 512 --beta 0.1 \
     --load_ref_policy true --kl_estimator topk --kl_topk 4
 one lora 2 --lora_rank 4 --beta 0.1 --load_ref_policy true --ref_policy_update_freq 1 --learning_rate 1e-2
 one ulysses 2 --sequence_parallel_size 2 --beta 0.1 --load_ref_policy true --ref_policy_update_freq 1

@@ -17,7 +17,6 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from config import MOVED_ENVIRONMENTS  # noqa: E402 - built-in specs that moved: the same run under either
 
 VOLATILE = ("time_", "tokens_per_s", "peak_memory_gb")
 # The server's side of the sync check: with episodes of several turns (an environment, an agent) the
@@ -64,7 +63,7 @@ def state(run):
         for pt in sorted(glob.glob(os.path.join(ckpt, "*.pt"))):
             found.update(leaves(torch.load(pt, weights_only=False), os.path.relpath(pt, run)))
     root = os.path.dirname(os.path.abspath(run))
-    found = {k: MOVED_ENVIRONMENTS.get(v, v).replace(root, "OUT") if isinstance(v, str) else v
+    found = {k: v.replace(root, "OUT") if isinstance(v, str) else v
              for k, v in found.items() if leaf_ok(k)}
     for st in sorted(glob.glob(os.path.join(run, "out", "**", "*.safetensors"), recursive=True)):
         found.update(leaves(load_file(st), os.path.relpath(st, run)))

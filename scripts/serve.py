@@ -29,7 +29,7 @@ def main(argv=None):
     cfg = parse_args_or_exit(argv[2:])
     extra = []
     if cfg.lora_rank:
-        from lora_sync import server_flags  # noqa: PLC0415 - LoRA's door
+        from lora.sync import server_flags  # noqa: PLC0415 - LoRA's door
         extra = server_flags(cfg)
     cmd, added = server_command(argv[1], cfg, cfg.vllm_port, extra_args=extra)
     if show:

@@ -18,7 +18,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import dataclasses
 
-import lora
+from lora import adapters
 import train
 import update
 from cli import convert
@@ -56,9 +56,9 @@ def states():
     whole = full_state_dict(policy)
     if not cfg.lora_rank:
         return whole, whole, full_state_dict(ref.model)
-    adapter = {a: {k.replace(f".{a}.", f".{lora.ADAPTER}."): v for k, v in whole.items() if lora.is_adapter(k, a)}
-               for a in (lora.ADAPTER, lora.REFERENCE)}
-    return whole, adapter[lora.ADAPTER], adapter[lora.REFERENCE]
+    adapter = {a: {k.replace(f".{a}.", f".{adapters.ADAPTER}."): v for k, v in whole.items() if adapters.is_adapter(k, a)}
+               for a in (adapters.ADAPTER, adapters.REFERENCE)}
+    return whole, adapter[adapters.ADAPTER], adapter[adapters.REFERENCE]
 
 
 def fixed_rollouts(step):

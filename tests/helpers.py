@@ -13,8 +13,8 @@ import types
 
 import torch
 
-import lora
-import lora_sync
+from lora import adapters
+from lora import sync as lora_sync
 import vllm_client
 import vllm_server
 import weight_sync
@@ -221,9 +221,9 @@ def lora_model(model_dir, **overrides):
     cfg = Config(model_name_or_path=model_dir, lora_rank=4, lora_alpha=8, beta=0.1, ref_policy_update_freq=1,
                  **overrides)
     torch.manual_seed(0)
-    model = lora.add_adapters(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), cfg)
+    model = adapters.add_adapters(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), cfg)
     with torch.no_grad():
-        for _, p in lora.adapter_parameters(model, lora.ADAPTER):
+        for _, p in adapters.adapter_parameters(model, adapters.ADAPTER):
             if p.abs().max() == 0:
                 p.normal_(0, 0.2)
     model.sequence_logprobs = types.MethodType(sequence_logprobs, model)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from agent_programs import Agents
+from agent_programs.runner import Agents
 from config import Config
 from helpers import IM_END, ScriptedClient
 from rollout import score, sample_groups
@@ -99,7 +99,7 @@ def test_programs_play_score_and_fail_apart(tmp_path, tiny_model_dir, fn):
         assert "RuntimeError: the agent broke" in by["raise"][0].failure
         assert by["idle"][0].failure == "the agent never called the model"
         pool = RewardPool(exact_reward, workers=0, fallback=float("nan"))
-        rewards, _ = score(pool, episodes, a)
+        rewards, _ = score(pool, episodes)
         assert rewards[2:4] == [0.75, 0.75]  # the program's own number
         assert rewards[0:2] == [1.0, 1.0]  # None: the reward scored the final turn, "cd", and the conversation
         assert all(math.isnan(r) for r in rewards[4:12])
@@ -143,8 +143,8 @@ def test_a_run_ends_its_episode_at_the_gateway(tmp_path, tiny_model_dir):
     it makes later is refused, not recorded."""
     from transformers import AutoTokenizer
 
-    from agent_programs import Program
-    from gateway import Gateway
+    from agent_programs.runner import Program
+    from agent_programs.gateway import Gateway
 
     (tmp_path / "programs.py").write_text(PROGRAMS)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -177,7 +177,7 @@ def test_the_calculator_agent_answers_an_overflow_as_the_policys_error(expressio
     import os
 
     from helpers import ROOT
-    from rewards import load_object
+    from user_code import load_object
 
     calculate = load_object(os.path.join(ROOT, "examples", "calculator_agent.py:calculate"), "agent")
     assert calculate(expression).startswith("error: ")

@@ -15,7 +15,7 @@ import sys
 import openai
 import pytest
 
-import gateway
+from agent_programs import gateway
 import vllm_server
 from config import Config
 from helpers import command, flags, metrics, run, serve
@@ -74,8 +74,8 @@ def test_gateway_samples_are_what_the_server_sampled(tiny_model_dir, tmp_path):
     server's own logprobs of the recorded tokens are the recorded logprobs, at temperature 1."""
     from transformers import AutoTokenizer
 
-    import tool_calls
-    from chat import ChatTokens
+    from envs import tool_calls
+    from envs.chat import ChatTokens
 
     # the Agents SDK's prompt (its instructions are the calculator's system message) is ~300 characters
     # agent= (never loaded here) makes the episodes multi-turn: max_turns calls each

@@ -1,6 +1,6 @@
 """Bad input ends in one `error:` line naming the field and exit status 2, before any process
 group, model or server starts: values Config refuses (through cli.parse_args_or_exit, the entry
-of train.py) and what the config names outside the process (startup.load_inputs: the model's
+of train.py) and what the config names outside the process (train.load_inputs: the model's
 config.json, directories, servers you run). In-process, plus one run of train.py itself."""
 
 import os
@@ -67,7 +67,7 @@ BAD_OUTSIDE = [
 
 @pytest.mark.parametrize("overrides,name", BAD_OUTSIDE, ids=[n for _, n in BAD_OUTSIDE])
 def test_start_up_refuses_in_one_line(capsys, monkeypatch, tmp_path, tiny_model_dir, overrides, name):
-    import startup
+    import train
 
     a_file = tmp_path / "a_file"
     a_file.write_text("")
@@ -76,20 +76,20 @@ def test_start_up_refuses_in_one_line(capsys, monkeypatch, tmp_path, tiny_model_
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4" if overrides.get("sequence_parallel_size") else "1")
     cfg = Config(model_name_or_path=tiny_model_dir, **{"output_dir": str(tmp_path / "out"), **overrides})
-    assert name in one_error_line(capsys, lambda: startup.load_inputs(cfg))
+    assert name in one_error_line(capsys, lambda: train.load_inputs(cfg))
 
 
 def test_model_without_config_json_refused_in_one_line(capsys, monkeypatch, tmp_path, tiny_model_dir):
     """A directory with a tokenizer but no config.json: refused at start-up, not by the model load."""
     import shutil
 
-    import startup
+    import train
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model, ignore=shutil.ignore_patterns("config.json", "*.safetensors"))
     monkeypatch.setenv("RANK", "0")
     cfg = Config(model_name_or_path=str(model), output_dir=str(tmp_path / "out"))
-    assert "model_name_or_path" in one_error_line(capsys, lambda: startup.load_inputs(cfg))
+    assert "model_name_or_path" in one_error_line(capsys, lambda: train.load_inputs(cfg))
 
 
 @pytest.mark.subprocess
@@ -109,13 +109,13 @@ def test_a_gpu_run_without_servers_is_refused_before_any_model(capsys, monkeypat
     (the model named here does not even exist). Before: no refusal; the model loaded first."""
     import torch
 
-    import startup
+    import train
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(startup, "load_tokenizer", lambda cfg: pytest.fail("the tokenizer was loaded first"))
+    monkeypatch.setattr(train, "load_tokenizer", lambda cfg: pytest.fail("the tokenizer was loaded first"))
     monkeypatch.setenv("RANK", "0")
     cfg = Config(model_name_or_path=str(tmp_path / "no_model"), output_dir=str(tmp_path / "out"))
-    line = one_error_line(capsys, lambda: startup.load_inputs(cfg))
+    line = one_error_line(capsys, lambda: train.load_inputs(cfg))
     assert "bash scripts/launch_8gpu.sh" in line and "single_gpu_mode" in line
 
 
@@ -182,7 +182,7 @@ def test_bad_rewards_and_rows_are_refused_in_one_line(capsys, monkeypatch, tmp_p
 
     import datasets
 
-    import startup
+    import train
 
     reward, rows = tmp_path / "r.py", tmp_path / "d.jsonl"
     reward.write_text("def r(x):\n    return 1.0\n")
@@ -196,6 +196,6 @@ def test_bad_rewards_and_rows_are_refused_in_one_line(capsys, monkeypatch, tmp_p
                  num_eval_prompts=0, **overrides)
     datasets.disable_progress_bars()  # its "Generating train split" bars on stderr are no error lines
     try:
-        assert says in one_error_line(capsys, lambda: startup.load_inputs(cfg))
+        assert says in one_error_line(capsys, lambda: train.load_inputs(cfg))
     finally:
         datasets.enable_progress_bars()

@@ -133,10 +133,6 @@ def test_resume_refuses_a_changed_run_and_allows_harmless_changes():
     check_resumable(older, Config(beta=0.1, num_mini_batches=2), "c")
     with pytest.raises(ValueError, match="active_sampling"):
         check_resumable(older, Config(beta=0.1, num_mini_batches=2, active_sampling=True), "c")
-    tools = dict(asdict(Config(environment="envs.calculator:calculator")), environment="environments:calculator")
-    check_resumable(tools, Config(environment="envs.calculator:calculator"), "c")  # its spec before envs/
+    tools = asdict(Config(environment="envs.calculator:calculator"))
     with pytest.raises(ValueError, match="environment"):
         check_resumable(tools, Config(environment="envs.calculator:calculator_tool"), "c")
-    with pytest.raises(ValueError, match="moved with the built-in environments into envs/: pass "
-                                         "'envs.python_tool:PythonTool'"):
-        Config(environment="sandbox:PythonTool")

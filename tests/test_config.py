@@ -6,10 +6,14 @@ import sys
 
 import pytest
 
+from episodes import Completions
 from cli import help_text, parse_args
 import config
 from config import Config
-from plan import batch_plan, check_launch, max_seed, mesh_shape
+from episodes import max_seed
+from packing import batch_plan
+from parallel import mesh_shape
+from vllm_server import check_launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -149,9 +153,9 @@ def test_batch_plan_names_the_numbers():
     (dict(fsdp_shard_size=8), 4, "pick a divisor of 4"),
     (dict(single_gpu_mode=True, vllm_gpu_memory_utilization=0.3), 2, "without torchrun"),
 ])
-def test_world_size_rules_refuse_in_batch_plan(cfg, world, fragment):
+def test_world_size_rules_refuse_in_mesh_shape(cfg, world, fragment):
     with pytest.raises(ValueError, match=fragment):
-        batch_plan(Config(num_unique_prompts_rollout=16, **cfg), world_size=world)
+        mesh_shape(Config(num_unique_prompts_rollout=16, **cfg), world)
 
 
 def test_mesh_shape():
@@ -274,8 +278,8 @@ def test_max_seed_keeps_every_request_seed_in_int64(tiny_model_dir):
 
     client = type("Client", (), {"submit": staticmethod(submit)})()
     rows = [dict(prompt_ids=[k], prompt_text=str(k), answer="a") for k in range(20)]
-    rollout_batch(cfg, client, PromptSampler(rows, 0), T, RewardPool(lambda p, c, e: 1.0, workers=0),
-                  AutoTokenizer.from_pretrained(tiny_model_dir))
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rollout_batch(cfg, client, PromptSampler(rows, 0), T, RewardPool(lambda p, c, e: 1.0, workers=0), tok, Completions(cfg, tok))
     assert len(sent) == (R + 1) * P * N and len(set(sent)) == len(sent)
     assert max(sent) == cfg.seed * 2**32 + (T + 1) * (R + 1) * P * N - 1
     assert max(sent) <= 2**63 - 1 < max(sent) + 2**32  # seed + 1 would overflow

@@ -10,7 +10,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_operations_md_names_only_what_the_code_names():
-    code = "\n".join(open(f).read() for pattern in ("*.py", "envs/*.py", "scripts/*", "benchmarks/*.py")
+    code = "\n".join(open(f).read() for pattern in ("*.py", "envs/*.py", "lora/*.py", "agent_programs/*.py", "scripts/*",
+                                                    "benchmarks/*.py")
                      for f in glob.glob(os.path.join(ROOT, pattern)) if os.path.isfile(f))
     with open(os.path.join(ROOT, "docs", "operations.md")) as f:
         names = set(re.findall(r"`([a-z][a-z0-9]*(?:_[a-z0-9]+)+)`", f.read()))

@@ -15,25 +15,34 @@ from helpers import ENV, ROOT, flags
 
 # A concept and the files that are it. Core files name it only at their doors, lazily.
 CONCEPTS = {
-    "lora": ["lora.py", "lora_sync.py"],
+    "lora": ["lora"],
     "sequence_parallel": ["sequence_parallel.py"],
     "environments": ["envs"],
     "sandbox": ["envs/sandbox.py", "envs/sandbox_process.py", "envs/python_tool.py"],
     "openenv": ["envs/openenv_adapter.py"],
-    "agents": ["gateway.py", "agent_trace.py", "agent_programs.py", "examples"],
+    "agents": ["agent_programs", "examples"],
 }
 # Where the core imports each concept: file and function, each a lazy import under the concept's flag.
 DOORS = {
-    "lora": {"parallel.py:load_model", "reference.py:make_reference", "startup.py:check_outside",
-             "startup.py:announce", "train.py:export", "generator.py:make_sync"},
-    "sequence_parallel": {"parallel.py:setup_distributed", "parallel.py:load_model", "startup.py:check_outside",
+    "lora": {"parallel.py:load_model", "reference.py:make_reference", "train.py:check_model", "train.py:announce",
+             "train.py:export", "generator.py:make_sync"},
+    "sequence_parallel": {"parallel.py:setup_distributed", "parallel.py:load_model", "train.py:check_model",
                           "update.py:train_on_batch"},
-    "environments": {"startup.py:load_inputs"},
-    "agents": {"startup.py:load_inputs"},
+    "environments": {"train.py:choose_player"},
+    "agents": {"train.py:choose_player"},
 }
-DOCSTRINGS = {"lora": "lora.py", "sequence_parallel": "sequence_parallel.py", "environments": "envs/__init__.py",
-              "agents": "agent_programs.py"}
-OPTIONAL = [m for files in CONCEPTS.values() for f in files if f.endswith(".py") for m in [f[:-3].replace("/", ".")]]
+DOCSTRINGS = {"lora": "lora/__init__.py", "sequence_parallel": "sequence_parallel.py",
+              "environments": "envs/__init__.py", "agents": "agent_programs/__init__.py"}
+OPTIONAL = [m for files in CONCEPTS.values() for f in files for m in [f[:-3].replace("/", ".") if f.endswith(".py") else f]]
+
+
+def test_every_folder_of_code_at_the_root_is_an_optional_concept():
+    """The root is the core: a folder of Python there is an optional concept, listed above and so
+    deleted by the tests below (scripts, benchmarks and the like are tools, not the trainer)."""
+    tools = {"scripts", "benchmarks", "experiments", "tests", "docs", "models", "output"}
+    folders = {d for d in os.listdir(ROOT) if os.path.isdir(os.path.join(ROOT, d)) and not d.startswith((".", "_"))
+               and glob.glob(os.path.join(ROOT, d, "*.py")) and d not in tools}
+    assert folders == {f for files in CONCEPTS.values() for f in files if "/" not in f and not f.endswith(".py")}
 
 
 def imports_of(concept):

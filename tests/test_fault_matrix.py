@@ -20,7 +20,7 @@ from worker_pool import RewardPool
 
 ENV = '''
 import os, signal, time
-from tool_calls import ToolError, Unavailable
+from envs.tool_calls import ToolError, Unavailable
 
 
 class Faulty:
@@ -127,7 +127,7 @@ def env_cell(tmp_path, tok, fault, kind, workers, **kw):
 
 
 def agent_cell(tmp_path, tok, fault):
-    from agent_programs import Agents
+    from agent_programs.runner import Agents
 
     (tmp_path / "agent.py").write_text(PROGRAM)
     cfg = Config(agent=f"{tmp_path}/agent.py:solve", agent_workers=2, agent_timeout=3.0, max_prompt_length=64,

@@ -11,9 +11,9 @@ import time
 import openai
 import pytest
 
-import gateway
+from agent_programs import gateway
 import packing
-from chat import ChatTokens
+from envs.chat import ChatTokens
 from config import Config
 from helpers import family_tokenizer, ScriptedClient
 
@@ -49,7 +49,7 @@ def make():
         cfg = Config(agent="tests/agent.py:run", **{"max_turns": 4, "max_prompt_length": 1024,
                                                     "response_length": 1024, **kw})
         if parser:
-            import tool_calls
+            from envs import tool_calls
             parser = tool_calls.Parser("hermes", tok, None)
         g = gateway.Gateway(tok, cfg, parser=parser or None, **(serve or {}))
         made.append(g)

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-import lora_sync
+from lora import sync as lora_sync
 import serve
 import vllm_server
 from cli import parse_args
@@ -101,7 +101,7 @@ def test_a_port_in_use_is_refused_before_the_server_starts(tmp_path):
     instead). train.py's own server takes no port (tests/test_two_runs.py)."""
     import socket
 
-    from vllm_client import VLLMError
+    from faults import VLLMError
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -12,9 +12,9 @@ import types
 import pytest
 import torch
 
-import lora
-import lora_sync
 import vllm_server
+from lora import adapters
+from lora import sync as lora_sync
 from config import Config
 from policy import sequence_logprobs
 from update import dropout, make_optimizer
@@ -33,8 +33,8 @@ IDS = torch.tensor([[5, 17, 30, 9, 44, 12, 3, 27, 51, 8]])
 
 def test_only_the_adapter_trains_and_the_reference_adapter_starts_at_it(tiny_model_dir):
     cfg, model = lora_model(tiny_model_dir)
-    trained = dict(lora.adapter_parameters(model, lora.ADAPTER))
-    ref = lora.adapter_parameters(model, lora.REFERENCE)
+    trained = dict(adapters.adapter_parameters(model, adapters.ADAPTER))
+    ref = adapters.adapter_parameters(model, adapters.REFERENCE)
     assert trained and len(ref) == len(trained)
     assert {n for n, p in model.named_parameters() if p.requires_grad} == set(trained)
     optimizer, _ = make_optimizer(cfg, model, 10, torch.device("cpu"))
@@ -58,9 +58,9 @@ def test_the_fixed_reference_is_the_base_model_bit_for_bit(tiny_model_dir):
     base.sequence_logprobs = types.MethodType(sequence_logprobs, base)
     with torch.no_grad():
         expected, adapted = logprobs(base, IDS), logprobs(model, IDS)
-        reference = logprobs(lora.WithAdapter(model, None), IDS)
+        reference = logprobs(adapters.WithAdapter(model, None), IDS)
         after = logprobs(model, IDS)
-        ema = logprobs(lora.WithAdapter(model, lora.REFERENCE), IDS)
+        ema = logprobs(adapters.WithAdapter(model, adapters.REFERENCE), IDS)
     assert torch.equal(reference, expected)
     assert (adapted - expected).abs().max() > 1e-3 and torch.equal(after, adapted)
     assert (ema - adapted).abs().max() > 1e-3  # the reference adapter is another adapter
@@ -75,19 +75,19 @@ def test_train_builds_the_reference_from_the_adapters(tiny_model_dir):
     cfg, model = lora_model(tiny_model_dir)  # lora_B of the trained adapter away from 0, the reference's at 0
     ref = make_reference(cfg, model, None)
     with torch.no_grad():
-        with lora.active(model, lora.REFERENCE):
+        with adapters.active(model, adapters.REFERENCE):
             want = logprobs(model, IDS)
         got, trained = logprobs(ref.model, IDS), logprobs(model, IDS)
         assert torch.equal(got, want) and (got - trained).abs().max() > 1e-3
-        before = {n: p.clone() for n, p in lora.adapter_parameters(model, lora.REFERENCE)}
-        pol = {n: p.clone() for n, p in lora.adapter_parameters(model, lora.ADAPTER)}
+        before = {n: p.clone() for n, p in adapters.adapter_parameters(model, adapters.REFERENCE)}
+        pol = {n: p.clone() for n, p in adapters.adapter_parameters(model, adapters.ADAPTER)}
         ref.update()
-        for name, p in lora.adapter_parameters(model, lora.REFERENCE):
-            target = pol[name.replace(f".{lora.REFERENCE}.", f".{lora.ADAPTER}.")]
+        for name, p in adapters.adapter_parameters(model, adapters.REFERENCE):
+            target = pol[name.replace(f".{adapters.REFERENCE}.", f".{adapters.ADAPTER}.")]
             assert torch.allclose(p, before[name] + cfg.alpha * (target - before[name]), atol=1e-7), name
-        assert all(torch.equal(p, pol[n]) for n, p in lora.adapter_parameters(model, lora.ADAPTER))
+        assert all(torch.equal(p, pol[n]) for n, p in adapters.adapter_parameters(model, adapters.ADAPTER))
         fixed = make_reference(dataclasses.replace(cfg, ref_policy_update_freq=None), model, None)
-        with lora.active(model, None):
+        with adapters.active(model, None):
             base = logprobs(model, IDS)
         assert torch.equal(logprobs(fixed.model, IDS), base)
 
@@ -102,7 +102,7 @@ def test_merge_and_the_adapter_directory_give_the_adapters_forward(tiny_model_di
     sd = model.state_dict()
     merged = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     merged.load_state_dict(lora_sync.merge(sd, cfg))  # strict: exactly the base's names
-    adapter = {lora_sync.peft_key(k): v for k, v in sd.items() if lora.is_adapter(k, lora.ADAPTER)}
+    adapter = {lora_sync.peft_key(k): v for k, v in sd.items() if adapters.is_adapter(k, adapters.ADAPTER)}
     lora_sync.write_adapter(adapter, cfg, str(tmp_path / "adapter"))
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
                                      str(tmp_path / "adapter"))
@@ -147,9 +147,9 @@ def test_a_target_module_the_model_lacks_is_refused_before_anything_starts(tiny_
 
     cfg = Config(model_name_or_path=tiny_model_dir, lora_rank=4, lora_target_modules=["q_proj", "qkv_proj"])
     with pytest.raises(ValueError, match="has no module named qkv_proj") as e:
-        lora.check(check_model_config(AutoConfig.from_pretrained(tiny_model_dir)), cfg)
+        adapters.check(check_model_config(AutoConfig.from_pretrained(tiny_model_dir)), cfg)
     assert "\n" not in str(e.value)
-    lora.check(check_model_config(AutoConfig.from_pretrained(tiny_model_dir)),
+    adapters.check(check_model_config(AutoConfig.from_pretrained(tiny_model_dir)),
                dataclasses.replace(cfg, lora_target_modules=["q_proj"]))
 
 
@@ -161,7 +161,7 @@ def test_all_linear_adapts_the_decoder_layers_alone(tiny_model_dir, tied_model_d
     for model_dir in (tiny_model_dir, tied_model_dir):
         _, model = lora_model(model_dir)
         inside = {id(m) for m in model.model.layers.modules()}
-        layers = lora.tuner_layers(model)
+        layers = adapters.tuner_layers(model)
         assert len(layers) == 7 * model.config.num_hidden_layers
         assert all(isinstance(m, Linear) and id(m) in inside for m in layers)
         assert not any(".lora_" in n for n, _ in model.lm_head.named_parameters())
@@ -178,7 +178,7 @@ def test_adapters_outside_the_decoder_layers_are_refused_before_anything_starts(
 
     cfg = Config(model_name_or_path=tiny_model_dir, lora_rank=4, lora_target_modules=targets)
     with pytest.raises(ValueError) as e:
-        lora.check(check_model_config(AutoConfig.from_pretrained(tiny_model_dir)), cfg)
+        adapters.check(check_model_config(AutoConfig.from_pretrained(tiny_model_dir)), cfg)
     message = str(e.value)
     assert message.startswith("lora_target_modules=") and "decoder layers" in message and "\n" not in message
     assert "all-linear" in message  # the fix
@@ -192,6 +192,7 @@ def test_the_server_we_launch_starts_from_the_base_when_it_loads_the_adapter(tin
     from transformers import AutoModelForCausalLM
 
     import generator
+    from episodes import Completions
     from model_files import load_tokenizer
 
     class Launched(Exception):
@@ -204,8 +205,9 @@ def test_the_server_we_launch_starts_from_the_base_when_it_loads_the_adapter(tin
     for sync in ("adapter", "merged"):
         cfg, model = lora_model(tiny_model_dir, output_dir=str(tmp_path / sync), lora_weight_sync=sync)
         with pytest.raises(Launched):
-            generator.Generator(cfg, model, load_tokenizer(cfg), types.SimpleNamespace(position=0), None, 0,
-                                torch.device("cpu"))
+            tok = load_tokenizer(cfg)
+            generator.Generator(cfg, model, tok, types.SimpleNamespace(position=0), None, 0, torch.device("cpu"),
+                                Completions(cfg, tok))
         served = load_file(str(tmp_path / sync / "vllm_model" / "model.safetensors"))
         want = base if sync == "adapter" else lora_sync.merge(model.state_dict(), cfg)
         assert served.keys() == want.keys(), sync

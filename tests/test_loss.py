@@ -256,4 +256,4 @@ def test_unknown_loss_fn():
     """Config refuses the name first; an object that is not a Config gets one line too."""
     with pytest.raises(ValueError, match="not implemented"):
         grpo_loss(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1, dtype=torch.long), 1.0,
-                  SimpleNamespace(loss_fn="ppo"))
+                  SimpleNamespace(loss_fn="ppo", objective=None))

@@ -7,6 +7,7 @@ on SmolLM2 with the real vLLM server."""
 import concurrent.futures
 import copy
 import os
+from episodes import Completions
 from dataclasses import replace
 import re
 import threading
@@ -16,11 +17,10 @@ import torch
 
 import packing
 from config import Config
-from chat import ChatTokens
+from envs.chat import ChatTokens
 from envs.environment import Environment
 from loss import grpo_loss
 from policy import sequence_logprobs
-from episodes import play
 from sample import Sample
 from helpers import documented, IM_END, ScriptedClient, with_prompts
 
@@ -83,7 +83,7 @@ def episodes_of(tokenizer, script, rows, workers=0, **kw):
     try:
         with_prompts(env, tokenizer, rows)
         client = ScriptedClient(tokenizer, script)
-        episodes, stats = play(cfg, client, rows, cfg.num_samples_per_prompt_rollout, 0, tokenizer, env)
+        episodes, stats = env.play(client, rows, cfg.num_samples_per_prompt_rollout, 0, cfg.temperature)
     finally:
         env.close()
     return episodes, stats, client
@@ -152,7 +152,7 @@ def test_an_episode_goes_on_while_others_still_generate(tokenizer):
     env.start()
     with_prompts(env, tokenizer, rows)
     client = HeldBack(tokenizer, ["<calc>2+3</calc>", "it is 5."], rows[1]["prompt_ids"])
-    episodes, stats = play(cfg, client, rows, 2, 0, tokenizer, env)
+    episodes, stats = env.play(client, rows, 2, 0, cfg.temperature)
     assert not client.late and [e.turns for e in episodes] == [2] * 4
     first = rows[0]["prompt_ids"]  # row 0's second turns go out before row 1's first turns are back
     assert [(t, p[:len(first)] == first) for t, p in client.requests][:6] == [(0, True)] * 2 + [(0, False)] * 2 + [
@@ -322,11 +322,11 @@ def test_the_documented_environment_runs(tiny_model_dir, tmp_path):
     env.start()
     (row,) = with_prompts(env, tok, [dict(prompt="guess", answer="42")])
     try:
-        episodes, stats = play(cfg, ScriptedClient(tok, ["50", "25", "42"]), [row], 2, 0, tok, env)
+        episodes, stats = env.play(ScriptedClient(tok, ["50", "25", "42"]), [row], 2, 0, cfg.temperature)
     finally:
         env.close()
     assert [m["content"] for m in episodes[0].messages[1:]] == ["50", "lower", "25", "higher", "42"]
-    rewards, _ = score(RewardPool(f"{tmp_path}/guess.py:reward", workers=0), episodes, env)
+    rewards, _ = score(RewardPool(f"{tmp_path}/guess.py:reward", workers=0), episodes)
     assert rewards == [1 / 3, 1 / 3] and stats["tool_failures"] == []
 
 
@@ -341,7 +341,7 @@ def play_file(tmp_path, code, spec, tok, script, rows, workers=0, **kw):
     env.start()
     try:
         with_prompts(env, tok, rows)
-        episodes, stats = play(cfg, ScriptedClient(tok, script), rows, cfg.num_samples_per_prompt_rollout, 0, tok, env)
+        episodes, stats = env.play(ScriptedClient(tok, script), rows, cfg.num_samples_per_prompt_rollout, 0, cfg.temperature)
     finally:
         env.close()
     return episodes, stats, env
@@ -361,7 +361,7 @@ def test_the_documented_guess_pays_a_right_last_guess_for_every_max_turns(tiny_m
     episodes, stats, env = play_file(tmp_path, documented("Guess"), "guess", tok, script,
                                      [dict(prompt="guess", answer="42")], max_turns=max_turns)
     assert all(e.messages[-1] == {"role": "assistant", "content": "42"} for e in episodes)
-    rewards, counts = score(RewardPool(f"{tmp_path}/env.py:reward", workers=0), episodes, env)
+    rewards, counts = score(RewardPool(f"{tmp_path}/env.py:reward", workers=0), episodes)
     assert rewards == [1 / max_turns] * 2 and sum(counts.values()) == 0
 
 
@@ -382,7 +382,7 @@ def test_a_stateful_environment_keeps_its_state_per_episode(tiny_model_dir, tmp_
     # ab: a, b (done, no miss); abc: a, b, x (a miss), c; xa: a, b (a miss), x (done)
     assert [e.turns for e in episodes] == [2] * 3 + [4] * 3 + [3] * 3
     assert [e.env_reward for e in episodes] == [1.0] * 3 + [0.5] * 3 + [0.5] * 3
-    assert score(None, episodes, env)[0] == [e.env_reward for e in episodes]  # no --reward_fn: the environment's
+    assert score(None, episodes)[0] == [e.env_reward for e in episodes]  # no --reward_fn: the environment's
     episodes, _, _ = play_file(tmp_path, documented("Board"), "Board", tok, ["a", "b", "x"], rows[1:2], workers,
                                max_turns=3)
     assert [e.env_reward for e in episodes] == [0.0, 0.0]  # max_turns: reward plays the unseen "x", a miss
@@ -571,7 +571,7 @@ def test_a_close_that_raises_leaves_its_episode_unscored(tiny_model_dir, tmp_pat
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     episodes, stats, env = play_file(tmp_path, CLOSES, "Closing", tok, ["x", "y"], [dict(prompt="p")], max_turns=2)
     assert all(e.failure.startswith("its environment (tool_errors): close() raised OSError") for e in episodes)
-    assert all(r != r for r in score(None, episodes, env)[0])
+    assert all(r != r for r in score(None, episodes)[0])
     assert [kind for kind, _ in stats["tool_failures"]] == ["tool_errors", "tool_errors"]
     assert "close() raised OSError: the disk is gone" in stats["tool_failures"][0][1]
     # a prompt's rendering at load time closes the instance it reset: 1 row, and 2 episodes
@@ -586,7 +586,7 @@ def test_a_failed_play_closes_its_episodes(tiny_model_dir, tmp_path, monkeypatch
     from transformers import AutoTokenizer
 
     from envs import calls
-    from vllm_client import VLLMError
+    from faults import VLLMError
 
     monkeypatch.setenv("CLOSE_LOG", str(tmp_path / "log"))
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -608,7 +608,7 @@ def test_a_failed_play_closes_its_episodes(tiny_model_dir, tmp_path, monkeypatch
     rows = with_prompts(env, tok, [dict(prompt="p")])
     (tmp_path / "log").write_text("")
     with pytest.raises(VLLMError):
-        play(cfg, Dying(tok, ["x", "y", "z"]), rows, 2, 0, tok, env)
+        env.play(Dying(tok, ["x", "y", "z"]), rows, 2, 0, cfg.temperature)
     assert calls.INSTANCES == {} and (tmp_path / "log").read_text().count("closed") == 2
 
 
@@ -633,7 +633,7 @@ class FakeOpenEnvEnvironment:
 
 def fake_openenv():
     from envs.openenv_adapter import OpenEnv
-    from tool_calls import ToolError
+    from envs.tool_calls import ToolError
 
     class Fake(OpenEnv):
         def make(self, row):
@@ -653,7 +653,7 @@ def test_openenv_steps_each_turn_once_when_an_earlier_one_was_refused():
     """Turn 1 refused (a ToolError), turn 2 stepped (reward 1), then the budget ends the episode:
     the reward is 1.0; it was 2.0, from stepping turn 2 again. A last turn that max_turns kept
     from the environment is stepped by reward, once."""
-    from tool_calls import ToolError
+    from envs.tool_calls import ToolError
 
     env, row = fake_openenv(), {}
     messages = env.reset(row) + [{"role": "assistant", "content": "refused"}]
@@ -684,7 +684,7 @@ def test_a_reward_that_fails_on_every_sample_stops_the_run_in_one_line(tiny_mode
     from transformers import AutoTokenizer
 
     from data import PromptSampler
-    from episodes import Refused
+    from faults import Refused
     from rollout import rollout_batch
     from worker_pool import RewardPool
 
@@ -695,9 +695,9 @@ def test_a_reward_that_fails_on_every_sample_stops_the_run_in_one_line(tiny_mode
     with pytest.raises(Refused, match=r"step 3: 1 of 1 groups left the batch with episodes that could not be "
                                       r"scored \(more than unscored_stop=0.5 of them\); "
                                       r"first: the reward: TypeError: completions must be a list"):
-        rollout_batch(cfg, ScriptedClient(tok, ["5"]), PromptSampler(rows, 0), 3, pool, tok)
+        rollout_batch(cfg, ScriptedClient(tok, ["5"]), PromptSampler(rows, 0), 3, pool, tok, Completions(cfg, tok))
     samples, m = rollout_batch(replace(cfg, unscored_stop=1.5), ScriptedClient(tok, ["5"]), PromptSampler(rows, 0), 3,
-                               pool, tok)
+                               pool, tok, Completions(cfg, tok))
     assert samples == [] and m["unscored_groups"] == 1 and m["reward_errors"] == 2
 
 
@@ -718,7 +718,7 @@ def test_the_stop_rule_counts_the_groups_of_the_whole_step(tiny_model_dir):
     round stopped it), and with one more group lost, 5 of 8, it stops."""
     from transformers import AutoTokenizer
 
-    from episodes import Refused
+    from faults import Refused
     from rollout import rollout_batch
     from worker_pool import RewardPool
 
@@ -728,11 +728,11 @@ def test_the_stop_rule_counts_the_groups_of_the_whole_step(tiny_model_dir):
     row = lambda bad: dict(prompt="q", answer="x", bad=bad, prompt_text="q", prompt_ids=tok("q")["input_ids"])  # noqa: E731
     pool = RewardPool("test_multiturn:fails_when_bad", workers=0)
     rounds = [[row(False)] * 4, [row(True)] * 3 + [row(False)]]
-    _, m = rollout_batch(cfg, ScriptedClient(tok, ["5"]), Batches(rounds), 1, pool, tok)
+    _, m = rollout_batch(cfg, ScriptedClient(tok, ["5"]), Batches(rounds), 1, pool, tok, Completions(cfg, tok))
     assert m["unscored_groups"] == 3 and m["active_sampling_rounds"] == 1
     rounds = [[row(True)] + [row(False)] * 3, [row(True)] * 4]
     with pytest.raises(Refused, match=r"step 1: 5 of 8 groups left the batch"):
-        rollout_batch(cfg, ScriptedClient(tok, ["5"]), Batches(rounds), 1, pool, tok)
+        rollout_batch(cfg, ScriptedClient(tok, ["5"]), Batches(rounds), 1, pool, tok, Completions(cfg, tok))
 
 
 def fails_when_bad(prompt, completion, example):
@@ -787,7 +787,7 @@ def test_a_replaced_worker_leaves_no_scratch_of_its_episodes(tiny_model_dir, tmp
     try:
         rows = with_prompts(env, tok, [dict(prompt="a", log=str(log), crash=True), dict(prompt="b", log=str(log))])
         log.write_text("")  # the directories of the episodes, not of the prompts' rendering
-        episodes, stats = play(cfg, ScriptedClient(tok, ["x"] * 3), rows, 2, 0, tok, env)
+        episodes, stats = env.play(ScriptedClient(tok, ["x"] * 3), rows, 2, 0, cfg.temperature)
         made = log.read_text().split()
         assert len(made) >= 4 and sum(kind == "tool_crashes" for kind, _ in stats["tool_failures"]) == 2
         assert [d for d in made if os.path.exists(d)] == []  # the pool is still up: gone with their workers
@@ -862,7 +862,7 @@ def test_an_environments_reward_that_hangs_is_a_reward_timeout(tiny_model_dir, t
     worker", counted nowhere, and never stopped the run)."""
     from transformers import AutoTokenizer
 
-    from episodes import Refused
+    from faults import Refused
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     with pytest.raises(Refused, match=r"1 of 1 groups left the batch with episodes that could not be scored "
@@ -905,7 +905,7 @@ def test_openenv_a_last_turn_action_refuses_is_the_policys_mistake():
 def test_the_stop_rule_at_its_edges(stop, lost, stops):
     """More than unscored_stop of the step's groups; 1 (the old default) still stops a step that lost every
     group, and only that; above 1 never stops."""
-    from episodes import Refused
+    from faults import Refused
     from rollout import check_lost
 
     rounds = [dict(unscored_groups=lost, groups=4, first_unscored="the reward: KeyError")]

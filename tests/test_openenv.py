@@ -7,7 +7,6 @@ import pytest
 
 from config import Config
 from envs.environment import Environment
-from episodes import play
 from helpers import documented, family_tokenizer, ScriptedClient, with_prompts
 
 pytest.importorskip("med_safety_gym", reason="openenv-dipg-safety is installed by scripts/install.sh")
@@ -36,7 +35,7 @@ def test_dipg_scores_our_episodes_as_it_scores_the_same_text(tmp_path, max_turns
     try:
         rows = with_prompts(env, tok, [dict(ROW)])
         assert "Question: What median overall survival was reported with drug X?" in rows[0]["prompt_text"]
-        episodes, stats = play(cfg, ScriptedClient(tok, [reply], eos_id=tok.eos_token_id), rows, 2, 0, tok, env)
+        episodes, stats = env.play(ScriptedClient(tok, [reply], eos_id=tok.eos_token_id), rows, 2, 0, cfg.temperature)
     finally:
         env.close()
     twin = env.probe.make(ROW)  # the package's environment itself, on the same challenge and text

@@ -7,6 +7,7 @@ import concurrent.futures
 
 import pytest
 
+from episodes import Completions
 from config import Config
 from data import PromptSampler
 from rollout import rollout_batch
@@ -56,7 +57,8 @@ def test_filtered_groups_are_refilled_until_the_batch_is_full(tokenizer):
     order = [r["prompt_ids"][0] for r in PromptSampler(rows(12), seed=0).next_batch(12)]  # the sampler's order
     signal = [i for i, k in enumerate(order) if k not in agree]
     rounds = signal[3] // 4  # the extra rounds until the 4th prompt with signal (4 prompts a round)
-    samples, m = rollout_batch(cfg, server, PromptSampler(rows(12), seed=0), 7, RewardPool(reward, workers=0), tokenizer)
+    samples, m = rollout_batch(cfg, server, PromptSampler(rows(12), seed=0), 7, RewardPool(reward, workers=0), tokenizer,
+                               Completions(cfg, tokenizer))
     assert len(samples) == 8 and m["active_sampling_missing_groups"] == 0 and m["active_sampling_rounds"] == rounds
     assert [g[0].prompt_ids[0] for g in groups_of(samples, 2)] == [order[i] for i in signal[:4]]
     assert all(g[0].prompt_ids == g[1].prompt_ids for g in groups_of(samples, 2))  # whole groups
@@ -71,7 +73,8 @@ def test_refills_stop_after_max_rounds(tokenizer):
     cfg = Config(num_unique_prompts_rollout=2, num_samples_per_prompt_rollout=2, active_sampling=True,
                  active_sampling_max_rounds=2)
     server = ScriptedServer(tokenizer, agree=set(range(100)))  # nothing ever has signal
-    samples, m = rollout_batch(cfg, server, PromptSampler(rows(20), 0), 1, RewardPool(reward, workers=0), tokenizer)
+    samples, m = rollout_batch(cfg, server, PromptSampler(rows(20), 0), 1, RewardPool(reward, workers=0), tokenizer,
+                               Completions(cfg, tokenizer))
     assert samples == [] and m["active_sampling_rounds"] == 2 and m["active_sampling_missing_groups"] == 2
     assert len(server.seeds) == 3 * 2 and m["filtered_groups"] == 6  # 3 rounds of 2 requests
 
@@ -80,7 +83,8 @@ def test_without_active_sampling_one_round(tokenizer):
     cfg = Config(num_unique_prompts_rollout=2, num_samples_per_prompt_rollout=2)
     server = ScriptedServer(tokenizer, agree={0})
     sampler = PromptSampler(rows(2), 0)
-    samples, m = rollout_batch(cfg, server, sampler, 1, RewardPool(reward, workers=0), tokenizer)
+    samples, m = rollout_batch(cfg, server, sampler, 1, RewardPool(reward, workers=0), tokenizer,
+                               Completions(cfg, tokenizer))
     assert len(server.seeds) == 2 and len(samples) == 2 and m["filtered_groups"] == 1  # one round, 2 prompts
     assert "active_sampling_rounds" not in m
 
@@ -92,11 +96,11 @@ def test_groups_of_equal_partial_credit_are_filtered(tokenizer, credit):
     score = lambda prompt, completion, example: credit * (completion == example["answer"])  # noqa: E731
     cfg = Config(num_unique_prompts_rollout=2, num_samples_per_prompt_rollout=8)
     samples, m = rollout_batch(cfg, ScriptedServer(tokenizer, agree={0}), PromptSampler(rows(2), 0), 1,
-                               RewardPool(score, workers=0), tokenizer)
+                               RewardPool(score, workers=0), tokenizer, Completions(cfg, tokenizer))
     assert m["filtered_groups"] == 1 and len(samples) == 8 and {s.prompt_ids[0] for s in samples} == {1}
     cfg = Config(num_unique_prompts_rollout=2, num_samples_per_prompt_rollout=8, filter_zero_std_samples=False)
     samples, m = rollout_batch(cfg, ScriptedServer(tokenizer, agree={0}), PromptSampler(rows(2), 0), 1,
-                               RewardPool(score, workers=0), tokenizer)
+                               RewardPool(score, workers=0), tokenizer, Completions(cfg, tokenizer))
     assert m["filtered_groups"] == 0 and [s.adv for s in samples if s.prompt_ids[0] == 0] == [0.0] * 8
 
 

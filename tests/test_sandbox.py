@@ -25,7 +25,6 @@ from envs import sandbox, sandbox_process
 from envs.environment import Environment
 from envs.python_tool import PythonTool
 from envs.sandbox import Interpreter, Limits
-from episodes import play
 from helpers import ScriptedClient, with_prompts
 
 pytestmark = pytest.mark.subprocess  # every test here starts sandboxed processes
@@ -526,7 +525,7 @@ def test_the_python_tool_keeps_each_episodes_variables_and_counts_its_errors(tin
         script = [f"<python>import os\nn = globals().get('n', 0) + 1\nprint(n, {TMP})\n"
                   "open('/tmp/mine', 'w').close()</python>",
                   "<python>n += 1\nprint(n)</python>", "<python>1 / 0</python>", "done."]
-        episodes, stats = play(cfg, ScriptedClient(tok, script), rows, 2, 0, tok, env)
+        episodes, stats = env.play(ScriptedClient(tok, script), rows, 2, 0, cfg.temperature)
     finally:
         env.close()
     assert len(episodes) == 4 and all(e.turns == 4 and e.completion == "done." for e in episodes)

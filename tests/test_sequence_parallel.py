@@ -112,7 +112,8 @@ def test_world_and_heads_must_divide():
     from types import SimpleNamespace
 
     from config import Config
-    from plan import batch_plan, mesh_shape
+    from packing import batch_plan
+    from parallel import mesh_shape
     from sequence_parallel import check_heads
 
     cfg = Config(sequence_parallel_size=2, fsdp_shard_size=2)

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from chat import ChatTokens
+from envs.chat import ChatTokens
 from helpers import family_tokenizer
 
 TOOL = [{"role": "tool", "content": "873"}]

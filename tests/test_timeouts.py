@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from config import Config
-from vllm_client import VLLMClient, VLLMError
+from faults import VLLMError
+from vllm_client import VLLMClient
 from weight_sync import FilesystemSync, make_weight_sync, within
 
 

@@ -8,8 +8,7 @@ import pytest
 
 from config import Config
 from envs.environment import Environment
-from episodes import play
-from tool_calls import Parser, answer_calls, schemas
+from envs.tool_calls import Parser, answer_calls, schemas
 from helpers import documented, family_tokenizer, ScriptedClient, with_prompts
 
 # importing vLLM (its tool parsers) runs `file` on the interpreter (py-cpuinfo): outside the quick tier
@@ -36,7 +35,7 @@ def ledger_episodes(tmp_path, script, workers=0, family="qwen2.5-instruct", **kw
     try:
         rows = with_prompts(env, tok, [dict(prompt="put 2 and 3 on the ledger", answer="5")])
         client = ScriptedClient(tok, script, eos_id=tok.convert_tokens_to_ids("<|im_end|>"))
-        episodes, stats = play(cfg, client, rows, 2, 0, tok, env)
+        episodes, stats = env.play(client, rows, 2, 0, cfg.temperature)
     finally:
         env.close()
     return tok, env, rows[0], episodes, stats
@@ -163,7 +162,7 @@ def test_the_native_calculator_answers_hermes_calls_on_a_chatml_template():
         rows[0]["prompt_text"]
     script = [call("calculate", {"expression": "12 * 7"}), call("calculate", {"expression": "84 +* 5"}),
               call("calculate", {"expression": "84 + 5"}), "\\boxed{89}"]
-    episodes, stats = play(cfg, ScriptedClient(tok, script, eos_id=tok.eos_token_id), rows, 2, 0, tok, env)
+    episodes, stats = env.play(ScriptedClient(tok, script, eos_id=tok.eos_token_id), rows, 2, 0, cfg.temperature)
     for e in episodes:
         assert [m["content"] for m in e.messages if m["role"] == "tool"][-3:] == ["84", "error: invalid syntax", "89"]
         assert e.turns == 4 and e.tool_calls == 3 and e.completion == "\\boxed{89}"

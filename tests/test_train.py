@@ -99,12 +99,12 @@ def test_the_data_line_names_what_scores():
     """The data: line named exact_match when the environment scored its episodes itself."""
     from types import SimpleNamespace
 
-    import startup
+    import train
     from config import Config
     from rewards import exact_match
 
-    cfg = Config(environment="env.py:Board")
-    assert startup.reward_name(cfg, SimpleNamespace(scores=True), exact_match) == "env.py:Board's own"
+    board = SimpleNamespace(scores=True, name="env.py:Board")
+    assert train.what_scores(Config(environment="env.py:Board"), board, exact_match) == "env.py:Board's own"
     cfg = Config(environment="env.py:Board", reward_fn="r.py:fn")
-    assert startup.reward_name(cfg, SimpleNamespace(scores=True), exact_match) == "env.py:Board's own + r.py:fn"
-    assert startup.reward_name(Config(), None, exact_match) == "exact_match"
+    assert train.what_scores(cfg, board, exact_match) == "env.py:Board's own + r.py:fn"
+    assert train.what_scores(Config(), SimpleNamespace(scores=False), exact_match) == "exact_match"

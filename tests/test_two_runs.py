@@ -20,7 +20,7 @@ import pytest
 import vllm_client
 import vllm_server
 from config import Config
-from generator import claim_output_dir
+from tracking import claim_output_dir
 from helpers import ENV, ROOT, serve
 
 MODEL = "output/demo/vllm_model"

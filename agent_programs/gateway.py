@@ -31,9 +31,9 @@ import socket
 import threading
 import time
 
-from agent_trace import Refusal, Trace, plain
-from chat import ChatTokens
-from vllm_client import VLLMError
+from agent_programs.trace import Refusal, Trace, plain
+from envs.chat import ChatTokens
+from faults import VLLMError
 
 IDLE_TIMEOUT = 60.0  # seconds a connection may send nothing (between calls, or within one) before it is closed
 MAX_CONNECTIONS = 256  # open at once: each holds a thread of rank 0 (an agent's client keeps a few per episode)

@@ -16,22 +16,10 @@ The reference is the policy's own module with another adapter active, never a se
   over the local shards of the two (its shards sit on the same rank: no collective). It costs
   one adapter of memory instead of a model.
 
-The adapter leaves the trainer through lora_sync.py: into the servers (the adapter itself, or
+The adapter leaves the trainer through lora/sync.py: into the servers (the adapter itself, or
 full weights with it folded in) and into the exports.
 
-Its doors: the only places in the trainer that import lora.py or lora_sync.py, each only when
-lora_rank > 0 (a plain run imports neither):
-- parallel.py:load_model       add_adapters, before the sharding
-- reference.py:make_reference  the base (WithAdapter(policy, None)) or the EMA adapter (adapter_parameters)
-- startup.py:check_outside     check, on the meta model, before anything starts
-- startup.py:announce          describe, the start-up line
-- train.py:export              lora_sync.export: PEFT's adapter directory, and the adapter merged in
-- generator.py:make_sync       lora_sync.make_weight_sync: the adapter's sync (its server_flags go to
-                               the server we launch) or the merged weights'
-and, for a server you run, scripts/serve.py:main (lora_sync.server_flags). config.py holds the
-lora_* fields and their checks; update.py reads lora_dropout (update.dropout switches on, in the
-forward that takes a gradient, the modules add_adapters marks `dropout_in_training`; the sync
-check's dropout-free logprobs).
+Its doors: lora/__init__.py.
 """
 
 import contextlib

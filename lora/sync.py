@@ -20,8 +20,8 @@ import re
 import shutil
 import uuid
 
-from lora import ADAPTER, adapter_parameters, is_adapter, peft_config
-from vllm_client import VLLMError
+from lora.adapters import ADAPTER, adapter_parameters, is_adapter, peft_config
+from faults import VLLMError
 from weight_sync import FilesystemSync, failure, full_state_dict, raise_on_every_rank
 
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank values (config/lora.py)

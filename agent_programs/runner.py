@@ -1,4 +1,4 @@
-"""Agents as programs: episodes played by code that only knows an OpenAI base URL.
+"""Agents as programs: episodes played by code that only knows an OpenAI base URL (the wing: __init__.py).
 
     --agent my_agent.py:solve     solve(row, base_url, api_key) -> reward or None (sync or async)
     --agent_cmd "node agent.js"   a command in any language: OPENAI_BASE_URL and OPENAI_API_KEY in
@@ -8,7 +8,7 @@
 A program is run num_samples_per_prompt_rollout times per prompt, each run an episode, in
 agent_workers worker processes (worker_pool.CallPool: agent_timeout seconds a run; a run that
 hangs or crashes is ended with its process group). It calls the policy through the gateway
-(gateway.py), which samples with the trainer's settings and records every token vLLM saw and
+(agent_programs/gateway.py), which samples with the trainer's settings and records every token vLLM saw and
 sampled: the episode's sample, exactly. The plainest agent:
 
     def solve(row, base_url, api_key):
@@ -20,7 +20,7 @@ sampled: the episode's sample, exactly. The plainest agent:
 What is trained (docs/data.md):
 - the tokens the policy sampled in each call (mask 1), with the tokens between calls (tool results,
   new user turns, as the chat template renders them) in context, out of the loss; a call that
-  rewrote the history starts a new sequence of the same sample (agent_trace.py);
+  rewrote the history starts a new sequence of the same sample (agent_programs/trace.py);
 - the reward: the number the program returned (a --reward_fn you set is added, as to an
   environment's reward), or, when it returned None, the reward of the final conversation: the
   policy's last turn as the completion, the whole conversation as example["messages"];
@@ -35,12 +35,6 @@ is the program's to tell the policy, as the tool's answer (examples/calculator_a
 
 The programs run as the trainer's user, in its worker processes: they are not sandboxed. An agent
 that runs code the model wrote runs it in envs/sandbox.py (sandbox.run, or an Interpreter per episode).
-
-Its doors (of agent_programs.py, gateway.py and agent_trace.py, which a plain run never imports):
-    startup.load_inputs     Agents, when --agent or --agent_cmd is set
-    episodes.play           an environment with a play method of its own plays its episodes
-    rollout.score           asks the reward for an episode its program left to it (Episode.needs_reward)
-    rollout.rollout_batch   the agent_* counts in the step's metrics
 """
 
 import asyncio
@@ -54,11 +48,12 @@ import time
 import urllib.request
 
 import faults
-import tool_calls
-from chat import ChatTokens
-from episodes import Episode
-from gateway import Gateway
-from rewards import load_object, to_float
+from envs import tool_calls
+from envs.chat import ChatTokens
+from episodes import Episode, turn_seed
+from agent_programs.gateway import Gateway
+from rewards import to_float
+from user_code import load_object
 from worker_pool import CallPool
 
 FAILURES = tuple(k for k in faults.FAULTS if k.startswith("agent_"))  # how a program's episode fails: all ours
@@ -106,10 +101,10 @@ class Program:
 
 
 class Agents:
-    """The --agent or --agent_cmd on the trainer's side: its gateway and worker processes, and its
-    episodes played as episodes.Episode objects (episodes.play hands them here)."""
+    """The --agent or --agent_cmd on the trainer's side, the player of its episodes (episodes.Player):
+    its gateway and worker processes."""
 
-    scores = True  # its episodes come with their reward (or ask for one: Episode.needs_reward)
+    multi_turn = scores = True  # its episodes come with their reward (or ask for one: Episode.needs_reward)
 
     def __init__(self, cfg, tokenizer):
         self.cfg, self.tokenizer, self.pool, self.gateway = cfg, tokenizer, None, None
@@ -129,14 +124,13 @@ class Agents:
 
     def play(self, client, rows, n, seed, temperature):
         """n runs of the program on each row, all at once as workers allow. Call t of episode k is
-        seeded seed + t * len(rows) * n + k, as episodes.play seeds turns. Returns the episodes and
-        their counts."""
+        seeded turn_seed(seed, t, len(rows) * n, k), as an environment's turns are. Returns the
+        episodes and their counts."""
         self.gateway.client = client
-        episodes = [Episode(k, row, self.cfg.response_length) for k, row in enumerate(r for r in rows for _ in range(n))]
-        stride = len(episodes)
+        episodes = [Episode(k, row, self.cfg.response_length, []) for k, row in enumerate(r for r in rows for _ in range(n))]
         # keys no other process on the machine can guess: a call with one is the episode's
         keys = [self.gateway.open(f"{secrets.token_hex(8)}-{e.k}", temperature,
-                                  lambda t, k=e.k: None if seed is None else seed + t * stride + k) for e in episodes]
+                                  lambda t, k=e.k: turn_seed(seed, t, len(episodes), k)) for e in episodes]
         shown = [{k: v for k, v in e.row.items() if k not in ("prompt_ids", "messages")} for e in episodes]
         started = time.perf_counter()
         values, failures = self.pool.map([(row, url, key) for row, (url, key) in zip(shown, keys)])
@@ -148,8 +142,8 @@ class Agents:
         if down:  # the server failed, not the programs: the step stops there, and a server of ours is restarted
             raise down
         counts = {kind: sum(e.agent_failure == kind for e in episodes) for kind in FAILURES}
-        return episodes, dict(time_generate=time.perf_counter() - started, time_tools=0.0, tool_failures=[],
-                              agent_overrides=overrides, **counts)
+        return episodes, dict(time_generate=time.perf_counter() - started, turns=sum(e.turns for e in episodes),
+                              tool_calls=sum(e.tool_calls for e in episodes), agent_overrides=overrides, **counts)
 
     def take(self, e, value, trace, failed):
         """Episode e from its program's run (its value, or how it failed) and the gateway's trace. The
@@ -164,7 +158,7 @@ class Agents:
             ("agent_idle", "the agent never called the model") if trace.sample is None else (None, None))
         if faults.ours(e.agent_failure):
             e.failure = why
-        e.env_reward, e.needs_reward = value, value is None and e.failure is None
+        e.env_reward, e.needs_reward = value, value is None or bool(self.cfg.reward_fn)  # a --reward_fn is added
 
     def close(self):
         if self.pool:
