@@ -191,24 +191,13 @@ class VLLMClient:
     def broadcast(self, route, payload=None, params="", timeout=None):
         return [self.post(url, route, payload, params, timeout) for url in self.urls]
 
-    def generate(self, prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=()):
-        """n completions of each token-id prompt. Returns one list per prompt of dicts with
-        token_ids, logprobs (of the sampled tokens, under the sampling temperature),
-        finish_reason ("stop" or "length"), eos (it ended on an end-of-sequence token, the last of
-        token_ids), text and version (of the weights that sampled it). max_tokens and seed are one
-        per prompt, or one for all: then prompt i's request gets seed + i * n, so no two samples
-        of the call share a stream. A stop string ends a completion and stays in it."""
-        k = len(prompt_ids)
-        budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * k
-        seeds = seed if isinstance(seed, list) else [None if seed is None else seed + i * n for i in range(k)]
-        futures = [self.submit(ids, n, budget, temperature, top_p, s, stop, server=i)
-                   for i, (ids, budget, s) in enumerate(zip(prompt_ids, budgets, seeds))]
-        return [f.result() for f in futures]
-
     def submit(self, prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(), server=None):
-        """generate's request for one prompt, sent now: a Future of its n completions. vLLM seeds
-        sample j with seed + j. Requests go round-robin over the servers (or to `server` mod their
-        number)."""
+        """n completions of the token-id prompt, requested now: a Future of a list of dicts with
+        token_ids, logprobs (of the sampled tokens, under the sampling temperature), finish_reason
+        ("stop" or "length"), eos (it ended on an end-of-sequence token, the last of token_ids),
+        text and version (of the weights that sampled it). A stop string ends a completion and stays
+        in it. vLLM seeds sample j with seed + j. Requests go round-robin over the servers (or to
+        `server` mod their number)."""
         extra = dict(stop=list(stop), include_stop_str_in_output=True) if stop else {}
         payload = dict(prompt=prompt_ids, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                        **NEUTRAL_SAMPLING, stop_token_ids=self.stop_token_ids, logprobs=0, return_token_ids=True,
@@ -228,21 +217,6 @@ class VLLMClient:
                      finish_reason=c["finish_reason"], text=c["text"], version=version,
                      eos=c["finish_reason"] == "stop" and not isinstance(c.get("stop_reason"), str))
                 for c in choices]
-
-    def score(self, sequences):
-        """The server's logprob of every token of each sequence after the first
-        (prompt_logprobs): one list of len(seq) - 1 floats per sequence. On a server with LoRA
-        enabled, vLLM 0.32 fails prompt_logprobs when two requests share an engine step ("einsum():
-        subscript b has size 2 ..."; vllm#29955): score one sequence a call there. Training never
-        calls this (the sync check reads the sampling logprobs)."""
-        payloads = [dict(model=self.model, prompt=seq, max_tokens=1, temperature=1.0, top_p=1.0, **NEUTRAL_SAMPLING,
-                         prompt_logprobs=0)
-                    for seq in sequences]
-        out = []
-        for seq, resp in zip(sequences, self.map("/v1/completions", payloads)):
-            plp = resp["choices"][0]["prompt_logprobs"][1:]
-            out.append([entry[str(tok)]["logprob"] for tok, entry in zip(seq[1:], plp)])
-        return out
 
     def reload_weights(self, weights_dir, timeout=None):
         """Each server reloads the safetensors in weights_dir; `timeout` is weight_sync_timeout."""

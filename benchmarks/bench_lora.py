@@ -38,7 +38,7 @@ import vllm_server  # noqa: E402
 import weight_sync  # noqa: E402
 from config import Config  # noqa: E402
 from generator import make_sync  # noqa: E402
-from helpers import logprob_diff, trainer_logprobs  # noqa: E402
+from helpers import logprob_diff, prompt_logprobs, trainer_logprobs  # noqa: E402
 from reference import local, make_reference  # noqa: E402
 
 MODEL = os.path.join(ROOT, "models", "smollm2-135m-instruct")
@@ -87,7 +87,7 @@ def time_syncs(name, sync, policy, client, repeats):
         print(f"[{name}] sync {i}: {times[-1]:.3f}s, {sent / 1e6:.1f} MB", flush=True)
     # one sequence a request: vLLM 0.32's LoRA path fails prompt_logprobs for two requests in one engine
     # step (punica_cpu's add_lora_logits indexes by request, not by prompt token; vllm#29955, #17766)
-    served = [client.score([seq])[0] for seq in seqs]
+    served = [prompt_logprobs(client, [seq])[0] for seq in seqs]
     diff = logprob_diff(trainer_logprobs(policy, seqs), served)[1]
     return dict(seconds=statistics.median(times[1:]), bytes=sent, diff=diff)
 

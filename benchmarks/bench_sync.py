@@ -35,7 +35,7 @@ import vllm_client  # noqa: E402
 import vllm_server  # noqa: E402
 import weight_sync  # noqa: E402
 from config import Config  # noqa: E402
-from helpers import logprob_diff, trainer_logprobs  # noqa: E402
+from helpers import logprob_diff, prompt_logprobs, trainer_logprobs  # noqa: E402
 
 MODELS = {name: make_tiny_model.SHAPES[name] for name in ("tiny", "24m", "0.5b")}  # random weights
 SEQS = [[7, 8, 9, 10, 11, 12, 13, 14], [20, 21, 22, 5, 6, 30, 31, 32, 33, 34]]  # token ids < 64
@@ -50,7 +50,7 @@ def perturb(model, seed):
 
 
 def max_diff(model, client):
-    return logprob_diff(trainer_logprobs(model, SEQS), client.score(SEQS))[1]
+    return logprob_diff(trainer_logprobs(model, SEQS), prompt_logprobs(client, SEQS))[1]
 
 
 def copy_gbps(nbytes, tries=5):

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 import vllm_client
 from parallel import close_distributed
 import weight_sync
-from helpers import logprob_diff, trainer_logprobs
+from helpers import logprob_diff, prompt_logprobs, trainer_logprobs
 
 model_dir, url, served, tmp = sys.argv[1:5]
 dist.init_process_group("gloo")
@@ -31,7 +31,7 @@ client = vllm_client.VLLMClient([url], served, timeout=60, max_retries=1)
 weight_sync.FilesystemSync(client, rank, tmp).sync(model)
 if rank == 0:
     seqs = [[7, 8, 9, 10, 11, 12], [20, 21, 22, 23]]
-    mean, mx = logprob_diff(trainer_logprobs(full, seqs), client.score(seqs))
+    mean, mx = logprob_diff(trainer_logprobs(full, seqs), prompt_logprobs(client, seqs))
     assert mx < 1e-4, (mean, mx)
     print("SYNC OK", mean, mx)
 del model, full

@@ -248,3 +248,31 @@ def logprob_diff(trainer_lp, server_lp):
     """(mean, max) of |trainer - server| over all tokens."""
     diffs = torch.tensor([abs(a - b) for t, s in zip(trainer_lp, server_lp) for a, b in zip(t, s)])
     return diffs.mean().item(), diffs.max().item()
+
+
+def generate(client, prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=()):
+    """n completions of each token-id prompt through client.submit, one list per prompt. max_tokens and
+    seed are one per prompt, or one for all: then prompt i's request gets seed + i * n, as
+    episodes.Completions seeds them, so no two samples of the call share a stream."""
+    k = len(prompt_ids)
+    budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * k
+    seeds = seed if isinstance(seed, list) else [None if seed is None else seed + i * n for i in range(k)]
+    futures = [client.submit(ids, n, budget, temperature, top_p, s, stop, server=i)
+               for i, (ids, budget, s) in enumerate(zip(prompt_ids, budgets, seeds))]
+    return [f.result() for f in futures]
+
+
+def prompt_logprobs(client, sequences):
+    """The server's logprob of every token of each sequence after the first (prompt_logprobs): one list
+    of len(seq) - 1 floats per sequence. On a server with LoRA enabled, vLLM 0.32 fails prompt_logprobs
+    when two requests share an engine step ("einsum(): subscript b has size 2 ..."; vllm#29955): score
+    one sequence a call there. Training never asks this (the sync check reads the sampling logprobs)."""
+    from vllm_client import NEUTRAL_SAMPLING
+
+    payloads = [dict(model=client.model, prompt=seq, max_tokens=1, temperature=1.0, top_p=1.0, **NEUTRAL_SAMPLING,
+                     prompt_logprobs=0) for seq in sequences]
+    out = []
+    for seq, resp in zip(sequences, client.map("/v1/completions", payloads)):
+        plp = resp["choices"][0]["prompt_logprobs"][1:]
+        out.append([entry[str(tok)]["logprob"] for tok, entry in zip(seq[1:], plp)])
+    return out

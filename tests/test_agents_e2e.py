@@ -18,7 +18,7 @@ import pytest
 from agent_programs import gateway
 import vllm_server
 from config import Config
-from helpers import command, flags, metrics, run, serve
+from helpers import command, flags, metrics, prompt_logprobs, run, serve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SDK_AGENT = os.path.join(ROOT, "examples", "agents_sdk_agent.py")
@@ -57,7 +57,7 @@ def check_logprobs(client, sample):
     recorded ones (sampled at temperature 1, where vLLM's sampling logprobs are the model's)."""
     s = sample
     assert len(s.token_ids) == len(s.mask) == len(s.logprobs) and any(s.mask)
-    (scored,) = client.score([s.prompt_ids + s.token_ids])
+    (scored,) = prompt_logprobs(client, [s.prompt_ids + s.token_ids])
     at = len(s.prompt_ids) - 1  # score's list starts at the sequence's second token
     sampled = [(i, lp) for i, (m, lp) in enumerate(zip(s.mask, s.logprobs)) if m]
     diff = max(abs(scored[at + i] - lp) for i, lp in sampled)

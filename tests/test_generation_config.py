@@ -20,7 +20,7 @@ import vllm_server
 import weight_sync
 from episodes import completion_text
 from model_files import stop_token_ids
-from helpers import VLLM_CFG, trainer_logprobs
+from helpers import VLLM_CFG, generate, trainer_logprobs
 
 # Far from neutral, each of them: every one left to the server moves the sampling logprobs.
 DEFAULTS = dict(top_k=3, min_p=0.1, repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.5)
@@ -91,10 +91,10 @@ def greedy(model, prompt, n):
 def test_requests_pin_neutral_sampling_on_a_users_server(users_server):
     model, client = users_server
     for temperature in (1.0, 0.7):
-        groups = client.generate(PROMPTS, n=4, max_tokens=12, temperature=temperature, seed=3)
+        groups = generate(client, PROMPTS, n=4, max_tokens=12, temperature=temperature, seed=3)
         assert_full_softmax(model, PROMPTS, groups, temperature)
     # greedy evaluation: no repetition or presence penalty bends the argmax
-    for p, group in zip(PROMPTS, client.generate(PROMPTS, n=1, max_tokens=12, temperature=0.0)):
+    for p, group in zip(PROMPTS, generate(client, PROMPTS, n=1, max_tokens=12, temperature=0.0)):
         ids = group[0]["token_ids"]
         assert ids == greedy(model, p, len(ids)), p
 
@@ -125,13 +125,13 @@ def test_extra_end_of_sequence_ids_stop_and_are_stripped(our_server, served, tmp
     prompt = next(p for p in ([7 + i, 8, 9] for i in range(20)) if greedy(model, p, 1)[0] not in (0, 2))
     extra = greedy(model, prompt, 1)[0]  # the token greedy decoding writes first
     plain = vllm_client.VLLMClient([url], served[2], timeout=60, max_retries=1)
-    alone = plain.generate([prompt], n=1, max_tokens=4, temperature=0.0)[0][0]
+    alone = generate(plain, [prompt], n=1, max_tokens=4, temperature=0.0)[0][0]
     assert alone["token_ids"][0] == extra and len(alone["token_ids"]) > 1  # the server alone does not stop there
     GenerationConfig(eos_token_id=[2, extra]).save_pretrained(tmp_path)  # the policy's directory lists both
     stop_ids = stop_token_ids(tokenizer, str(tmp_path))
     assert stop_ids == sorted({2, extra})
     client = vllm_client.VLLMClient([url], served[2], timeout=60, max_retries=1, stop_token_ids=stop_ids)
-    s = client.generate([prompt], n=1, max_tokens=4, temperature=0.0)[0][0]
+    s = generate(client, [prompt], n=1, max_tokens=4, temperature=0.0)[0][0]
     assert s["token_ids"] == [extra] and s["finish_reason"] == "stop" and s["eos"]
     assert completion_text(tokenizer, s) == ""
     assert completion_text(tokenizer, dict(s, token_ids=[5, extra])) == tokenizer.decode([5])

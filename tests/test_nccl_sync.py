@@ -21,7 +21,7 @@ import vllm_client
 import vllm_server
 import weight_sync
 from config import Config
-from helpers import logprob_diff, trainer_logprobs
+from helpers import logprob_diff, prompt_logprobs, trainer_logprobs
 
 pytestmark = pytest.mark.subprocess  # every test here starts processes (ranks, workers)
 
@@ -99,9 +99,9 @@ def test_nccl_sync_of_perturbed_weights(tiny_model_dir, tmp_path):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.05 * torch.randn_like(p) * p.abs().mean())
-        before = logprob_diff(trainer_logprobs(model, seqs), client.score(seqs))
+        before = logprob_diff(trainer_logprobs(model, seqs), prompt_logprobs(client, seqs))
         sync.sync(model)
-        after = logprob_diff(trainer_logprobs(model, seqs), client.score(seqs))
+        after = logprob_diff(trainer_logprobs(model, seqs), prompt_logprobs(client, seqs))
         assert before[1] > 1e-3 and after[1] < 1e-4, (before, after)
         sync.close()
     finally:

@@ -104,16 +104,12 @@ def test_groups_of_equal_partial_credit_are_filtered(tokenizer, credit):
     assert m["filtered_groups"] == 0 and [s.adv for s in samples if s.prompt_ids[0] == 0] == [0.0] * 8
 
 
-def test_request_seeds_leave_room_for_every_sample():
+def test_request_seeds_leave_room_for_every_sample(tokenizer):
     """vLLM gives sample j of a request with seed s the seed s + j: prompt i must get
     base + i * n, or neighbouring prompts share n - 1 of their n streams."""
-    import vllm_client
-
-    client = vllm_client.VLLMClient(["http://127.0.0.1:9"], "m")
-    sent = []
-    client.completions = lambda url, payload: sent.append(payload) or []
-    client.generate([[1], [2], [3]], n=8, max_tokens=4, seed=100)
-    sent.sort(key=lambda p: p["prompt"])
-    streams = [set(range(p["seed"], p["seed"] + p["n"])) for p in sent]
-    assert [p["seed"] for p in sent] == [100, 108, 116]
+    cfg = Config(num_samples_per_prompt_rollout=8)
+    server = ScriptedServer(tokenizer, agree=set())
+    Completions(cfg, tokenizer).play(server, rows(3), 8, 100, 1.0)
+    streams = [set(range(seed, seed + 8)) for seed in server.seeds]
+    assert server.seeds == [100, 108, 116]
     assert all(not (a & b) for i, a in enumerate(streams) for b in streams[i + 1:])

@@ -21,7 +21,7 @@ import vllm_client
 import vllm_server
 from config import Config
 from tracking import claim_output_dir
-from helpers import ENV, ROOT, serve
+from helpers import ENV, ROOT, generate, serve
 
 MODEL = "output/demo/vllm_model"
 
@@ -160,7 +160,7 @@ def raced(tiny_model_dir, tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_run_never_samples_from_a_server_that_took_its_port(raced):
-    out = raced.generate([[7, 8, 9]], n=2, max_tokens=4, seed=1)
+    out = generate(raced, [[7, 8, 9]], n=2, max_tokens=4, seed=1)
     assert len(out[0]) == 2 and Foreign.asked == []
     assert raced.urls[0].startswith("unix:") and os.stat(os.path.dirname(raced.urls[0][5:])).st_mode & 0o777 == 0o700
 

@@ -15,7 +15,7 @@ import vllm_client
 import vllm_server
 import weight_sync
 from config import Config
-from helpers import logprob_diff, serve, trainer_logprobs
+from helpers import generate, logprob_diff, prompt_logprobs, serve, trainer_logprobs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,7 +41,7 @@ SEQS = [[7, 8, 9, 10, 11, 12, 13, 14], [20, 21, 22, 5, 6], [30, 31, 32, 33, 34, 
 def test_generate_shape_ids_and_seed(untied):
     _, client = untied
     prompts = [[7, 8, 9], [20, 21], [30, 31, 32, 33]]
-    out = client.generate(prompts, n=4, max_tokens=12, temperature=1.0, seed=5)
+    out = generate(client, prompts, n=4, max_tokens=12, temperature=1.0, seed=5)
     assert len(out) == 3 and all(len(group) == 4 for group in out)
     for group in out:
         for s in group:
@@ -50,8 +50,8 @@ def test_generate_shape_ids_and_seed(untied):
             assert s["finish_reason"] in ("stop", "length")
             assert (s["finish_reason"] == "stop") == (s["token_ids"][-1] == 2)  # eos
         assert len({tuple(s["token_ids"]) for s in group}) > 1  # n samples differ
-    assert client.generate(prompts, n=4, max_tokens=12, seed=5) == out
-    assert client.generate(prompts, n=4, max_tokens=12, seed=6) != out
+    assert generate(client, prompts, n=4, max_tokens=12, seed=5) == out
+    assert generate(client, prompts, n=4, max_tokens=12, seed=6) != out
 
 
 @pytest.mark.slow
@@ -61,10 +61,10 @@ def test_samples_of_neighbouring_prompts_do_not_share_streams(untied):
     repeat each other's samples, as they did with seeds s and s + 1."""
     _, client = untied
     prompt = [7, 8, 9]
-    group = client.generate([prompt], n=4, max_tokens=12, seed=40)[0]
+    group = generate(client, [prompt], n=4, max_tokens=12, seed=40)[0]
     for j in (1, 3):
-        assert client.generate([prompt], n=1, max_tokens=12, seed=40 + j)[0][0]["token_ids"] == group[j]["token_ids"]
-    first, second = client.generate([prompt, prompt], n=4, max_tokens=12, seed=40)
+        assert generate(client, [prompt], n=1, max_tokens=12, seed=40 + j)[0][0]["token_ids"] == group[j]["token_ids"]
+    first, second = generate(client, [prompt, prompt], n=4, max_tokens=12, seed=40)
     assert [s["token_ids"] for s in first] == [s["token_ids"] for s in group]
     assert [s["token_ids"] for s in second[:3]] != [s["token_ids"] for s in first[1:]]
 
@@ -87,7 +87,7 @@ def test_a_turn_that_extends_an_episode_reuses_its_whole_cached_blocks(untied):
 @pytest.mark.slow
 def test_sampling_logprobs_match_trainer(untied):
     model, client = untied
-    s = client.generate([[7, 8, 9]], n=2, max_tokens=10, temperature=0.7, seed=1)[0][0]
+    s = generate(client, [[7, 8, 9]], n=2, max_tokens=10, temperature=0.7, seed=1)[0][0]
     seq = [7, 8, 9] + s["token_ids"]
     trainer = trainer_logprobs(model, [seq], temperature=0.7)[0][2:]
     assert max(abs(a - b) for a, b in zip(trainer, s["logprobs"])) < 1e-4  # vLLM reports tempered logprobs
@@ -98,11 +98,11 @@ def perturb_sync_check(model, client, tmp, seed):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p) * p.abs().mean())
-    before = logprob_diff(trainer_logprobs(model, SEQS), client.score(SEQS))
+    before = logprob_diff(trainer_logprobs(model, SEQS), prompt_logprobs(client, SEQS))
     sync = weight_sync.FilesystemSync(client, 0, tmp)
     sync.sync(model)
     sync.close()
-    after = logprob_diff(trainer_logprobs(model, SEQS), client.score(SEQS))
+    after = logprob_diff(trainer_logprobs(model, SEQS), prompt_logprobs(client, SEQS))
     return before, after
 
 
@@ -132,7 +132,7 @@ def test_each_completion_carries_the_version_of_the_weights_that_sampled_it(unti
         for p in new_model.parameters():
             p.add_(0.05 * torch.randn_like(p, generator=torch.Generator().manual_seed(3)) * p.abs().mean())
     v0, out = client.version, {}
-    before = threading.Thread(target=lambda: out.update(before=client.generate(prompts, n=4, max_tokens=16, seed=1)))
+    before = threading.Thread(target=lambda: out.update(before=generate(client, prompts, n=4, max_tokens=16, seed=1)))
     before.start()
     while not client._in_flight:
         time.sleep(0.001)
@@ -146,7 +146,7 @@ def test_each_completion_carries_the_version_of_the_weights_that_sampled_it(unti
     updater.start()
     while not client._updating:
         time.sleep(0.001)
-    out["during"] = client.generate(prompts, n=4, max_tokens=16, seed=2)  # waits for the update
+    out["during"] = generate(client, prompts, n=4, max_tokens=16, seed=2)  # waits for the update
     before.join()
     updater.join()
     assert client.version == v0 + 1
@@ -222,7 +222,7 @@ def test_unreachable_server_fails_with_name_and_reason():
     client = vllm_client.VLLMClient(["http://127.0.0.1:9"], "m", timeout=2, max_retries=2)
     t = time.monotonic()
     with pytest.raises(vllm_client.VLLMError, match=r"http://127.0.0.1:9 failed /v1/completions after 3 attempt\(s\)"):
-        client.generate([[1, 2]], n=2, max_tokens=4)
+        generate(client, [[1, 2]], n=2, max_tokens=4)
     assert time.monotonic() - t < 20
 
 
@@ -237,7 +237,7 @@ def test_request_timeout_is_bounded():
     client = vllm_client.VLLMClient([url], "m", timeout=0.5, max_retries=1)
     t = time.monotonic()
     with pytest.raises(vllm_client.VLLMError, match="timed out"):
-        client.score([[1, 2, 3]])
+        prompt_logprobs(client, [[1, 2, 3]])
     assert time.monotonic() - t < 10
     sock.close()
 
@@ -270,7 +270,7 @@ def test_killed_server_gives_clear_error(untied):  # last: it kills the module's
     client.proc.wait()
     t = time.monotonic()
     with pytest.raises(vllm_client.VLLMError, match="died"):
-        client.generate([[7, 8]], n=2, max_tokens=4)
+        generate(client, [[7, 8]], n=2, max_tokens=4)
     assert time.monotonic() - t < 5
 
 
