@@ -416,9 +416,14 @@ class Config:
 
     @property
     def objective(self):
-        """loss_fn's row (its function and what it needs; loss.objective), or None for an unknown name."""
-        from user_code import objective  # noqa: PLC0415 - loss.py imports torch
-        return objective(self.loss_fn)
+        """loss_fn's row (its function and what it needs): a name of loss.OBJECTIVES, or a row of your own,
+        "file.py:name" or "module:name" (loaded once, checked by loss.check_objective); None for an
+        unknown name."""
+        from loss import OBJECTIVES, check_objective  # noqa: PLC0415 - loss.py imports torch
+        if ":" not in self.loss_fn:
+            return OBJECTIVES.get(self.loss_fn)
+        from user_code import load_once  # noqa: PLC0415
+        return check_objective(load_once(self.loss_fn, "loss_fn", "Objective"), self.loss_fn)
 
     @property
     def episode_turns(self) -> int:

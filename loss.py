@@ -7,6 +7,7 @@ accumulated over micro-batches and summed over ranks (update.py undoes FSDP's av
 equal the gradient of one loss over the whole step.
 """
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -214,6 +215,24 @@ OBJECTIVES = {  # loss_fn
     "ess": Objective(ess_loss, ess=True),
     "gspo": Objective(gspo_loss, clip=("clip_lower", "clip_higher"), sequences=True),
 }
+
+
+def check_objective(row, loss_fn):
+    """An objective of your own (Config.objective loads it): an Objective, clip fields that exist, and a
+    function that takes what grpo_loss will pass it. Returns it; ValueError naming the fix."""
+    if not isinstance(row, Objective):
+        raise ValueError(f"loss_fn={loss_fn!r} is not a loss.Objective but {type(row).__name__!r}; name a row such "
+                         "as Objective(my_loss, clip=(...)) in that file")
+    if unknown := set(row.clip) - {"clip_lower", "clip_higher"}:
+        raise ValueError(f"loss_fn={loss_fn!r}: clip names {', '.join(sorted(unknown))}; the clip fields are "
+                         "clip_lower and clip_higher")
+    needs = {k: None for k, wanted in (("seq_ids", row.sequences), ("ess_value", row.ess)) if wanted}
+    try:
+        inspect.signature(row.fn).bind(None, None, None, None, **needs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"loss_fn={loss_fn!r}: its function cannot take (logp, old_logp, adv, cfg"
+                         + "".join(f", {k}=" for k in needs) + f") ({e}); fix its signature or its row") from None
+    return row
 
 
 def grpo_loss(logp, old_logp, adv, seq_ids, denominator, cfg, *, ref_logp=None, tis_weight=None, mismatch_mask=None,

@@ -1,14 +1,8 @@
-"""Reward functions: plain callables, in either of two forms, told apart by their signature at load.
-
-    reward(prompt: str, completion: str, example: dict) -> a number                 # ours
-    reward(completions, **kwargs) -> a list of numbers (or None), one per completion  # TRL's
-
-Ours: `example` is the dataset row (its "answer" is the gold answer). A reward may return a
-bool, int, float, numpy scalar or 0-d tensor (`to_float`); worker_pool.py runs it in
+"""The built-in reward functions, in our form: reward(prompt, completion, example) -> a number, where
+`example` is the dataset row (its "answer" is the gold answer). A reward of your own may be in this
+form or TRL's; user_code.Reward tells them apart and calls either, and worker_pool.py runs it in
 worker processes with a timeout, so a reward that hangs, crashes or raises leaves its sample
 unscored (rollout.score: its group is not trained on) and cannot stop the run.
-TRL's (GRPOTrainer's `reward_func(prompts=, completions=, completion_ids=, **columns)`): see
-`Reward`, which calls either form one sample at a time.
 
 Math answers (the built-in `math` task, GSM8K and MATH style files):
   math_reward              the answer in the completion's last \\boxed{...} (nested braces
@@ -24,12 +18,9 @@ use signals, which fail outside the main thread; they are switched off here and 
 pool's per-sample timeout guards instead.
 """
 
-import inspect
 import logging
-import math
 import re
 
-from user_code import load_object
 
 # math-verify warns once per process that its timeouts are off; the pool is the guard
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -124,141 +115,3 @@ def number_reward(prompt, completion, example):
         return 0.0
     gold = gold_answer(example["answer"]).replace(",", "")
     return float(NUMBER.fullmatch(gold) is not None and float(pred.replace(",", "")) == float(gold))
-
-
-# --- user rewards
-
-
-def to_float(r):
-    """A reward value as a float: bool, int, float, numpy scalars, 0-d arrays and tensors.
-    TypeError for anything else, ValueError when it is not finite."""
-    if isinstance(r, (bool, int, float)):
-        value = float(r)
-    elif getattr(r, "ndim", None) == 0 and hasattr(r, "item"):  # numpy scalar, 0-d array or tensor
-        value = float(r.item())
-    else:
-        raise TypeError(f"returned {r!r}, not a number (bool, int, float, numpy scalar or 0-d tensor)")
-    if not math.isfinite(value):
-        raise ValueError(f"returned {value}, not a finite number")
-    return value
-
-
-def load_reward_fn(path):
-    """The function `path` names, refused here (at start-up) when it fits neither form (reward_form)."""
-    fn = load_object(path)
-    if not callable(fn):
-        raise ValueError(f"reward_fn={path!r} is not a function")
-    reward_form(fn, f"reward_fn={path!r}")
-    return fn
-
-
-# --- the two forms
-
-FORMS = ("`reward(prompt, completion, example)` returning a number, or TRL's `reward(completions, **kwargs)` "
-         "returning a list of numbers")
-TRL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state")  # what GRPOTrainer passes by name
-# Row keys that are no column for a TRL reward: TRL's own exclusions (prompt, completion, completion_ids; the
-# prompt arrives as `prompts`), and the prompt's rendering and tokens, which data.tokenize_rows adds
-NOT_COLUMNS = {"prompt", "completion", "completion_ids", "prompt_text", "prompt_ids"}
-
-
-def reward_form(fn, name="reward_fn"):
-    """"trl" for a function with a `completions` parameter (TRL's GRPOTrainer passes everything by name),
-    "ours" for one that takes (prompt, completion, example) by position; a ValueError naming both otherwise."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):  # a builtin or C callable without a signature to read: taken at its word
-        return "ours"
-    if any(p.name == "completions" and p.kind is not p.POSITIONAL_ONLY for p in params):
-        return "trl"
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    required = [p for p in positional if p.default is p.empty]
-    varargs = any(p.kind is p.VAR_POSITIONAL for p in params)
-    keyword_only = [p for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
-    if len(required) <= 3 and (len(positional) >= 3 or varargs) and not keyword_only:
-        return "ours"
-    raise ValueError(f"{name}: a reward {getattr(fn, '__name__', 'function')}{inspect.signature(fn)} fits neither "
-                     f"accepted form; write {FORMS}")
-
-
-def trl_keywords(fn):
-    """The keywords a TRL-form fn takes: None when it takes **kwargs (all of them)."""
-    params = inspect.signature(fn).parameters.values()
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return None
-    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-
-
-def check_columns(fn, row, name="reward_fn"):
-    """Refuse at load a TRL-form reward that needs a column the rows lack: it would fail on every sample."""
-    if reward_form(fn, name) != "trl":
-        return
-    given = set(TRL_KEYWORDS) | (set(row) - NOT_COLUMNS)
-    params = inspect.signature(fn).parameters.values()
-    missing = [p.name for p in params if p.default is p.empty and p.name not in given
-               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    if missing:
-        raise ValueError(f"{name}: the reward takes {missing[0]!r}, which is no column of the dataset (columns: "
-                         f"{', '.join(sorted(set(row) - NOT_COLUMNS))}); rename the parameter, or map a column onto "
-                         f"`answer` with --dataset_answer_column")
-
-
-class Reward:
-    """A reward function in either form, called one sample at a time: reward(prompt, completion, example,
-    completion_ids) -> its value. It reaches a pool worker pickled as its spec (a "module:name" /
-    "file.py:name" string, or a module-level function) and loads it again there as it is unpickled.
-
-    A TRL-form reward gets one-element lists, as TRL's GRPOTrainer would pass a batch of one: `prompts` the
-    row's prompt as the dataset holds it (a string, or messages), `completions` the completion (for a
-    messages prompt, [{"role": "assistant", "content": text}]: with an environment, the last turn only; the
-    whole conversation is the `messages` keyword), `completion_ids` its sampled token ids, `trainer_state`
-    None (there is no Trainer), and every other column of the row by name. One sample a call keeps the pool's
-    per-sample timeout and failure counts, and its workers busy in parallel; a TRL reward cannot rely on a
-    batch's make-up anyway (GRPOTrainer splits a batch, and its groups, across processes). None for a sample
-    is TRL's "not applicable" (returned as None): with no other reward to score the sample it is unscored and
-    counted (reward_none), where GRPOTrainer's nansum would give it 0, a reward nobody earned. (Ours
-    returning None is an error: a `return` forgotten.)"""
-
-    def __init__(self, spec):
-        self.spec = spec
-        self.fn = load_reward_fn(spec) if isinstance(spec, str) else spec
-        if not callable(self.fn):
-            raise ValueError(f"reward {spec!r} is not a function")
-        self.form = reward_form(self.fn, f"reward {spec!r}")
-        self.keywords = trl_keywords(self.fn) if self.form == "trl" else None
-
-    def __getstate__(self):
-        return self.spec
-
-    def __setstate__(self, spec):
-        self.__init__(spec)
-
-    def __repr__(self):
-        return repr(self.spec)
-
-    def __call__(self, prompt, completion, example, completion_ids=None):
-        if self.form == "ours":
-            return to_float(self.fn(prompt, completion, example))  # None too is an error: a `return` forgotten
-        prompt = example.get("prompt", prompt)
-        kwargs = {k: [v] for k, v in example.items() if k not in NOT_COLUMNS}
-        kwargs.update(prompts=[prompt], completion_ids=[completion_ids], trainer_state=None, completions=[
-            [{"role": "assistant", "content": completion}] if isinstance(prompt, list) else completion])
-        if self.keywords is not None:  # no **kwargs: only what it names (check_columns saw to the rest)
-            kwargs = {k: v for k, v in kwargs.items() if k in self.keywords}
-        value = one_value(self.fn(**kwargs))
-        return None if value is None else to_float(value)
-
-
-def one_value(values):
-    """The value of a TRL-form reward's answer for one completion: a list (tuple, 1-d array or tensor) of
-    one number, or of None (not applicable: RewardPool.score counts it, and the sample is unscored)."""
-    try:
-        n = len(values)
-    except TypeError:  # a number, None, a 0-d tensor
-        n = None
-    if n is None or isinstance(values, (str, bytes, dict)):
-        raise TypeError(f"returned {values!r}, not a list; a TRL-form reward (it takes `completions`) returns "
-                        f"a list of one number per completion")
-    if n != 1:
-        raise ValueError(f"returned {n} values for 1 completion; a TRL-form reward returns one per completion")
-    return values[0]

@@ -1,4 +1,5 @@
-"""What a run writes: its directories made and checked, output_dir claimed by a lock (run.lock), and
+"""What a run writes: its directories made and checked, output_dir claimed by a lock (run.lock), the
+private directories of its processes (private_dir: sockets, weights, scratch), and
 on rank 0: run_info.json before step 0, one metrics.jsonl line and
 one console line per step, every log_samples_freq steps a few (prompt, completion, reward)
 in samples.jsonl and on the console, and optionally Weights & Biases (samples as a table)
@@ -8,19 +9,45 @@ A resumed run keeps the lines up to its checkpoint and rewrites the rest, so
 metrics.jsonl and samples.jsonl always read as one run.
 """
 
+import contextlib
 import fcntl
 import json
 import os
+import shutil
+import tempfile
 import platform
 import subprocess
 from dataclasses import asdict
 
-import torch
 from tqdm import tqdm
 
 SAMPLE_COLUMNS = ("step", "prompt", "completion", "reward")
 CONSOLE = ("step", "reward_mean", "eval_accuracy", "eval_tool_calls", "response_length", "tool_calls", "loss", "kl",
            "clip_frac", "entropy", "grad_norm", "vllm_logp_diff_max", "time_step")
+
+
+def private_dir(prefix, base=None, clean=True):
+    """tempfile.mkdtemp (0700: only our user may enter) in `base`, named for its owner, this process:
+    {prefix}{pid namespace}-{pid}-{random}. A process killed by SIGKILL cannot remove its directories,
+    so with `clean` a new one first removes those a dead owner left in `base`: our prefix, our uid, our
+    pid namespace (another container's pids mean nothing in ours) and no process with that pid. A pid
+    taken again by another process only delays the removal until that one ends (a start time in the name
+    would cost bytes of the 107 a path of vLLM's sockets in vllm_server's directory may have). Not
+    `clean` where other machines make them (a shared weight_sync_dir): their pids mean nothing here.
+    vllm_server.py, weight_sync.py and worker_pool.py make theirs with it."""
+    base = base or tempfile.gettempdir()
+    if not os.path.exists("/proc/self/ns/pid"):  # not Linux: a dead owner cannot be told from a live one
+        return tempfile.mkdtemp(prefix=prefix, dir=base)
+    ns = os.stat("/proc/self/ns/pid").st_ino
+    for name in os.listdir(base) if clean else ():
+        owner = name[len(prefix):].split("-")  # mkdtemp's random part has no "-"
+        if name.startswith(prefix) and len(owner) == 3 and owner[0] == str(ns) and owner[1].isdigit() \
+                and not os.path.exists(f"/proc/{owner[1]}"):
+            path = os.path.join(base, name)
+            with contextlib.suppress(OSError):  # another run may be removing it too
+                if os.lstat(path).st_uid == os.getuid():
+                    shutil.rmtree(path)
+    return tempfile.mkdtemp(prefix=f"{prefix}{ns}-{os.getpid()}-", dir=base)
 
 
 HELD = {}  # run.lock path -> its open file, which this process holds (flock's lock lives as long as it is open)
@@ -70,6 +97,7 @@ def make_dirs(cfg):
 
 def run_info(cfg, world_size):
     """What reproduces the run: config, git SHA, versions, world size (write_run_info writes it)."""
+    import torch
     import transformers
 
     sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,

@@ -28,14 +28,13 @@ import torch.distributed as dist
 from faults import SyncError
 from loss import ess_from_sums, ess_sums, grpo_loss, mismatch_mask, step_denominator
 from packing import PER_TOKEN, micro_batches
-from reference import Reference
 
 
 @dataclass
 class TrainState:
     """What training changes, and a checkpoint holds (with the step and the prompt sampler's position)."""
     policy: torch.nn.Module  # FSDP2-sharded; with LoRA, the base frozen and the adapters in it
-    ref: Optional[Reference]  # None without a KL term (beta = 0); reference.py has every kind
+    ref: Optional[object]  # reference.Reference, or None without a KL term (beta = 0); reference.py has every kind
     optimizer: torch.optim.Optimizer  # AdamW over the trained parameters
     scheduler: torch.optim.lr_scheduler.LRScheduler  # warm-up and decay, stepped once per update
 

@@ -36,7 +36,7 @@ import torch
 
 from faults import VLLMError
 from vllm_client import fetch, log_tail
-from worker_pool import private_dir
+from tracking import private_dir
 
 
 def die_with_parent():
@@ -167,7 +167,7 @@ def private_socket():
     0700): connecting needs search permission on it, which other users lack (root has every
     permission). vLLM's engine sockets go there too (server_command). In the temporary directory,
     not output_dir: a socket path has at most 107 bytes. Named for this process, so that the next
-    run removes it if this one is killed (worker_pool.private_dir)."""
+    run removes it if this one is killed (tracking.private_dir)."""
     path = os.path.join(private_dir("flatgrpo-vllm-"), "api.sock")
     if len(os.path.dirname(path).encode()) + 37 > 107:  # the longest in it: vLLM's "/{uuid4}" engine sockets
         remove_socket_dir(path)

@@ -34,7 +34,7 @@ import threading
 import torch
 
 from faults import VLLMError
-from worker_pool import private_dir
+from tracking import private_dir
 
 
 def full_state_dict(model):

@@ -10,7 +10,7 @@ reward of every sample, and an environment's answer to every assistant turn (its
     # failures: [(index, "timeouts", why), ...]; pin: the worker that must run each call (None: any)
 
 A reward that runs past `timeout` seconds (reward_timeout), kills its own process, raises,
-or returns something that is not a number (rewards.to_float; in TRL's form, not a list of one
+or returns something that is not a number (user_code.to_float; in TRL's form, not a list of one
 number per completion) gets RewardPool's `fallback` (NaN, an unscored sample, unless the caller says). Each is counted
 (`reward_timeouts`, `reward_crashes`, `reward_errors`; `tool_...` for an environment) and
 the first is described; a worker that hung or died is killed and replaced, and the rest
@@ -35,7 +35,6 @@ but breakpoint() works inside it.
 """
 
 import atexit
-import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -45,8 +44,8 @@ import tempfile
 import threading
 import time
 
-from rewards import Reward, to_float
-from user_code import load_object
+from tracking import private_dir
+from user_code import Reward, load_object, to_float
 
 STARTUP_TIMEOUT = 120.0  # seconds for a new worker to load the function and say it is ready
 MAX_EARLY_DEATHS = 3  # workers killed by a signal before "ready", in a row, before loading is called broken
@@ -98,30 +97,6 @@ def end_group(proc):
         pass  # the group is gone (or was never made: the worker died before setsid)
     proc.kill()
     proc.join()
-
-
-def private_dir(prefix, base=None, clean=True):
-    """tempfile.mkdtemp (0700: only our user may enter) in `base`, named for its owner, this process:
-    {prefix}{pid namespace}-{pid}-{random}. A process killed by SIGKILL cannot remove its directories,
-    so with `clean` a new one first removes those a dead owner left in `base`: our prefix, our uid, our
-    pid namespace (another container's pids mean nothing in ours) and no process with that pid. A pid
-    taken again by another process only delays the removal until that one ends (a start time in the name
-    would cost bytes of the 107 a path of vLLM's sockets in vllm_server's directory may have). Not
-    `clean` where other machines make them (a shared weight_sync_dir): their pids mean nothing here.
-    vllm_server.py and weight_sync.py make theirs with it too."""
-    base = base or tempfile.gettempdir()
-    if not os.path.exists("/proc/self/ns/pid"):  # not Linux: a dead owner cannot be told from a live one
-        return tempfile.mkdtemp(prefix=prefix, dir=base)
-    ns = os.stat("/proc/self/ns/pid").st_ino
-    for name in os.listdir(base) if clean else ():
-        owner = name[len(prefix):].split("-")  # mkdtemp's random part has no "-"
-        if name.startswith(prefix) and len(owner) == 3 and owner[0] == str(ns) and owner[1].isdigit() \
-                and not os.path.exists(f"/proc/{owner[1]}"):
-            path = os.path.join(base, name)
-            with contextlib.suppress(OSError):  # another run may be removing it too
-                if os.lstat(path).st_uid == os.getuid():
-                    shutil.rmtree(path)
-    return tempfile.mkdtemp(prefix=f"{prefix}{ns}-{os.getpid()}-", dir=base)
 
 
 class Worker:
@@ -262,7 +237,7 @@ class CallPool:
 
 class RewardPool(CallPool):
     """The reward of each (prompt, completion, example); `fallback` (NaN) for one that fails. The reward is in
-    our form or TRL's (rewards.Reward, which tells them apart at load and calls either one sample at a time)."""
+    our form or TRL's (user_code.Reward, which tells them apart at load and calls either one sample at a time)."""
 
     def __init__(self, reward, workers=2, timeout=10.0, fallback=float("nan")):
         # fallback: the value of a failed sample; NaN, so that no caller takes it for a real reward of 0

@@ -52,8 +52,7 @@ from envs import tool_calls
 from envs.chat import ChatTokens
 from episodes import Episode, turn_seed
 from agent_programs.gateway import Gateway
-from rewards import to_float
-from user_code import load_object
+from user_code import load_object, to_float
 from worker_pool import CallPool
 
 FAILURES = tuple(k for k in faults.FAULTS if k.startswith("agent_"))  # how a program's episode fails: all ours

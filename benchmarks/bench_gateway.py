@@ -1,4 +1,4 @@
-"""What the agent gateway (gateway.py) adds to a model call: an OpenAI-client agent's calls
+"""What the agent gateway (agent_programs/gateway.py) adds to a model call: an OpenAI-client agent's calls
 through the gateway, against the same calls made straight to the client (token ids in, token
 ids out), both answered at once by a stand-in for vLLM, so that only the gateway's own work is
 timed (HTTP, the chat template, tokenization, tool-call parsing, the record); and of that, the

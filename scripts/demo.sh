@@ -58,7 +58,7 @@ elif [ "${1:-}" = "--tool-calls" ] || [ "${1:-}" = "--agent" ]; then
     if [ "$1" = "--agent" ]; then
         # The same episodes played by a plain OpenAI-client program (examples/calculator_agent.py:
         # its own messages and loop, the calculator as a function tool) through the trainer's
-        # OpenAI-compatible gateway (gateway.py), which records the tokens vLLM sampled. The
+        # OpenAI-compatible gateway (agent_programs/gateway.py), which records the tokens vLLM sampled. The
         # program returns None: number_reward scores its final answer.
         play=(--agent examples/calculator_agent.py:solve)
         out=${OUT:-output/demo-agent}

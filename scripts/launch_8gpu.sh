@@ -9,7 +9,7 @@
 #
 # Arguments after the script's name go to train.py and to the servers, and win over the flags
 # below. Each server is `scripts/serve.py --serve`: the very server train.py would launch for the
-# same flags (vllm_server.server_command, and lora_sync.server_flags: context length, seed, dtype,
+# same flags (vllm_server.server_command, and lora/sync.py server_flags: context length, seed, dtype,
 # LoRA ranks, weight transfer, the routes weight sync uses), so the two never disagree.
 # Needs the official GPU build of vLLM: pip install -e ".[gpu,dev,plot]".
 # Not run on the machines this project is developed on (no GPU): check the log of
@@ -23,7 +23,7 @@ VLLM_GPUS=${VLLM_GPUS:-"0 1"}            # one vLLM server per GPU listed (space
 TRAIN_GPUS=${TRAIN_GPUS:-2,3,4,5,6,7}    # the trainer's GPUs, one rank each (comma separated)
 PORT=${PORT:-8000}                       # first server's port; the next server takes PORT + 1, ...
 TRANSPORT=${TRANSPORT:-filesystem}       # weight sync: filesystem (any number of servers) or nccl (one server)
-LORA_RANK=${LORA_RANK:-0}                # > 0: train LoRA adapters of this rank (lora.py) and serve them
+LORA_RANK=${LORA_RANK:-0}                # > 0: train LoRA adapters of this rank (lora/) and serve them
 OUT=${OUT:-output/8gpu}
 PYTHON=${PYTHON:-.venv/bin/python}
 

@@ -4,7 +4,7 @@
     python scripts/serve.py --print --serve serving/qwen0.5b ...   # its environment and command, not run
 
 The server's command line is vllm_server.server_command of train.py's flags, on 127.0.0.1:vllm_port,
-with LoRA's flags when the adapter is synced (lora_sync.server_flags, imported only with lora_rank
+with LoRA's flags when the adapter is synced (lora/sync.py server_flags, imported only with lora_rank
 set): the servers' flags have one source, the trainer's.
 """
 

@@ -17,3 +17,15 @@ def test_operations_md_names_only_what_the_code_names():
         names = set(re.findall(r"`([a-z][a-z0-9]*(?:_[a-z0-9]+)+)`", f.read()))
     assert len(names) > 50
     assert sorted(n for n in names if not re.search(rf"\b{n}\b", code)) == []
+
+
+def test_the_readme_layout_table_is_the_tree():
+    """Every file of code at the root and every folder of it is a row of the README's layout table, and
+    every row names what is there (a renamed or removed file cannot linger in it)."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    table = text[text.index("## Layout"):text.index("## Running")]
+    named = {n for row in table.splitlines() if row.startswith("| `") for n in re.findall(r"`([\w.]+/?)`", row.split("|")[1])}
+    tree = {f for f in os.listdir(ROOT) if f.endswith(".py")} | {
+        f + "/" for f in os.listdir(ROOT) if os.path.isdir(os.path.join(ROOT, f)) and not f.startswith((".", "_"))
+        and f not in ("models", "output", "docs") and not f.endswith(".egg-info")}
+    assert named == tree

@@ -9,6 +9,7 @@ import pytest
 
 import data
 import rewards
+import user_code
 from config import Config
 from helpers import recompute
 
@@ -137,7 +138,7 @@ class Scorer:
     (lambda completions, **kwargs: [1.0], "trl"), (lambda prompts, completions, answer: [1.0], "trl"),
     (lambda completions: [1.0], "trl")])
 def test_the_reward_form_is_read_off_the_signature(fn, form):
-    assert rewards.reward_form(fn) == form
+    assert user_code.reward_form(fn) == form
 
 
 @pytest.mark.parametrize("source", ["def r(x):\n    return 1.0\n", "def r(prompt, completion):\n    return 1.0\n",
@@ -149,7 +150,7 @@ def test_a_reward_that_fits_neither_form_is_refused_at_load(tmp_path, source):
 
     f = tmp_path / "r.py"
     f.write_text(source)
-    for load in (rewards.load_reward_fn, lambda spec: RewardPool(spec, workers=0)):
+    for load in (user_code.load_reward_fn, lambda spec: RewardPool(spec, workers=0)):
         with pytest.raises(ValueError) as e:
             load(f"{f}:r")
         line = str(e.value)
