@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from config import Config
+from options import default
 
 COMPLETE = re.compile(r"^step_(\d{8})$")
 
@@ -46,15 +47,13 @@ RESUMABLE = {f.name for f in dataclasses.fields(Config) if f.metadata["resumable
 def check_resumable(saved, cfg, path):
     """Refuse, in one line naming the fields, to resume from a checkpoint whose saved config
     (a dict) differs from cfg in a field outside RESUMABLE."""
-    defaults = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-                for f in dataclasses.fields(cfg)}
     now = asdict(cfg)
-    changed = [k for k in now if k not in RESUMABLE and saved.get(k, defaults[k]) != now[k]]
+    changed = [k for k in now if k not in RESUMABLE and saved.get(k, default(cfg, k)) != now[k]]
     if cfg.lr_scheduler_type != "constant" and saved.get("num_training_steps") != cfg.num_training_steps:
         changed.append("num_training_steps")
     if changed:
         raise ValueError(f"cannot resume from {path}: the config changed in "
-                         + ", ".join(f"{k} ({saved.get(k, defaults[k])!r} -> {now[k]!r})" for k in changed)
+                         + ", ".join(f"{k} ({saved.get(k, default(cfg, k))!r} -> {now[k]!r})" for k in changed)
                          + "; resume with the saved values, or give a new checkpoint_state_dir to start another run")
 
 

@@ -18,6 +18,7 @@ import tomllib
 import typing
 
 from config import Config
+from options import default
 
 
 def field_types() -> dict:
@@ -64,8 +65,7 @@ def help_text() -> str:
     lines = ["usage: train.py [--config FILE.toml] [--key value | --key=value ...]", "",
              "Every field of Config (also valid as a key in the TOML file; flags override it):"]
     for f in dataclasses.fields(Config):
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        lines.append(f"  --{f.name} (default {default!r})")
+        lines.append(f"  --{f.name} (default {default(Config, f.name)!r})")
         lines += textwrap.wrap(f.metadata["help"], 100, initial_indent=" " * 6, subsequent_indent=" " * 6)
     return "\n".join(lines)
 

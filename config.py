@@ -78,10 +78,10 @@ class Config:
                                              only_with="multi_turn")
     agent: Optional[str] = option(None, "an agent program, \"file.py:fn\" or \"module:fn\": fn(row, base_url, api_key) "
                                         "plays one episode through an OpenAI-compatible endpoint and returns its "
-                                        "reward or None (agent_programs.py)")
+                                        "reward or None (agent_programs/runner.py)")
     agent_cmd: Optional[str] = option(None, "an agent as a shell command: OPENAI_BASE_URL and OPENAI_API_KEY in its "
                                             "environment, the row as JSON on stdin, its reward the last line it prints "
-                                            "(agent_programs.py)")
+                                            "(agent_programs/runner.py)")
     agent_workers: int = option(8, "processes that run agent programs at once", low=1, only_with="agent_program")
     agent_timeout: float = option(300.0, "seconds one agent run (one episode) may take; past it the episode is "
                                          "unscored", above=0, only_with="agent_program")
@@ -117,7 +117,7 @@ class Config:
                                                    "async_steps=0, half otherwise", low=1)
     vllm_gpu_memory_utilization: float = option(0.9, "memory fraction of a GPU server we launch",
                                                 above=0, high=1, resumable=True)
-    vllm_startup_timeout: float = option(600.0, "seconds to wait for a launched server's /health",
+    vllm_startup_timeout: float = option(600.0, "seconds to wait for a launched server to answer as ours (/v1/models serves our model)",
                                          above=0, resumable=True)
     vllm_request_timeout: float = option(120.0, "seconds for one HTTP request to a server", above=0, resumable=True)
     vllm_max_retries: int = option(3, "retries (with backoff) of a failed request before the run stops",
@@ -192,7 +192,7 @@ class Config:
     ref_policy_update_freq: Optional[int] = option(None,
         "Polyak-update the reference every N steps; None = fixed reference", low=1, note=" steps, or None")
     alpha: float = option(0.6, "Polyak weight: ref = alpha * policy + (1 - alpha) * ref", above=0, high=1)
-    # --- LoRA (lora.py: PEFT adapters on a frozen base; the reference is an adapter, not a model)
+    # --- LoRA (lora/: PEFT adapters on a frozen base; the reference is an adapter, not a model)
     lora_rank: int = option(0, "rank of the LoRA adapters trained instead of the model's weights; 0 = train every "
                                "weight", low=0, note=" (0: no LoRA)")
     lora_alpha: float = option(32.0, "the adapters' scale is lora_alpha / lora_rank", above=0, only_with="lora_rank")
@@ -241,8 +241,8 @@ class Config:
                                  resumable=True)
     log_samples_freq: int = option(10, "every N steps print a few (prompt, completion, reward) and append them to "
                                        "output_dir/samples.jsonl; 0 = never", low=0)
-    seed: int = option(1, "seeds data order, sampling and initialisation; 0 to about 2**31 - 1 (max_seed: vLLM takes "
-                          "64-bit seeds)")
+    seed: int = option(1, "seeds data order, sampling and initialisation; 0 to episodes.max_seed (vLLM takes 64-bit "
+                          "seeds)")
 
     def __post_init__(self):
         """Refuse a contradiction before any process group, model or server starts: first each field alone
@@ -286,8 +286,8 @@ class Config:
         if bad := [u for u in self.vllm_server_urls if not u.startswith(("http://", "https://"))]:
             return f"vllm_server_urls: {bad[0]!r} is not a URL; write it as http://host:port"
         if not 0 <= self.seed <= max_seed(self):
-            return (f"seed={self.seed} must be in 0..{max_seed(self)}: rollout requests are seeded with "
-                    "seed * 2**32 plus a per-step, per-sample offset, and vLLM takes 64-bit seeds")
+            return (f"seed={self.seed} must be in 0..{max_seed(self)}: rollout requests are seeded from it "
+                    "(episodes.round_seed), and vLLM takes 64-bit seeds")
         if self.weight_sync_dir is not None and self.weight_sync_transport != "filesystem":
             return ("weight_sync_dir is where the filesystem transport writes; with weight_sync_transport="
                     f"{self.weight_sync_transport!r} nothing is written there: unset one of them")

@@ -52,7 +52,7 @@ ITEMS = ["apples", "marbles", "stickers", "books", "coins", "cards", "shells", "
 BOXED = "Put the final answer in \\boxed{}."
 
 
-def math_task(rng, digits=1, operations="+-", steps=1):
+def math_task(rng, digits, operations, steps):
     """A word problem: a start count and `steps` operations drawn from `operations` (+, -, *),
     numbers of up to `digits` digits (a product's factor is 2 to 9); the count never goes
     below 0. One user message asking for a boxed answer; the answer is the final count."""
@@ -78,7 +78,7 @@ def math_task(rng, digits=1, operations="+-", steps=1):
     return {"prompt": [{"role": "user", "content": question}], "answer": str(total)}
 
 
-def calc_task(rng, digits=1, operations="+-", steps=1):
+def calc_task(rng, digits, operations, steps):
     """Arithmetic for the calculator environment: "What is 214 + 659?", `steps` operations from
     `operations` on numbers of `digits` digits (a factor of * has 2 digits), the usual precedence."""
     low, top = 10 ** (digits - 1), 10 ** digits - 1
@@ -114,7 +114,7 @@ def task_knobs(cfg):
 def task_rows(task, n, seed, split, **knobs):
     """n rows of a built-in task from its train or eval part, deterministic in (seed, split, knobs).
     The eval rows do not depend on the seed, so every seed of an experiment is scored on the same
-    prompts (they are the ones seed 1, the default, drew when each seed drew its own)."""
+    prompts (a fixed draw: seed 1's, whatever the run's seed)."""
     make, _ = TASKS[task]
     rng = random.Random(f"{task}-{seed if split == 'train' else 1}-{split}")
     rows = []
@@ -214,11 +214,11 @@ def tokenize_rows(rows, tokenizer, cfg, env=None):
                              f"the messages before the answer, `completion`: the answer), or set "
                              f"--dataset_prompt_column to a column that holds only the prompt")
         # an environment's conversation, over any dataset column of that name; without one a "messages"
-        # column stays the dataset's own, for the reward (episodes.Episode reads it only with an environment)
+        # column stays the dataset's own, for the reward (Environment.play reads it; an agent's reward sees its conversation)
         extra = {"messages": env.reset(row)} if env else {}
         text = prompt_text(extra["messages"], tokenizer, True, env.tools) if env else \
             prompt_text(p, tokenizer, cfg.apply_chat_template)
-        # an environment's first messages are its text: control-token strings in them stay text (chat.py)
+        # an environment's first messages are its text: control-token strings in them stay text (envs/chat.py)
         ids = env.chat.prompt_ids(extra["messages"]) if env else tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > cfg.max_prompt_length:
             if not cfg.skip_long_prompts:
@@ -244,8 +244,9 @@ def tokenize_rows(rows, tokenizer, cfg, env=None):
 def load_prompts(cfg, tokenizer, env=None):
     """(train rows, eval rows, skipped counts, reward function) for the config.
 
-    Built-in tasks generate fresh, disjoint train and eval prompts. A user dataset keeps its
-    last num_eval_prompts rows (after a seeded shuffle) for evaluation and trains on the rest.
+    Built-in tasks generate fresh, disjoint train and eval prompts. A user dataset keeps its first
+    min(num_eval_prompts, a fifth of its rows) rows, after a seeded shuffle, for evaluation and trains
+    on the rest.
     """
     if cfg.dataset in TASKS:
         n_train = max(4096, 4 * cfg.num_unique_prompts_rollout)

@@ -1,5 +1,5 @@
 """Episodes, played on rank 0: an `Episode` is one sample in the making, and a player plays a round
-of them. Three players, one chosen at start-up (train.load_inputs), all called the same way by
+of them. Three players, one chosen at start-up (train.choose_player), all called the same way by
 rollout.py:
 
     episodes, stats = player.play(client, rows, n, seed, temperature)
@@ -35,7 +35,7 @@ def completion_text(tokenizer, out):
     """What the reward (and an environment) sees of one turn: its sampled tokens decoded with
     their special tokens (a policy that pads its answer with them pays for it), without the
     end-of-sequence token that ended it: the tokenizer's or another of the model's
-    (VLLMClient.generate marks it in "eos"; a turn without the mark is judged by
+    (VLLMClient.submit marks it in "eos"; a turn without the mark is judged by
     model_files.stop_token_ids)."""
     ids = out["token_ids"]
     ended = out["eos"] if "eos" in out else (out["finish_reason"] == "stop" and ids
@@ -83,7 +83,7 @@ def take_turn(e, out, tokenizer):
 
 
 class Player(Protocol):
-    """What plays a round of episodes (this module's docstring says how); train.load_inputs picks one."""
+    """What plays a round of episodes (this module's docstring says how); train.choose_player picks one."""
 
     multi_turn: bool  # episodes of several turns: a step logs their turns and tool calls
     scores: bool  # it gives its episodes a reward of its own (Episode.env_reward)

@@ -11,7 +11,7 @@ of FAULTS, named by the metric that counts it, and every file that meets one ask
 A failure nobody can pin on the policy is ours: a timeout or a worker's death may follow from what
 the policy wrote, but may as well be a loaded machine or the OOM killer, and a group dropped costs
 samples where a wrong reward costs the run. An environment tells the policy of its mistakes with
-tool_calls.ToolError, and of its own with tool_calls.Unavailable. The same rows hold for a shared
+envs.tool_calls.ToolError, and of its own with envs.tool_calls.Unavailable. The same rows hold for a shared
 environment and a per-episode one, in a worker or in the trainer (tool_workers=0: no timeout, no
 crash). docs/operations.md ("Whose failure is it") is this table as users read it.
 """
@@ -24,7 +24,7 @@ FAULTS = {  # the metric that counts it: (whose, what it is)
                                "read the policy's call"),
     "tool_errors": (OURS, "the environment's step raised an exception other than ToolError, or returned something "
                            "that is not a list of messages"),
-    "tool_unavailable": (OURS, "the tool could not run (tool_calls.Unavailable: a sandbox that cannot start)"),
+    "tool_unavailable": (OURS, "the tool could not run (envs.tool_calls.Unavailable: a sandbox that cannot start)"),
     "tool_resets": (OURS, "a per-episode environment's constructor or reset(row) raised"),
     "tool_timeouts": (OURS, "a call ran past tool_timeout: its worker was killed"),
     "tool_crashes": (OURS, "a call's worker died (a signal, or an exit)"),
@@ -34,7 +34,7 @@ FAULTS = {  # the metric that counts it: (whose, what it is)
     "reward_timeouts": (OURS, "the reward ran past reward_timeout (tool_timeout for an environment's)"),
     "reward_crashes": (OURS, "the reward's worker died"),
     "reward_none": (OURS, "a TRL-form reward returned None (not applicable) and no other reward scores the sample"),
-    # an agent program (agent_programs.py, gateway.py)
+    # an agent program (agent_programs/runner.py, agent_programs/gateway.py)
     "agent_errors": (OURS, "the program raised, exited non-zero, or returned something that is not a number"),
     "agent_timeouts": (OURS, "the program ran past agent_timeout"),
     "agent_crashes": (OURS, "the program's worker died"),
@@ -55,7 +55,7 @@ class VLLMError(RuntimeError):
 
 class SyncError(RuntimeError):
     """The trainer's logprobs and vLLM's disagree on tokens the current weights sampled: the
-    last weight sync did not take (update.check_sync)."""
+    last weight sync did not take (update.StepMetrics.check_sync)."""
 
 
 class Refused(RuntimeError):

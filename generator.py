@@ -27,7 +27,7 @@ from weight_sync import make_weight_sync, write_serving_dir
 
 def make_sync(cfg, client, rank, device):
     """The weight sync the config asks for (weight_sync.py); with LoRA the adapter's, or the merged
-    weights' (lora_sync.py, LoRA's door: imported only then)."""
+    weights' (lora/sync.py, LoRA's door: imported only then)."""
     if cfg.lora_rank:
         from lora import sync as lora_sync  # noqa: PLC0415 - the optional concept's door
         return lora_sync.make_weight_sync(cfg, client, rank)

@@ -18,7 +18,7 @@ import torch
 # --- advantages
 
 
-def group_advantages(rewards, group_size, normalization="standard", eps=1e-6):
+def group_advantages(rewards, group_size, normalization, eps=1e-6):
     """GRPO advantages of rewards (G * group_size,) laid out group after group.
     standard: (r - mean) / (std + eps); centered: r - mean (Dr GRPO drops the std).
     A group whose rewards are all equal gets advantage exactly 0 and std exactly 0.

@@ -34,7 +34,7 @@ from sample import Sample
 def batch_plan(cfg, world_size: int) -> dict:
     """Derive the per-rank batch arithmetic. Rollout:
     prompts x samples sequences, split into num_mini_batches optimizer steps of whole groups, each spread over
-    world_size ranks by tokens (packing.py) and packed into micro-batches of at most max_tokens_per_micro_batch
+    world_size // sequence_parallel_size data-parallel ranks by tokens (balance) and packed into micro-batches of at most max_tokens_per_micro_batch
     tokens (gradient accumulation). How many depends on the completions' lengths: the plan gives the count
     when every sequence has its full length, an upper estimate."""
     seqs = cfg.num_unique_prompts_rollout * cfg.num_samples_per_prompt_rollout

@@ -2,7 +2,7 @@
 
     python train.py                                                # a world of one (gloo on CPU)
     torchrun --nproc_per_node 8 train.py --vllm_server_urls URL    # shard over 8 ranks (FSDP); on GPUs the
-                                                                   # servers need GPUs of their own (launch_8gpu.sh)
+                                                                   # servers need GPUs of their own (scripts/launch_8gpu.sh)
     torchrun --nnodes 4 --nproc_per_node 8 ... train.py --fsdp_shard_size 8   # shard in each node,
                                                                    # replicate across the 4 (HSDP)
     torchrun --nproc_per_node 8 train.py --sequence_parallel_size 2 ...  # 4 groups of 2 ranks split each row
@@ -21,7 +21,7 @@ open-instruct's GRPO distributed knobs (DeepSpeed terms) and what they are here:
 | single_gpu_mode                        | single_gpu_mode (vLLM sleep mode, vllm_server.py)       |
 | backend_timeout                        | backend_timeout (the process group)                     |
 
-With lora_rank the adapters are injected before the sharding (lora.py, imported only then); the
+With lora_rank the adapters are injected before the sharding (lora/adapters.py, imported only then); the
 reference is then an adapter of the policy's own module, and load_model never builds a second model.
 
 The reference gets the policy's mesh and placements, so its shards sit beside the

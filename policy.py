@@ -79,7 +79,7 @@ def check_architecture(model):
 def check_model_config(model_config):
     """check_architecture on the model's config alone, built on the meta device (no weights
     read, no memory): the refusal comes before any process group or server starts. Returns the
-    meta model, for further checks (lora.check)."""
+    meta model, for further checks (lora.adapters.check)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):

@@ -28,7 +28,7 @@ memory O(parameters / world size). The anchors we know loop over parameters with
 mul_/add_ and, under ZeRO-3, gather full parameters to do it.
 
 With lora_rank the reference is an adapter beside the trained one in the policy's module
-(lora.py, imported by make_reference only then): the same update over the two adapters' local
+(lora/adapters.py, imported by make_reference only then): the same update over the two adapters' local
 shards, one adapter of memory.
 
 With offload_ref_policy the reference's shards stay in CPU memory: the update then runs
@@ -91,7 +91,7 @@ class Reference:
 class EMAReference(Reference):
     """A reference whose parameters follow policy_model's, or with params=(ref_params, policy_params)
     those two lists: with LoRA the reference adapter follows the trained one inside the policy's
-    own module (lora.py). Moves every `every` steps (step), or at each update()."""
+    own module (lora/adapters.py). Moves every `every` steps (step), or at each update()."""
 
     def __init__(self, ref_model, policy_model, alpha, params=None, every=None):
         ref_params, pol_params = params or (list(ref_model.parameters()), list(policy_model.parameters()))

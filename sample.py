@@ -20,7 +20,7 @@ class Sample:
     staleness: int = 0  # weight updates since the oldest of them (drop_stale)
     valid: bool = True  # False: packing's filler, no tokens in the loss
     # where in token_ids a new sequence starts, positions from 0 and attending to nothing before it:
-    # an agent's call that did not continue its episode's conversation (agent_trace.py)
+    # an agent's call that did not continue its episode's conversation (agent_programs/trace.py)
     restarts: tuple = ()
 
     def __post_init__(self):

@@ -12,7 +12,7 @@
 One step: rank 0 asks vLLM for completions, scores them and computes group advantages
 (generator.py, rollout.py); every rank gets the batch, computes old/reference logprobs,
 and trains on its share (update.py; FSDP2, one fully_shard per decoder layer then the
-root); the reference moves toward the policy (one foreach lerp on local shards); the
+root); an EMA reference (ref_policy_update_freq) moves toward the policy (one foreach lerp on local shards); the
 weights go back into vLLM; every checkpoint_state_freq steps each rank writes its shards
 (checkpoint.py). With async_steps=k the batches of the next k steps are generated while
 this one trains.
@@ -335,7 +335,8 @@ if __name__ == "__main__":
     cfg = parse_args_or_exit()
     try:
         status = main(cfg)
-    except (Refused, VLLMError) as e:  # nobody could score, a server not up or past repair: one line
+    except (Refused, VLLMError, SyncError) as e:  # nobody could score, a server not up or past repair, a sync that
+        # did not take: one line (main wrote the last good step's checkpoint)
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr)
         status = 1

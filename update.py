@@ -231,7 +231,7 @@ def train_on_batch(cfg, state, samples, rank, world_size, device):
 
 @contextlib.contextmanager
 def dropout(model, on):
-    """With on, the modules the model build marked `dropout_in_training` (lora.add_adapters: PEFT's dropout
+    """With on, the modules the model build marked `dropout_in_training` (lora.adapters.add_adapters: PEFT's dropout
     on the trained adapter's input) in train mode inside the block. The models otherwise stay in eval mode
     (from_pretrained's): no other dropout is ever switched on."""
     modules = [m for m in model.modules() if on and getattr(m, "dropout_in_training", None)]
@@ -257,7 +257,7 @@ def mini_batch_backward(cfg, policy, mbs, frozens, forward, denom, world_size, m
     losses = []
     with dropout(policy, cfg.lora_dropout > 0):  # on through backward: a checkpointed layer recomputes it
         for i, (b, frozen) in enumerate(zip(mbs, frozens)):
-            policy.set_requires_gradient_sync(i == len(mbs) - 1)  # reduce-scatter once per step
+            policy.set_requires_gradient_sync(i == len(mbs) - 1)  # reduce-scatter once per optimizer step
             logp, entropy, head_logp, _ = forward(policy, b, head_ids=frozen.head_ids)
             if reads_ess and cfg.ess_scope == "micro_batch":  # over this micro-batch on every rank
                 old_logp = logp.detach() if frozen.old_logp is None else frozen.old_logp

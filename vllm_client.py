@@ -1,4 +1,4 @@
-"""The HTTP client of vLLM: generation and scoring requests spread over the servers, retries,
+"""The HTTP client of vLLM: generation requests spread over the servers, retries,
 weight versions (a completion never mixes two), and the routes the weight sync and
 single_gpu_mode use. The servers are ours (vllm_server.py: a URL unix:PATH, HTTP over its private
 Unix socket) or the user's (vllm_server_urls, http(s)://host:port, started with
@@ -191,7 +191,7 @@ class VLLMClient:
     def broadcast(self, route, payload=None, params="", timeout=None):
         return [self.post(url, route, payload, params, timeout) for url in self.urls]
 
-    def submit(self, prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(), server=None):
+    def submit(self, prompt_ids, n, max_tokens, temperature, top_p, seed=None, stop=(), server=None):
         """n completions of the token-id prompt, requested now: a Future of a list of dicts with
         token_ids, logprobs (of the sampled tokens, under the sampling temperature), finish_reason
         ("stop" or "length"), eos (it ended on an end-of-sequence token, the last of token_ids),

@@ -71,7 +71,7 @@ def server_command(model_dir, cfg, port=None, uds=None, extra_args=()):
     """The command line of the vLLM server on `model_dir`, and the variables it adds to the environment:
     the server train.py launches (launch_server: on the Unix socket `uds`) and scripts/launch_8gpu.sh
     starts (scripts/serve.py: on 127.0.0.1:`port`). `extra_args` are the caller's flags: the weight
-    sync's (LoRA's adapter sync turns LoRA on: lora_sync.server_flags), a benchmark's."""
+    sync's (LoRA's adapter sync turns LoRA on: lora.sync.server_flags), a benchmark's."""
     max_len = cfg.vllm_max_model_len or cfg.max_prompt_length + cfg.response_length
     # with --uds vLLM ignores --host and --port (its FrontendArgs.uds)
     where = ["--uds", uds] if uds else ["--port", str(port)]

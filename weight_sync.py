@@ -18,7 +18,7 @@ Both are bounded by weight_sync_timeout: the reload request is an HTTP timeout; 
 transfer, which would otherwise wait forever for a peer that is gone, runs in a thread
 that is abandoned with a TimeoutError when it takes longer.
 
-LoRA's syncs (the adapter, or the merged weights) are lora_sync.py's, picked by generator.make_sync.
+LoRA's syncs (the adapter, or the merged weights) are lora/sync.py's, picked by generator.make_sync.
 
 Tied embeddings: the CPU server's `reload_weights` does not refresh a tied LM head
 ("ParallelLMHead: Failed to load weights"), so the server always gets an untied copy:
@@ -87,9 +87,9 @@ def write_serving_dir(state_dict, hf_config, tokenizer, out_dir):
 
 class FilesystemSync:
     """Gather on every rank, then rank 0 writes safetensors and asks each server to reload.
-    `serving` turns the gathered state dict into what the servers get (LoRA's merge, lora_sync.py)."""
+    `serving` turns the gathered state dict into what the servers get (LoRA's merge, lora/sync.py)."""
 
-    server_flags = ()  # a server we launch needs none for it (lora_sync.AdapterSync's: LoRA on)
+    server_flags = ()  # a server we launch needs none for it (lora.sync.AdapterSync's: LoRA on)
     sync_at_start = False  # a server we launch needs no sync before it serves (AdapterSync's does)
 
     def __init__(self, client, rank, output_dir, timeout=None, base=None, serving=None):
@@ -144,7 +144,7 @@ class NCCLSync:
 
     server_flags, sync_at_start = (), False  # its server's --weight-transfer-config is server_command's
 
-    def __init__(self, client, rank, master_address, master_port, device, timeout=600.0, dtype=torch.bfloat16):
+    def __init__(self, client, rank, master_address, master_port, device, timeout, dtype=torch.bfloat16):
         self.client, self.rank, self.device, self.engine, self.timeout = client, rank, device, None, timeout
         self.master_address, self.master_port = master_address, master_port  # this trainer's rendezvous
         self.dtype = dtype  # the server's: a bfloat16 copy of float32 weights in a float32 server fails the check

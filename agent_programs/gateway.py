@@ -1,5 +1,5 @@
 """The agent gateway: an OpenAI-compatible endpoint in front of the vLLM server(s), through which
-an agent that is a program (agent_programs.py) calls the policy, and which records exactly what it sampled.
+an agent that is a program (runner.py) calls the policy, and which records exactly what it sampled.
 
     gateway = Gateway(tokenizer, cfg)               # 127.0.0.1, a free port
     base_url, key = gateway.open(k, temperature, seeds)   # one per episode
@@ -13,7 +13,7 @@ its base URL (http://host:port/e/KEY/v1) or by its API key (Authorization: Beare
 name is served by the policy. The trainer's sampling settings are pinned: an agent's temperature,
 top_p, seed or penalties are overridden (counted as agent_overrides, and said once), n > 1 refused.
 
-What a call records, and when it continues the episode's sample: agent_trace.py.
+What a call records, and when it continues the episode's sample: trace.py.
 
 It listens on TCP, not on a Unix socket in a private directory as our vLLM server does
 (vllm_server.private_socket): an agent gets a base URL, and OpenAI clients in any language take
@@ -200,7 +200,7 @@ class Gateway:
 
     def failed(self, trace, error):
         """A server that fails (ours, not the agent's nor the policy's): the episode is unscored, and
-        the rollout stops on trace.server_error, a server of ours restarted (agent_programs)."""
+        the rollout stops on trace.server_error, a server of ours restarted (runner.Agents.play raises it)."""
         trace.server_error = error
         raise Refusal(502, f"the vLLM server: {error}", fatal=True) from None
 
@@ -265,7 +265,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         except ValueError as e:
             return self.reply(400, {"error": {"message": f"the body is not JSON ({e})"}})
         with trace.lock:  # one call of an episode at a time, its answer written before the next
-            if route == "/end":  # the program's run is over (agent_programs.Program): later calls add nothing
+            if route == "/end":  # the program's run is over (runner.Program): later calls add nothing
                 trace.closed = True
                 return self.reply(200, {})
             saved = trace.save()

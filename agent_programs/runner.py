@@ -109,7 +109,7 @@ class Agents:
         self.cfg, self.tokenizer, self.pool, self.gateway = cfg, tokenizer, None, None
         self.program = Program(cfg.agent, cfg.agent_cmd, cfg.agent_timeout)
         if cfg.agent and not callable(self.program.fn):
-            raise ValueError(f"agent={cfg.agent!r} is not a function; see agent_programs.py")
+            raise ValueError(f"agent={cfg.agent!r} is not a function; see agent_programs/runner.py")
         self.name = cfg.agent or f"agent_cmd {cfg.agent_cmd!r}"
         self.parser = tool_calls.Parser(cfg.tool_call_parser, tokenizer, None) if cfg.tool_call_parser else None
         self.reasoning = tool_calls.Reasoning(cfg.reasoning_parser, tokenizer, ChatTokens(

@@ -7,7 +7,7 @@ What is recorded, per episode, is one Sample (sample.py) of the tokens vLLM saw 
 - a call whose messages extend the previous call's messages and the reply the gateway gave
   (compared as the template reads them: role, text, tool calls' names and arguments, ids
   aside) continues the sample: its new messages are appended as the chat template renders them
-  after an assistant turn (chat.ChatTokens, mask 0) and the sampled tokens follow (mask 1). The
+  after an assistant turn (envs.chat.ChatTokens, mask 0) and the sampled tokens follow (mask 1). The
   earlier turns stay the tokens sampled, whatever the template would now render for them
   (Qwen3 drops past reasoning; JSON arguments re-serialise);
 - a call that does not extend (history rewritten, compacted, a sub-agent's) starts a new
@@ -17,7 +17,7 @@ The sample's tokens after its first prompt stay within response_length and its c
 max_turns: past either, a call is answered with no text and finish_reason "length", unsampled.
 
 Doors: gateway.py (a Trace opened and closed per episode; each call's tokens recorded by
-Trace.record; Refusal, the HTTP error of a call); agent_programs.Agents.take reads a closed trace.
+Trace.record; Refusal, the HTTP error of a call); runner.Agents.take reads a closed trace.
 """
 
 import dataclasses
@@ -99,7 +99,7 @@ class Trace:
 
     def load(self, state):
         """Take a call back; a server's failure in it stays, with the episode's failure: the trainer
-        stops the step on it (agent_programs.Agents.play), whether the agent saw the answer or not."""
+        stops the step on it (runner.Agents.play), whether the agent saw the answer or not."""
         error, failure = self.server_error, self.failure
         vars(self).update(state)
         if error is not None:

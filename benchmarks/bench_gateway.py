@@ -54,7 +54,7 @@ def direct(client, tokenizer, calls):
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 214 + 659?"}], add_generation_prompt=True,
                                         return_dict=True)["input_ids"]
     for _ in range(calls):
-        ids = ids + client.submit(ids, 1, 64).result()[0]["token_ids"]
+        ids = ids + client.submit(ids, 1, 64, 1.0, 1.0).result()[0]["token_ids"]
 
 
 def cpu():

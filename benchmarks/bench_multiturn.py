@@ -67,13 +67,13 @@ def main(argv=None):
                                           client_cpu_s=[]))
             r["tokens_per_s"].append(tokens / stats["time_generate"])
             r["seconds"].append(stats["time_generate"])
-            r["time_tools"].append(stats["time_tools"])
+            r["time_tools"].append(stats.get("time_tools", 0.0))
             r["client_cpu_s"].append(cpu)
             r["turns"].append(sum(x.turns for x in episodes) / len(episodes))
             r["tool_calls"].append(sum(x.tool_calls for x in episodes) / len(episodes))
             print(f"{name:12s} {tokens} policy tokens in {stats['time_generate']:.1f} s generating -> "
                   f"{tokens / stats['time_generate']:.0f} tokens/s; {r['turns'][-1]:.2f} turns and "
-                  f"{r['tool_calls'][-1]:.2f} tool calls an episode; tools {stats['time_tools']:.2f} s; "
+                  f"{r['tool_calls'][-1]:.2f} tool calls an episode; tools {stats.get('time_tools', 0.0):.2f} s; "
                   f"client CPU {cpu:.2f} s", flush=True)
     finally:
         vllm_server.stop_server(proc)

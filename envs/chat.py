@@ -1,6 +1,6 @@
 """The tokens a conversation adds to an episode, from the model's chat template (ChatTokens):
 the environment's messages after a policy's turn, checked at start-up to be appendable turn by
-turn. envs/environment.py builds one per run; tests/test_templates.py runs the families' real
+turn. envs/environment.py builds one per run, agent_programs/gateway.py one per tool list; tests/test_templates.py runs the families' real
 templates through it."""
 
 import re

@@ -47,7 +47,7 @@ it as root); envs/sandbox_process.py builds its command line. What holds, and by
 - Environment: PATH, HOME, TMPDIR, LANG and thread counts; none of the trainer's variables, in
   the code's process or in bwrap's (whose pid 1 the code can read, not root: /proc/1/environ).
 Fails closed: without bwrap, or where it cannot make namespaces, the first cell raises one line
-naming the fix (probe() runs one cell, to find that out at a worker's start). SANDBOX_ISOLATION=none
+naming the fix (probe() runs one cell, once at the run's start where the calls run: PythonTool.check). SANDBOX_ISOLATION=none
 (or Limits(isolation="none")) opts into running the code unisolated, with a warning: rlimits (no
 process limit) and a scratch directory, nothing else.
 

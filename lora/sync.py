@@ -9,7 +9,7 @@ we launch starts from the unmerged base), or, from a server without LoRA, full w
 adapter folded in (lora_weight_sync='merged': weight_sync.FilesystemSync with merge). The
 trainer's base weights are never merged into: a merge is done on the gathered copy.
 
-Its doors (lora.py lists all of LoRA's): generator.py:make_sync (make_weight_sync, whose sync
+Its doors (lora/__init__.py lists all of LoRA's): generator.py:make_sync (make_weight_sync, whose sync
 carries the server's flags), train.py:export (export), and the command line of a server you run,
 scripts/serve.py:main (server_flags).
 """

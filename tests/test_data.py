@@ -16,11 +16,13 @@ def tokenizer(tiny_model_dir):
 
 def test_tasks_are_deterministic_and_eval_is_held_out():
     for task in data.TASKS:
-        a = data.task_rows(task, 200, seed=3, split="train")
-        assert a == data.task_rows(task, 200, seed=3, split="train")
-        assert a != data.task_rows(task, 200, seed=4, split="train")
-        evals = data.task_rows(task, 50, seed=3, split="eval")
-        assert evals == data.task_rows(task, 50, seed=4, split="eval") == data.task_rows(task, 50, seed=1, split="eval")
+        knobs = data.task_knobs(Config(dataset=task))  # the config's, at its defaults
+        a = data.task_rows(task, 200, seed=3, split="train", **knobs)
+        assert a == data.task_rows(task, 200, seed=3, split="train", **knobs)
+        assert a != data.task_rows(task, 200, seed=4, split="train", **knobs)
+        evals = data.task_rows(task, 50, seed=3, split="eval", **knobs)
+        assert evals == data.task_rows(task, 50, seed=4, split="eval", **knobs) \
+            == data.task_rows(task, 50, seed=1, split="eval", **knobs)
         assert not {json.dumps(r["prompt"]) for r in a} & {json.dumps(r["prompt"]) for r in evals}
 
 
