@@ -117,7 +117,8 @@ class Config:
                                                    "async_steps=0, half otherwise", low=1)
     vllm_gpu_memory_utilization: float = option(0.9, "memory fraction of a GPU server we launch",
                                                 above=0, high=1, resumable=True)
-    vllm_startup_timeout: float = option(600.0, "seconds to wait for a launched server to answer as ours (/v1/models serves our model)",
+    vllm_startup_timeout: float = option(600.0, "seconds to wait for a launched server to answer as ours "
+                                                "(/v1/models serves our model)",
                                          above=0, resumable=True)
     vllm_request_timeout: float = option(120.0, "seconds for one HTTP request to a server", above=0, resumable=True)
     vllm_max_retries: int = option(3, "retries (with backoff) of a failed request before the run stops",
@@ -250,7 +251,8 @@ class Config:
         self.loss_denominator = str(self.loss_denominator)
         check_fields(self, {"multi_turn": "environment, agent or agent_cmd", "agent_program": "agent or agent_cmd"})
         if problem := (self._check_data() or self._check_rollouts() or self._check_batch() or self._check_objective()
-                       or self._check_reference() or self._check_lora() or self._check_distributed() or self._check_output()):
+                       or self._check_reference() or self._check_lora() or self._check_distributed()
+                       or self._check_output()):
             raise ValueError(problem)
 
     def _check_data(self):

@@ -214,7 +214,8 @@ def tokenize_rows(rows, tokenizer, cfg, env=None):
                              f"the messages before the answer, `completion`: the answer), or set "
                              f"--dataset_prompt_column to a column that holds only the prompt")
         # an environment's conversation, over any dataset column of that name; without one a "messages"
-        # column stays the dataset's own, for the reward (Environment.play reads it; an agent's reward sees its conversation)
+        # column stays the dataset's own, for the reward (Environment.play reads it; an agent's reward sees its
+        # conversation)
         extra = {"messages": env.reset(row)} if env else {}
         text = prompt_text(extra["messages"], tokenizer, True, env.tools) if env else \
             prompt_text(p, tokenizer, cfg.apply_chat_template)

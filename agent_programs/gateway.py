@@ -10,8 +10,11 @@ Routes: POST /v1/chat/completions (messages, tools, tool calls in the model's fo
 vLLM's parser: --tool_call_parser; reasoning by --reasoning_parser; stream=True answered as one
 chunk), POST /v1/completions (a text or token-id prompt), GET /v1/models. The episode is named by
 its base URL (http://host:port/e/KEY/v1) or by its API key (Authorization: Bearer KEY); any model
-name is served by the policy. The trainer's sampling settings are pinned: an agent's temperature,
-top_p, seed or penalties are overridden (counted as agent_overrides, and said once), n > 1 refused.
+name is served by the policy. Every answer carries OpenAI's usage (a stream's with
+stream_options.include_usage). The trainer's sampling settings are pinned: an agent's temperature,
+top_p, seed or penalties are overridden, and what would make the policy sample from another
+distribution (tool_choice="required", a response_format, ...: UNHONOURED) is not honoured; both are
+counted as agent_overrides and said once. n > 1, best_of, echo and suffix are refused (docs/data.md).
 
 What a call records, and when it continues the episode's sample: trace.py.
 
@@ -41,11 +44,22 @@ MAX_BODY = 64 << 20  # bytes of one request (a conversation of max_prompt_length
 TOOL_LISTS = 16  # distinct tool lists whose ChatTokens are kept, the least recently used dropped
 PINNED = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
           "repetition_penalty")  # sampling an agent may ask for and the trainer sets
+# What an agent may ask that would make the policy sample from another distribution than the trainer's
+# (constrained decoding, forced calls, biased logits) or that the gateway does not return, with the values
+# that ask nothing: the policy samples as it is, and the call is counted with the pinned ones (agent_overrides)
+UNHONOURED = {"tool_choice": ("auto",), "response_format": ({"type": "text"},), "logit_bias": ({},),
+              "logprobs": (False,), "top_logprobs": (0,), "parallel_tool_calls": (True,), "guided_json": (),
+              "guided_regex": (), "guided_choice": (), "structured_outputs": ()}
 
 
 def as_json(value):
     """Arguments as OpenAI sends them: a JSON string (one the parser could not read stays as it was)."""
     return value if isinstance(value, str) else json.dumps(value)
+
+
+def usage(prompt, completion):
+    """OpenAI's usage of one call (what LangChain, LiteLLM and smolagents read)."""
+    return dict(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 def stops(body):
@@ -100,21 +114,27 @@ class Gateway:
         return chat
 
     def pin(self, trace, body):
-        """Refuse what cannot be honoured; count (and say once) the sampling settings overridden."""
-        if body.get("n", 1) != 1:
+        """Refuse what cannot be served (n > 1, best_of, echo, suffix); count (agent_overrides) and say once
+        what is overridden: the sampling settings the trainer sets (PINNED) and what would change what the
+        policy samples or is not returned (UNHONOURED: tool_choice="required", a response_format, ...)."""
+        if body.get("n", 1) != 1 or body.get("best_of", 1) not in (None, 1):
             raise Refusal(400, "n > 1 is not served: a group's samples are separate episodes (num_samples_per_prompt_"
                           "rollout); ask for one completion per call")
+        if body.get("echo") or body.get("suffix"):
+            raise Refusal(400, "echo and suffix are not served: ask for the completion alone")
         asked = [k for k in PINNED if body.get(k) is not None and body[k] != {"temperature": trace.temperature,
                                                                               "top_p": self.cfg.top_p}.get(k)]
+        asked += [k for k, fine in UNHONOURED.items() if body.get(k) is not None and body[k] not in fine]
         if asked:
             trace.overrides += 1
             if tuple(asked) not in self.said:
                 self.said.add(tuple(asked))
-                print(f"gateway: the agent asked for {', '.join(f'{k}={body[k]}' for k in asked)}; the policy samples "
-                      f"at the trainer's temperature={trace.temperature}, top_p={self.cfg.top_p}, seeded per episode")
+                print(f"gateway: the agent asked for {', '.join(f'{k}={body[k]}' for k in asked)}; not honoured: the "
+                      f"policy samples as it is, at the trainer's temperature={trace.temperature}, top_p="
+                      f"{self.cfg.top_p}, seeded per episode (counted in agent_overrides)")
 
     def chat(self, trace, body):
-        """One /v1/chat/completions call: (the assistant message, finish_reason)."""
+        """One /v1/chat/completions call: (the assistant message, finish_reason, usage)."""
         tools = body.get("tools") or []
         if tools and self.parser is None:
             raise Refusal(400, "the agent sends tools, and the trainer reads no tool calls: set --tool_call_parser "
@@ -127,9 +147,9 @@ class Gateway:
         with self.lock:  # one tokenizer for every thread
             chat = self.chat_tokens(tools)
             between = chat.ids(messages[len(trace.convo):], trace.eos) if extends else chat.prompt_ids(messages)
-        ids, finish = self.sample(trace, between, extends, body, stops(body))
+        ids, finish, usage = self.sample(trace, between, extends, body, stops(body))
         if ids is None:
-            return {"role": "assistant", "content": ""}, finish
+            return {"role": "assistant", "content": ""}, finish, usage
         text, trace.tools = trace.text, name
         with self.lock:
             reasoning, content = self.reasoning.split(text) if self.reasoning else (None, text)
@@ -143,10 +163,10 @@ class Gateway:
         if reply.get("tool_calls"):  # OpenAI's form: arguments as a JSON string
             out["tool_calls"] = [dict(c, function=dict(c["function"], arguments=as_json(c["function"]["arguments"])))
                                  for c in reply["tool_calls"]]
-        return out, finish
+        return out, finish, usage
 
     def completion(self, trace, body):
-        """One /v1/completions call: (the text, finish_reason). A prompt (text or token ids) that
+        """One /v1/completions call: (the text, finish_reason, usage). A prompt (text or token ids) that
         starts with the sample so far continues it, its new tokens as given (mask 0); a text's
         new part is tokenized on its own."""
         prompt = body.get("prompt")
@@ -164,28 +184,29 @@ class Gateway:
             between = prompt[len(so_far):] if extends else prompt
         else:
             raise Refusal(400, "prompt must be one text or one list of token ids")
-        ids, finish = self.sample(trace, between, extends, body, stops(body))
+        ids, finish, usage = self.sample(trace, between, extends, body, stops(body))
         if ids is None:
-            return "", finish
+            return "", finish, usage
         trace.completion, trace.messages = trace.text, []  # the reward reads this call's text
-        return trace.text, finish
+        return trace.text, finish, usage
 
     def sample(self, trace, between, extends, body, stop):
         """Append `between` (mask 0) to the trace's sample, continuing it or starting a sequence,
-        and sample the next turn after it; (the sampled ids, finish_reason), or (None, "length")
-        when the episode's token or turn budget is spent."""
+        and sample the next turn after it; (the sampled ids, finish_reason, usage), or (None, "length",
+        usage) when the episode's token or turn budget is spent. usage is OpenAI's: the tokens vLLM was
+        given (the sequence so far, as it continues) and sampled."""
         cfg, s = self.cfg, trace.sample
         if s is None and len(between) > cfg.max_prompt_length:
             raise Refusal(400, f"the agent's first prompt is {len(between)} tokens, over max_prompt_length="
                           f"{cfg.max_prompt_length}; raise it (the micro-batch budget follows)", fatal=True)
         left = cfg.response_length - (len(s.token_ids) + len(between) if s else 0)
+        prompt = trace.current() + between if extends else between  # a restarted sequence sees itself only
         if left <= 0 or trace.calls >= cfg.episode_turns:
             trace.cut = True
-            return None, "length"
+            return None, "length", usage(len(prompt), 0)
         asked = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), left)
         if not isinstance(asked, int) or asked < 1:
             raise Refusal(400, f"max_tokens={asked!r} must be a whole number of at least 1")
-        prompt = trace.current() + between if extends else between  # a restarted sequence sees itself only
         try:
             out = self.client.submit(prompt, 1, min(left, asked), trace.temperature, cfg.top_p,
                                      trace.seeds(trace.calls), stop).result()[0]
@@ -194,7 +215,8 @@ class Gateway:
                 raise Refusal(400, f"the vLLM server refused the request: {e}") from None
             return self.failed(trace, e)
         try:
-            return trace.record(between, extends, out, stop, self.tokenizer, cfg.response_length)
+            return (*trace.record(between, extends, out, stop, self.tokenizer, cfg.response_length),
+                    usage(len(prompt), len(out["token_ids"])))
         except ValueError as e:  # Trace.record's check, before it records anything: not one logprob per token
             return self.failed(trace, VLLMError(str(e)))
 
@@ -273,7 +295,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if self.gone():
                 return trace.load(saved)
             try:
-                self.stream(payload) if status == 200 and body.get("stream") else self.reply(status, payload)
+                self.stream(payload, (body.get("stream_options") or {}).get("include_usage")) \
+                    if status == 200 and body.get("stream") else self.reply(status, payload)
             except (BrokenPipeError, ConnectionResetError, TimeoutError):  # the agent gave up on this call
                 trace.load(saved)  # (its client's timeout) and never saw it: as if it was never made
 
@@ -309,10 +332,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 raise Refusal(409, "the episode has ended")
             gateway.pin(trace, body)
             if route == "/chat/completions":
-                message, finish = gateway.chat(trace, body)
+                message, finish, used = gateway.chat(trace, body)
                 choice, kind = dict(index=0, message=message, finish_reason=finish, logprobs=None), "chat.completion"
             elif route == "/completions":
-                text, finish = gateway.completion(trace, body)
+                text, finish, used = gateway.completion(trace, body)
                 choice, kind = dict(index=0, text=text, finish_reason=finish, logprobs=None), "text_completion"
             else:
                 raise Refusal(404, f"no route {self.path}")
@@ -326,7 +349,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             trace.failure = trace.failure or f"the gateway failed: {type(e).__name__}: {e}"
             return 500, {"error": {"message": trace.failure}}
         return 200, dict(id=f"{kind}-{key}-{trace.calls}", object=kind, created=int(time.time()),
-                         model=body.get("model") or "policy", choices=[choice])
+                         model=body.get("model") or "policy", choices=[choice], usage=used)
 
     def reply(self, status, payload):
         data = json.dumps(payload).encode()
@@ -338,8 +361,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def stream(self, done):
-        """The whole answer as one server-sent chunk, then its finish_reason and [DONE]."""
+    def stream(self, done, include_usage=False):
+        """The whole answer as one server-sent chunk, then its finish_reason, with include_usage (the
+        request's stream_options) a last chunk of no choices and the call's usage, then [DONE]."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Connection", "close")
@@ -353,8 +377,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
             last = dict(index=0, delta={}, finish_reason=choice["finish_reason"])
         else:
             first, last = dict(choice, finish_reason=None), dict(choice, text="")
-        for c in (first, last):
-            self.wfile.write(f"data: {json.dumps(dict(done, object=kind, choices=[c]))}\n\n".encode())
+        chunks = [dict(done, object=kind, choices=[c], usage=None) for c in (first, last)]
+        chunks += [dict(done, object=kind, choices=[])] if include_usage else []
+        for chunk in chunks if include_usage else [{k: v for k, v in c.items() if k != "usage"} for c in chunks]:
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
         self.wfile.write(b"data: [DONE]\n\n")
         self.close_connection = True
 

@@ -126,7 +126,8 @@ class Agents:
         seeded turn_seed(seed, t, len(rows) * n, k), as an environment's turns are. Returns the
         episodes and their counts."""
         self.gateway.client = client
-        episodes = [Episode(k, row, self.cfg.response_length, []) for k, row in enumerate(r for r in rows for _ in range(n))]
+        episodes = [Episode(k, row, self.cfg.response_length, [])
+                    for k, row in enumerate(r for r in rows for _ in range(n))]
         # keys no other process on the machine can guess: a call with one is the episode's
         keys = [self.gateway.open(f"{secrets.token_hex(8)}-{e.k}", temperature,
                                   lambda t, k=e.k: turn_seed(seed, t, len(episodes), k)) for e in episodes]

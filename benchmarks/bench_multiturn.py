@@ -6,7 +6,8 @@ vLLM CPU server (what train.py launches) in one invocation.
     .venv/bin/python benchmarks/bench_multiturn.py --server_args "--block-size 128"
     .venv/bin/python benchmarks/bench_multiturn.py --prompts 16   # 128 episodes at once
 
-Both play the tools demo's batch through a player (episodes.Completions, envs.environment.Environment): 4 prompts (--prompts) x 8 samples of
+Both play the tools demo's batch through a player (episodes.Completions, envs.environment.Environment):
+4 prompts (--prompts) x 8 samples of
 the `calc` task (3 digits, + - *) with the calculator's first messages, at most 96 tokens
 after the prompt, T 0.7. "multi-turn": the calculator answers, at most 3 assistant turns;
 "single-turn": no environment, one turn on the same prompts. tokens/s counts the policy's

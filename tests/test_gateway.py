@@ -153,6 +153,47 @@ def test_sampling_is_pinned_and_n_refused(make):
     assert len(g.client.calls) == 1 and g.close(key).failure is None
 
 
+def test_every_answer_carries_its_usage(make):
+    """OpenAI's usage (LangChain, LiteLLM and smolagents read it): the tokens vLLM was given and sampled,
+    on a chat call, a text completion and a call past the budget; a stream says it in a last chunk
+    when stream_options asks (before: no usage anywhere, and smolagents failed on every call)."""
+    g, tok, client, key = make("qwen2.5-instruct", ["Five.", "Six.", "Seven."], max_turns=3)
+    reply = client.chat.completions.create(model="any", messages=FIRST)
+    first = g.client.calls[0]
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(first["prompt"]),
+                                                                          len(first["out"]["token_ids"]))
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    chunks = list(client.chat.completions.create(model="any", messages=FIRST + [
+        {"role": "assistant", "content": "Five."}, {"role": "user", "content": "And?"}], stream=True,
+        stream_options={"include_usage": True}))
+    second = g.client.calls[1]
+    assert [c.usage for c in chunks[:-1]] == [None, None] and chunks[-1].choices == []
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (
+        len(second["prompt"]), len(second["out"]["token_ids"]))
+    text = client.completions.create(model="any", prompt="What is 3 + 4?")  # a new sequence
+    assert text.usage.completion_tokens == len(g.client.calls[2]["out"]["token_ids"])
+    past = client.completions.create(model="any", prompt="Again?")  # max_turns=3 spent: nothing sampled
+    assert past.choices[0].finish_reason == "length" and past.usage.completion_tokens == 0
+
+
+def test_what_would_change_the_policys_sampling_is_counted_and_said_once(make, capsys):
+    """tool_choice="required" (smolagents sends it on every call), a response_format, logprobs: the
+    policy samples as it is, and the call is counted in agent_overrides and said once (before: dropped
+    without a word); echo and best_of are refused."""
+    g, tok, client, key = make("qwen2.5-instruct", ["Five.", "Six.", "Seven."])
+    for _ in range(2):
+        client.chat.completions.create(model="any", messages=FIRST, tool_choice="required")
+    client.chat.completions.create(model="any", messages=FIRST, response_format={"type": "json_object"})
+    client.chat.completions.create(model="any", messages=FIRST, tool_choice="auto")  # asks nothing
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("gateway:")]
+    assert len(said) == 2 and "tool_choice=required; not honoured" in said[0] and "response_format" in said[1]
+    assert g.traces[key].overrides == 3
+    with pytest.raises(openai.BadRequestError, match="echo and suffix are not served"):
+        client.completions.create(model="any", prompt="x", echo=True)
+    with pytest.raises(openai.BadRequestError, match="n > 1 is not served"):
+        client.completions.create(model="any", prompt="x", best_of=2)
+
+
 def test_tools_without_a_parser_are_refused_and_the_episode_unscored(make):
     g, tok, client, key = make("qwen2.5-instruct", ["Five."])
     with pytest.raises(openai.BadRequestError, match="--tool_call_parser"):
