@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from options import check_fields, default, option
+from user_code import reward_specs
 from episodes import max_seed
 
 
@@ -43,8 +44,11 @@ class Config:
                                                   "chat messages")
     dataset_answer_column: str = option("answer", "column the reward function reads as example[\"answer\"] (may be "
                                                   "absent if the reward needs none)")
-    reward_fn: Optional[str] = option(None, "\"module:function\" or \"path/to/file.py:function\"; None = the "
-                                            "built-in task's reward, else exact_match")
+    reward_fn: Optional[str] = option(None, "\"module:function\" or \"path/to/file.py:function\", or several "
+                                            "separated by commas (TRL's reward_funcs: their weighted sum); None = "
+                                            "the built-in task's reward, else exact_match")
+    reward_weights: list[float] = option([], "a weight for each reward_fn function (TRL's reward_weights); "
+                                             "empty = 1 each", only_with="reward_fn")
     reward_workers: int = option(2, "processes that score rewards (worker_pool.py); 0 = in the trainer, no timeout "
                                     "(breakpoint() works)", low=0)
     reward_timeout: float = option(10.0, "seconds one sample's reward may take in a worker; past it the sample "
@@ -260,7 +264,13 @@ class Config:
             return f"math_operations={self.math_operations!r} must be made of + - * (for example '+-' or '+-*')"
         if self.attn_implementation == "flash_attention_2" and not flash_attention_available():
             return ("attn_implementation='flash_attention_2' needs a CUDA GPU and the flash-attn package; install it "
-                    "there, or use packed_sdpa (the default)")
+                    "there, or use packed_sdpa")
+        functions = len(reward_specs(self.reward_fn)) if self.reward_fn else 0
+        if self.reward_weights and len(self.reward_weights) != functions:
+            return (f"reward_weights has {len(self.reward_weights)} weights for the {functions} reward_fn function(s); "
+                    "give one weight a function, or none (1 each)")
+        if not all(map(math.isfinite, self.reward_weights)):
+            return f"reward_weights={self.reward_weights} must be finite numbers"
 
     def _check_rollouts(self):
         if sum(map(bool, (self.environment, self.agent, self.agent_cmd))) > 1:

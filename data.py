@@ -32,7 +32,7 @@ import random
 import zlib
 
 from rewards import copy_reward, exact_match, math_reward, number_reward
-from user_code import check_columns, load_reward_fn
+from user_code import check_columns, load_reward_fns
 
 # --- built-in tasks
 
@@ -260,11 +260,12 @@ def load_prompts(cfg, tokenizer, env=None):
         n_eval = min(cfg.num_eval_prompts, len(rows) // 5)
         train, evals = rows[n_eval:] if n_eval else rows, rows[:n_eval]
         default_reward = exact_match
-    reward_fn = load_reward_fn(cfg.reward_fn) if cfg.reward_fn else default_reward
+    reward_fns = load_reward_fns(cfg.reward_fn) if cfg.reward_fn else [default_reward]
     train, skipped = tokenize_rows(train, tokenizer, cfg, env)
     evals = tokenize_rows(evals, tokenizer, cfg, env)[0] if evals else []
-    check_columns(reward_fn, train[0], f"reward_fn={cfg.reward_fn!r}")  # a TRL reward's named columns
-    return train, evals, skipped, reward_fn
+    for fn in reward_fns:  # a TRL reward's named columns
+        check_columns(fn, train[0], f"reward_fn={cfg.reward_fn!r}")
+    return train, evals, skipped, reward_fns[0] if len(reward_fns) == 1 else reward_fns
 
 
 class PromptSampler:

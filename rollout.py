@@ -183,6 +183,10 @@ def rollout_batch(cfg, client, sampler, step, pool, tokenizer, player):
              unscored_groups=total("unscored_groups"),
              time_score=total("time_score"), prompts_seen=sampler.position, response_tokens=lengths.sum().item(),
              **{k: total(k) / (len(lengths) if k in PER_EPISODE else 1) for k in rounds[0]["played"]})
+    for name in sorted({k for r in rounds for k in r if k.startswith("rewards/")}):  # --reward_fn a,b: each one's
+        values = torch.tensor([v for r in rounds for v in r.get(name, [])])
+        m.update({f"{name}/mean": values.mean().item() if len(values) else None,
+                  f"{name}/std": values.std().item() if len(values) > 1 else None})
     if rounds[0]["samples"]:
         m["samples"] = rounds[0]["samples"]
     if not samples and m["unscored_groups"]:  # unscored_stop > 1 let it go on: say it loudly

@@ -267,8 +267,8 @@ def main(cfg: Config):
     sampler = PromptSampler(train_rows, cfg.seed)
     resumed_from, start = resume(cfg, rank, state, sampler)
     # rewards in worker processes with a per-sample timeout (daemons); a failed one is NaN, never trained on
-    pool = RewardPool(cfg.reward_fn or reward_fn, cfg.reward_workers, cfg.reward_timeout,
-                      fallback=float("nan")) if rank == 0 else None
+    pool = RewardPool(cfg.reward_fn or reward_fn, cfg.reward_workers, cfg.reward_timeout, fallback=float("nan"),
+                      weights=cfg.reward_weights) if rank == 0 else None
     log = tracking.MetricsLog(cfg.output_dir, start, tracker) if rank == 0 else None
     if rank == 0:
         announce(cfg, plan, world_size, device, data, player, resumed_from, start, state.policy)

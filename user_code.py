@@ -54,6 +54,13 @@ def load_once(path, flag, kind):
     return load_object(path, flag, kind)
 
 
+def reward_specs(spec):
+    """The functions a --reward_fn names: one, or several separated by commas (TRL's reward_funcs)."""
+    if isinstance(spec, (list, tuple)):
+        return list(spec)
+    return [s.strip() for s in spec.split(",") if s.strip()] if isinstance(spec, str) else [spec]
+
+
 def load_reward_fn(path):
     """The function `path` names, refused here (at start-up) when it fits neither form (reward_form)."""
     fn = load_object(path)
@@ -61,6 +68,11 @@ def load_reward_fn(path):
         raise ValueError(f"reward_fn={path!r} is not a function")
     reward_form(fn, f"reward_fn={path!r}")
     return fn
+
+
+def load_reward_fns(spec):
+    """Every function --reward_fn names, each refused at start-up as load_reward_fn refuses it."""
+    return [load_reward_fn(s) for s in reward_specs(spec)]
 
 
 # --- a reward of your own: its value, its two forms
@@ -147,33 +159,52 @@ class Reward:
     counted (reward_none), where GRPOTrainer's nansum would give it 0, a reward nobody earned. (Ours
     returning None is an error: a `return` forgotten.)"""
 
-    def __init__(self, spec):
-        self.spec = spec
-        self.fn = load_reward_fn(spec) if isinstance(spec, str) else spec
-        if not callable(self.fn):
-            raise ValueError(f"reward {spec!r} is not a function")
-        self.form = reward_form(self.fn, f"reward {spec!r}")
-        self.keywords = trl_keywords(self.fn) if self.form == "trl" else None
+    def __init__(self, spec, weights=None):
+        self.spec, self.weights, self.parts = spec, list(weights or []), []
+        for one in reward_specs(spec):
+            fn = load_reward_fn(one) if isinstance(one, str) else one
+            if not callable(fn):
+                raise ValueError(f"reward {one!r} is not a function")
+            form = reward_form(fn, f"reward {one!r}")
+            self.parts.append((fn, form, trl_keywords(fn) if form == "trl" else None))
+        if self.weights and len(self.weights) != len(self.parts):
+            raise ValueError(f"reward_weights={self.weights} has {len(self.weights)} weights for {len(self.parts)} "
+                             "reward functions; give one weight a function, or none (1 each)")
+        self.names = [getattr(fn, "__name__", f"reward_{j}") for j, (fn, _, _) in enumerate(self.parts)]
+        self.several = len(self.parts) > 1 or bool(self.weights)  # then a call returns each function's value
 
     def __getstate__(self):
-        return self.spec
+        return self.spec, self.weights
 
-    def __setstate__(self, spec):
-        self.__init__(spec)
+    def __setstate__(self, state):
+        self.__init__(*state)
 
     def __repr__(self):
         return repr(self.spec)
 
     def __call__(self, prompt, completion, example, completion_ids=None):
-        if self.form == "ours":
-            return to_float(self.fn(prompt, completion, example))  # None too is an error: a `return` forgotten
+        """The reward's value; with several functions (or weights) each one's, combine makes the sum."""
+        values = tuple(self.call(part, prompt, completion, example, completion_ids) for part in self.parts)
+        return values if self.several else values[0]
+
+    def combine(self, values):
+        """TRL's weighted sum of the functions' values (weights 1 each unless given): a None (not applicable)
+        counts in no sum, and a sample all of whose functions said None is None."""
+        given = [w * v for w, v in zip(self.weights or [1.0] * len(values), values) if v is not None]
+        return sum(given) if given else None
+
+    @staticmethod
+    def call(part, prompt, completion, example, completion_ids):
+        fn, form, keywords = part
+        if form == "ours":
+            return to_float(fn(prompt, completion, example))  # None too is an error: a `return` forgotten
         prompt = example.get("prompt", prompt)
         kwargs = {k: [v] for k, v in example.items() if k not in NOT_COLUMNS}
         kwargs.update(prompts=[prompt], completion_ids=[completion_ids], trainer_state=None, completions=[
             [{"role": "assistant", "content": completion}] if isinstance(prompt, list) else completion])
-        if self.keywords is not None:  # no **kwargs: only what it names (check_columns saw to the rest)
-            kwargs = {k: v for k, v in kwargs.items() if k in self.keywords}
-        value = one_value(self.fn(**kwargs))
+        if keywords is not None:  # no **kwargs: only what it names (check_columns saw to the rest)
+            kwargs = {k: v for k, v in kwargs.items() if k in keywords}
+        value = one_value(fn(**kwargs))
         return None if value is None else to_float(value)
 
 

@@ -239,11 +239,11 @@ class RewardPool(CallPool):
     """The reward of each (prompt, completion, example); `fallback` (NaN) for one that fails. The reward is in
     our form or TRL's (user_code.Reward, which tells them apart at load and calls either one sample at a time)."""
 
-    def __init__(self, reward, workers=2, timeout=10.0, fallback=float("nan")):
+    def __init__(self, reward, workers=2, timeout=10.0, fallback=float("nan"), weights=None):
         # fallback: the value of a failed sample; NaN, so that no caller takes it for a real reward of 0
         # check=None: Reward checks its value itself, and passes a TRL-form reward's None (score counts it)
-        super().__init__(reward if isinstance(reward, Reward) else Reward(reward), workers, timeout, check=None,
-                         fallback=fallback)
+        super().__init__(reward if isinstance(reward, Reward) else Reward(reward, weights), workers, timeout,
+                         check=None, fallback=fallback)
 
     def score(self, prompts, completions, examples, completion_ids=None, alone=None):
         """Rewards in input order; counts of reward_errors, reward_timeouts, reward_crashes and
@@ -251,11 +251,19 @@ class RewardPool(CallPool):
         completion_ids: each sample's sampled token ids, for a TRL-form reward's `completion_ids`
         (None: not given). A TRL-form reward's None is "not applicable": where this reward is the
         sample's only one (alone[i], True when not given) the sample is unscored (the fallback) and
-        counted (reward_none); beside another (an environment's) it adds 0."""
+        counted (reward_none); beside another (an environment's) it adds 0. With several functions
+        (--reward_fn a,b; reward_weights) a sample's reward is their weighted sum (Reward.combine), and
+        the counts carry each function's values, "rewards/NAME": the values it gave (None left out)."""
         completion_ids = [None] * len(prompts) if completion_ids is None else completion_ids
         alone = [True] * len(prompts) if alone is None else alone
         values, failures = self.map(list(zip(prompts, completions, examples, completion_ids)))
         failed = {i for i, _, _ in failures}
+        parts = {}
+        if self.fn.several:  # each function's values, then their weighted sum
+            scored = [v for i, v in enumerate(values) if i not in failed]
+            parts = {f"rewards/{name}": [v[j] for v in scored if v[j] is not None]
+                     for j, name in enumerate(self.fn.names)}
+            values = [v if i in failed else self.fn.combine(v) for i, v in enumerate(values)]
         failures += [(i, "none", "the reward returned None (not applicable), and no other reward scores the sample")
                      for i, v in enumerate(values) if v is None and i not in failed and alone[i]]
         failures.sort(key=lambda f: f[0])
@@ -263,4 +271,4 @@ class RewardPool(CallPool):
                   for i, v in enumerate(values)]
         counts = {f"reward_{what}": sum(f[1] == what for f in failures) for what in ("errors", "timeouts", "crashes",
                                                                                         "none")}
-        return values, counts, f"sample {failures[0][0]}: {failures[0][2]}" if failures else None
+        return values, dict(counts, **parts), f"sample {failures[0][0]}: {failures[0][2]}" if failures else None

@@ -4,6 +4,7 @@ import pytest
 
 import data
 import model_files
+import user_code
 from config import Config
 
 
@@ -50,14 +51,14 @@ def test_task_answers_are_right():
 
 
 def test_load_reward_fn(tmp_path):
-    assert data.load_reward_fn("data:exact_match") is data.exact_match
+    assert user_code.load_reward_fn("data:exact_match") is data.exact_match
     f = tmp_path / "my_reward.py"
     f.write_text("def length(prompt, completion, example):\n    return float(len(completion))\n")
-    assert data.load_reward_fn(f"{f}:length")("", "abc", {}) == 3.0
+    assert user_code.load_reward_fn(f"{f}:length")("", "abc", {}) == 3.0
     for bad, fragment in [("data.exact_match", "module:function"), ("nope_module:f", "cannot import"),
                           ("data:nope", "no function"), (f"{tmp_path}/missing.py:f", "does not exist")]:
         with pytest.raises(ValueError, match=fragment):
-            data.load_reward_fn(bad)
+            user_code.load_reward_fn(bad)
 
 
 ROWS = [{"question": f"{i}+1=", "solution": str(i + 1), "id": i} for i in range(30)]

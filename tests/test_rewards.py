@@ -12,6 +12,7 @@ import rewards
 import user_code
 from config import Config
 from helpers import recompute
+from worker_pool import RewardPool
 
 GSM8K_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gsm8k_sample.jsonl")
 
@@ -168,3 +169,39 @@ def test_a_trl_reward_that_names_a_missing_column_is_refused_at_load(tmp_path, t
         data.load_prompts(Config(dataset="add", reward_fn=f"{f}:r"), tok)
     f.write_text("def r(completions, answer):\n    return [float(c == a) for c, a in zip(completions, answer)]\n")
     assert data.load_prompts(Config(dataset="add", reward_fn=f"{f}:r"), tok)[3].__name__ == "r"
+
+
+def several_rewards(tmp_path):
+    """Two reward files, ours and TRL's form: the spec --reward_fn takes for both."""
+    (tmp_path / "a.py").write_text("def length(prompt, completion, example):\n    return float(len(completion))\n")
+    (tmp_path / "b.py").write_text("def starts_x(completions, **kwargs):\n"
+                                   "    return [None if c == 'skip' else float(c.startswith('x')) for c in completions]\n"
+                                   "def never(completions, **kwargs):\n    return [None for _ in completions]\n")
+    return f"{tmp_path}/a.py:length,{tmp_path}/b.py:starts_x"
+
+
+@pytest.mark.parametrize("workers", [0, pytest.param(1, marks=pytest.mark.subprocess)])
+def test_several_rewards_with_weights_as_trl_users_write_them(tmp_path, workers):
+    """--reward_fn a.py:f,b.py:g (our form and TRL's, mixed) with reward_weights: a sample's reward is the
+    weighted sum, a None counts in no sum (TRL's rule), and each function's values come back apart (a step
+    logs rewards/NAME/mean); all None is unscored and counted. Before: the list was read as one module path."""
+    pool = RewardPool(several_rewards(tmp_path), workers=workers, weights=[0.5, 2.0])
+    try:
+        values, counts, first = pool.score(["p"] * 3, ["xab", "ab", "skip"], [{}] * 3)
+    finally:
+        pool.close()
+    assert values == [0.5 * 3 + 2.0 * 1, 0.5 * 2 + 2.0 * 0, 0.5 * 4] and first is None
+    assert counts["rewards/length"] == [3.0, 2.0, 4.0] and counts["rewards/starts_x"] == [1.0, 0.0]
+    nothing = RewardPool(f"{tmp_path}/b.py:starts_x, {tmp_path}/b.py:never", workers=0)  # weights 1 each
+    values, counts, first = nothing.score(["p"] * 2, ["x", "skip"], [{}] * 2)
+    assert values[0] == 1.0 and values[1] != values[1] and counts["reward_none"] == 1 and first.startswith("sample 1")
+
+
+def test_reward_weights_are_refused_in_one_line_when_they_do_not_fit(tmp_path):
+    spec = several_rewards(tmp_path)
+    with pytest.raises(ValueError, match="reward_weights has 1 weights for the 2 reward_fn function"):
+        Config(reward_fn=spec, reward_weights=[1.0])
+    with pytest.raises(ValueError, match="reward_weights act only with reward_fn set"):
+        Config(reward_weights=[1.0])
+    with pytest.raises(ValueError, match=r"reward_fn file '.*nowhere.py' does not exist"):
+        user_code.load_reward_fns(f"{tmp_path}/a.py:length,{tmp_path}/nowhere.py:f")

@@ -113,3 +113,16 @@ def test_request_seeds_leave_room_for_every_sample(tokenizer):
     streams = [set(range(seed, seed + 8)) for seed in server.seeds]
     assert server.seeds == [100, 108, 116]
     assert all(not (a & b) for i, a in enumerate(streams) for b in streams[i + 1:])
+
+
+def test_a_step_logs_each_reward_function_apart(tokenizer, tmp_path):
+    """--reward_fn with two functions: the step's reward is their sum, and each one's mean and std are
+    logged apart, as TRL names them (rewards/NAME/mean)."""
+    (tmp_path / "r.py").write_text("def is_a(prompt, completion, example):\n    return float(completion == 'a')\n\n"
+                                   "def always(prompt, completion, example):\n    return 1.0\n")
+    cfg = Config(num_unique_prompts_rollout=2, num_samples_per_prompt_rollout=2,
+                 reward_fn=f"{tmp_path}/r.py:is_a,{tmp_path}/r.py:always")
+    samples, m = rollout_batch(cfg, ScriptedServer(tokenizer, agree=set()), PromptSampler(rows(2), 0), 1,
+                               RewardPool(cfg.reward_fn, workers=0), tokenizer, Completions(cfg, tokenizer))
+    assert (m["rewards/is_a/mean"], m["rewards/always/mean"], m["rewards/always/std"]) == (0.5, 1.0, 0.0)
+    assert m["reward_mean"] == 1.5 and len(samples) == 4
