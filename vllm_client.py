@@ -191,14 +191,16 @@ class VLLMClient:
     def broadcast(self, route, payload=None, params="", timeout=None):
         return [self.post(url, route, payload, params, timeout) for url in self.urls]
 
-    def submit(self, prompt_ids, n, max_tokens, temperature, top_p, seed=None, stop=(), server=None):
+    def submit(self, prompt_ids, n, max_tokens, temperature, top_p, seed=None, stop=(), server=None, request_id=None):
         """n completions of the token-id prompt, requested now: a Future of a list of dicts with
         token_ids, logprobs (of the sampled tokens, under the sampling temperature), finish_reason
         ("stop" or "length"), eos (it ended on an end-of-sequence token, the last of token_ids),
         text and version (of the weights that sampled it). A stop string ends a completion and stays
         in it. vLLM seeds sample j with seed + j. Requests go round-robin over the servers (or to
-        `server` mod their number)."""
+        `server` mod their number). request_id names the request for abort."""
         extra = dict(stop=list(stop), include_stop_str_in_output=True) if stop else {}
+        if request_id:
+            extra["request_id"] = request_id
         payload = dict(prompt=prompt_ids, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                        **NEUTRAL_SAMPLING, stop_token_ids=self.stop_token_ids, logprobs=0, return_token_ids=True,
                        seed=seed, **extra)
@@ -217,6 +219,19 @@ class VLLMClient:
                      finish_reason=c["finish_reason"], text=c["text"], version=version,
                      eos=c["finish_reason"] == "stop" and not isinstance(c.get("stop_reason"), str))
                 for c in choices]
+
+    def abort(self, request_ids):
+        """Abort requests in flight (submit's request_id) on every server: they end at once, with what they
+        sampled so far (finish_reason "abort"). Returns whether every server took it: a server without
+        /abort_requests (one you run without VLLM_SERVER_DEV_MODE=1) lets them run to their end."""
+        ids = [f"cmpl-{r}-0" for r in request_ids]  # vLLM's id of a completions request's one prompt
+        data = json.dumps({"request_ids": ids}).encode()
+        try:
+            for url in self.urls:
+                fetch(url, "/abort_requests", data, self.headers, self.timeout)
+            return True
+        except (urllib.error.URLError, OSError, http.client.HTTPException):
+            return False
 
     def reload_weights(self, weights_dir, timeout=None):
         """Each server reloads the safetensors in weights_dir; `timeout` is weight_sync_timeout."""

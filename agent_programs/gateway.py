@@ -33,6 +33,7 @@ import select
 import socket
 import threading
 import time
+import uuid
 
 from agent_programs.trace import Refusal, Trace, plain
 from envs.chat import ChatTokens
@@ -87,12 +88,16 @@ class Gateway:
         return f"{self.url}/e/{key}/v1", str(key)
 
     def close(self, key):
-        """The episode's trace, final: a call in flight (of a program that timed out, or left a thread
-        behind) is waited for; a later one is answered with an error and adds nothing."""
+        """The episode's trace, final: a call in flight (of a program that timed out or crashed, or left
+        a thread behind) is aborted at vLLM, so that the step does not wait out its tokens (agent_timeout
+        bounds the step), and adds nothing; a later call is answered with an error and adds nothing."""
         trace = self.traces.pop(str(key))
         trace.closed = True
-        with trace.lock:
-            return trace
+        while not trace.lock.acquire(timeout=1.0):  # again each second: it may not have reached vLLM yet
+            if trace.in_flight:
+                self.client.abort([trace.in_flight])
+        trace.lock.release()
+        return trace
 
     def shutdown(self):
         self.server.shutdown()
@@ -207,13 +212,20 @@ class Gateway:
         asked = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), left)
         if not isinstance(asked, int) or asked < 1:
             raise Refusal(400, f"max_tokens={asked!r} must be a whole number of at least 1")
+        trace.in_flight = uuid.uuid4().hex  # its name at vLLM, for close's abort
         try:
             out = self.client.submit(prompt, 1, min(left, asked), trace.temperature, cfg.top_p,
-                                     trace.seeds(trace.calls), stop).result()[0]
+                                     trace.seeds(trace.calls), stop, request_id=trace.in_flight).result()[0]
         except VLLMError as e:
+            if trace.closed:  # aborted (close): the program is over, and so is the episode
+                raise Refusal(409, "the episode has ended") from None
             if " HTTP 4" in str(e):  # the server refused this request (the agent's stop strings, say)
                 raise Refusal(400, f"the vLLM server refused the request: {e}") from None
             return self.failed(trace, e)
+        finally:
+            trace.in_flight = None
+        if trace.closed:  # aborted, or answered after its program ended: not the episode's
+            raise Refusal(409, "the episode has ended")
         try:
             return (*trace.record(between, extends, out, stop, self.tokenizer, cfg.response_length),
                     usage(len(prompt), len(out["token_ids"])))

@@ -7,9 +7,10 @@
 
 A program is run num_samples_per_prompt_rollout times per prompt, each run an episode, in
 agent_workers worker processes (worker_pool.CallPool: agent_timeout seconds a run; a run that
-hangs or crashes is ended with its process group). It calls the policy through the gateway
-(agent_programs/gateway.py), which samples with the trainer's settings and records every token vLLM saw and
-sampled: the episode's sample, exactly. The plainest agent:
+hangs or crashes is ended with its process group, and its model call in flight aborted at vLLM:
+agent_timeout bounds the step). It calls the policy through the gateway (agent_programs/gateway.py),
+which samples with the trainer's settings and records every token vLLM saw and sampled: the
+episode's sample, exactly. The plainest agent:
 
     def solve(row, base_url, api_key):
         client = openai.OpenAI(base_url=base_url, api_key=api_key)

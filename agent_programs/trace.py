@@ -80,7 +80,7 @@ class Trace:
 
     def __init__(self, temperature, seeds):
         self.temperature, self.seeds, self.lock = temperature, seeds, threading.Lock()  # held for a whole call
-        self.closed = False
+        self.closed, self.in_flight = False, None  # in_flight: the request id of the call being sampled
         self.sample, self.convo, self.tools, self.eos, self.text = None, None, None, None, ""
         self.messages, self.completion, self.calls, self.tool_calls, self.cut = [], "", 0, 0, False
         self.failure, self.overrides, self.server_error = None, 0, None
@@ -93,7 +93,7 @@ class Trace:
     def save(self):
         """What one call changes, to take it back if its answer never reached the agent."""
         s = self.sample
-        state = {k: v for k, v in vars(self).items() if k not in ("lock", "closed")}
+        state = {k: v for k, v in vars(self).items() if k not in ("lock", "closed", "in_flight")}
         return dict(state, sample=s and dataclasses.replace(
             s, token_ids=list(s.token_ids), logprobs=list(s.logprobs), mask=list(s.mask)))
 

@@ -131,7 +131,8 @@ class ScriptedClient:
     def __init__(self, tokenizer, script, eos_id=IM_END):
         self.tokenizer, self.script, self.eos_id, self.requests, self.answered = tokenizer, script, eos_id, [], {}
 
-    def submit(self, prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=()):
+    def submit(self, prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(), server=None,
+               request_id=None):
         turn = max((t + 1 for sent, t in self.answered.items() if tuple(prompt_ids[:len(sent)]) == sent), default=0)
         self.requests.append((turn, prompt_ids))
         text = self.script[turn]
@@ -146,6 +147,10 @@ class ScriptedClient:
         future = concurrent.futures.Future()
         future.set_result(out)
         return future
+
+    def abort(self, request_ids):
+        self.aborted = getattr(self, "aborted", []) + list(request_ids)
+        return True
 
 
 def with_prompts(env, tokenizer, rows):

@@ -182,3 +182,52 @@ def test_the_calculator_agent_answers_an_overflow_as_the_policys_error(expressio
     calculate = load_object(os.path.join(ROOT, "examples", "calculator_agent.py:calculate"), "agent")
     assert calculate(expression).startswith("error: ")
     assert (calculate("214 + 659"), calculate("7 / 2")) == ("873", "3.5")
+
+
+class Endless(ScriptedClient):
+    """A server whose every request runs for minutes (a long answer on a slow machine) unless aborted:
+    then it ends at once, with finish_reason "abort", as vLLM's /abort_requests ends it."""
+
+    def __init__(self, tok):
+        super().__init__(tok, ["ab"], IM_END)
+        self.running, self.named = {}, []
+
+    def submit(self, prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(), server=None,
+               request_id=None):
+        import concurrent.futures
+        import threading
+
+        future, answer = concurrent.futures.Future(), super().submit(prompt_ids, n, max_tokens).result()
+        self.running[request_id], _ = future, self.named.append(request_id)
+        timer = threading.Timer(300, lambda: future.done() or future.set_result(answer))
+        timer.daemon = True
+        timer.start()
+        return future
+
+    def abort(self, request_ids):
+        super().abort(request_ids)
+        for r in request_ids:
+            if r in self.running and not self.running[r].done():
+                self.running[r].set_result([dict(token_ids=[5], logprobs=[-0.1], finish_reason="abort", eos=False,
+                                                 version=0, text="")])
+        return True
+
+
+@pytest.mark.subprocess
+def test_agent_timeout_bounds_the_step_its_call_in_flight_aborted(tmp_path, tiny_model_dir):
+    """A program killed at agent_timeout while its call is sampled: the call is aborted at the server (by
+    the id it was sent with), the step goes on at once, and the episode is unscored, nothing of the
+    aborted call recorded. Before: the step waited for the call to run to the episode's response_length."""
+    import time
+
+    cfg, tok, a = agents(tmp_path, tiny_model_dir, agent_timeout=3.0)
+    client = Endless(tok)
+    try:
+        started = time.perf_counter()
+        episodes, stats = a.play(client, [r for r in rows(tok) if r["mode"] == "ok"], 2, 0, 1.0)
+        took = time.perf_counter() - started
+    finally:
+        a.close()
+    assert took < 3.0 + 10.0, took  # agent_timeout, the kill, the abort: not the request's 300 s
+    assert stats["agent_timeouts"] == 2 and all(e.failure and e.sample.token_ids == [] for e in episodes)
+    assert sorted(client.aborted) == sorted(client.named) and len(client.named) == 2

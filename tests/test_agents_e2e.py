@@ -121,6 +121,16 @@ def test_gateway_samples_are_what_the_server_sampled(tiny_model_dir, tmp_path):
         assert trace.overrides >= 1  # it asked for temperature 0.7: the trainer's 1.0 was kept
         assert "hat is 2 + 3?" in tok.decode(trace.sample.prompt_ids)  # the tiny tokenizer drops capitals
         check_logprobs(client, trace.sample)
+        # a call in flight is ended by the id it was sent with (Gateway.close, for a program that timed out):
+        # the engine paused, the request waits, and the abort ends it there, whatever its length
+        client.pause()
+        try:
+            waiting = client.submit(first, 1, 100, 1.0, 1.0, seed=1, request_id="a-call-in-flight")
+            assert not concurrent.futures.wait([waiting], timeout=2).done and client.abort(["a-call-in-flight"])
+            out = waiting.result(timeout=30)[0]
+        finally:
+            client.resume()
+        assert out["finish_reason"] == "abort" and out["token_ids"] == []
     finally:
         for g in (plain, sdk):
             g.shutdown()

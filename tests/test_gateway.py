@@ -30,7 +30,7 @@ FIRST = [{"role": "system", "content": "Be brief."}, {"role": "user", "content":
 class Recording(ScriptedClient):
     """ScriptedClient that keeps each submit's arguments and answer."""
 
-    def submit(self, prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=()):
+    def submit(self, prompt_ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(), request_id=None):
         future = super().submit(prompt_ids, n, max_tokens, temperature, top_p, seed, stop)
         self.calls = getattr(self, "calls", []) + [dict(
             prompt=list(prompt_ids), n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
