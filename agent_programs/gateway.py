@@ -216,9 +216,7 @@ class Gateway:
         try:
             out = self.client.submit(prompt, 1, min(left, asked), trace.temperature, cfg.top_p,
                                      trace.seeds(trace.calls), stop, request_id=trace.in_flight).result()[0]
-        except VLLMError as e:
-            if trace.closed:  # aborted (close): the program is over, and so is the episode
-                raise Refusal(409, "the episode has ended") from None
+        except VLLMError as e:  # an abort is no error (vLLM answers it, finish_reason "abort"): this is the server's
             if " HTTP 4" in str(e):  # the server refused this request (the agent's stop strings, say)
                 raise Refusal(400, f"the vLLM server refused the request: {e}") from None
             return self.failed(trace, e)
