@@ -265,7 +265,9 @@ class Config:
         if self.attn_implementation == "flash_attention_2" and not flash_attention_available():
             return ("attn_implementation='flash_attention_2' needs a CUDA GPU and the flash-attn package; install it "
                     "there, or use packed_sdpa")
-        functions = len(reward_specs(self.reward_fn)) if self.reward_fn else 0
+        functions = len(reward_specs(self.reward_fn)) if self.reward_fn is not None else 0
+        if self.reward_fn is not None and not functions:
+            return f"reward_fn={self.reward_fn!r} names no function; give module:function or file.py:function"
         if self.reward_weights and len(self.reward_weights) != functions:
             return (f"reward_weights has {len(self.reward_weights)} weights for the {functions} reward_fn function(s); "
                     "give one weight a function, or none (1 each)")

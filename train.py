@@ -84,7 +84,11 @@ def choose_player(cfg, tokenizer):
         env = Environment(cfg.environment, tokenizer, cfg)
         return env, env
     if cfg.agent_program:  # episodes played by a program, through the gateway
-        from agent_programs.runner import Agents  # noqa: PLC0415 - the optional concept's one door
+        try:
+            from agent_programs.runner import Agents  # noqa: PLC0415 - the optional concept's one door
+        except ModuleNotFoundError as e:  # agent_programs/ or envs/, which it uses, deleted
+            raise ValueError(f"--agent needs agent_programs/ and envs/ ({e}); restore them, or run without an "
+                             "agent") from None
         return Agents(cfg, tokenizer), None
     return Completions(cfg, tokenizer), None
 
@@ -116,7 +120,8 @@ def load_inputs(cfg):
 def what_scores(cfg, player, reward_fn):
     """The reward, as the data: line names it: an environment or an agent that scores its episodes,
     plus a --reward_fn you set (an agent's None left to the reward), or the reward alone."""
-    reward = getattr(reward_fn, "__name__", str(reward_fn))
+    reward = ", ".join(getattr(fn, "__name__", str(fn)) for fn in (reward_fn if isinstance(reward_fn, list) else
+                                                                   [reward_fn]))
     if not player.scores:
         return reward
     return (f"{player.name}'s {'return' if cfg.agent_program else 'own'}" + (

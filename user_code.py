@@ -22,6 +22,11 @@ import math
 import os
 
 
+# modules a user's file may import that moved into the optional folders: named in the error, not served
+MOVED = {"tool_calls": "envs.tool_calls", "chat": "envs.chat", "gateway": "agent_programs.gateway",
+         "agent_trace": "agent_programs.trace", "lora_sync": "lora.sync"}
+
+
 def load_object(path, flag="reward_fn", kind="function"):
     """`module:name` (importable) or `path/to/file.py:name`; errors name the flag it came from."""
     module_name, sep, name = path.rpartition(":")
@@ -37,6 +42,9 @@ def load_object(path, flag="reward_fn", kind="function"):
         else:
             module = importlib.import_module(module_name)
     except ImportError as e:
+        if getattr(e, "name", None) in MOVED:  # a file written for an older layout
+            raise ValueError(f"{flag}={path!r}: {module_name!r} imports {e.name}, which is now {MOVED[e.name]}: "
+                             f"import it from there") from None
         raise ValueError(f"{flag}={path!r}: cannot import {module_name!r} ({e}); check the module path") from None
     except Exception as e:  # noqa: BLE001 - a SyntaxError, or whatever the file raises when it runs
         where = f" (line {e.lineno})" if isinstance(e, SyntaxError) and e.lineno else ""
@@ -170,7 +178,8 @@ class Reward:
         if self.weights and len(self.weights) != len(self.parts):
             raise ValueError(f"reward_weights={self.weights} has {len(self.weights)} weights for {len(self.parts)} "
                              "reward functions; give one weight a function, or none (1 each)")
-        self.names = [getattr(fn, "__name__", f"reward_{j}") for j, (fn, _, _) in enumerate(self.parts)]
+        names = [getattr(fn, "__name__", f"reward_{j}") for j, (fn, _, _) in enumerate(self.parts)]
+        self.names = [n if names.count(n) == 1 else f"{n}_{names[:j].count(n)}" for j, n in enumerate(names)]
         self.several = len(self.parts) > 1 or bool(self.weights)  # then a call returns each function's value
 
     def __getstate__(self):

@@ -87,13 +87,23 @@ class Gateway:
         self.traces[str(key)] = Trace(temperature, seeds)
         return f"{self.url}/e/{key}/v1", str(key)
 
+    def end(self, keys):
+        """The episodes' programs are over (their runs returned, timed out or crashed): a call of theirs
+        in flight (a killed program's, or a thread's it left behind) is aborted at vLLM, all in one
+        request, so that the step does not wait out its tokens (agent_timeout bounds the step); it adds
+        nothing to its episode, and a later call is answered with an error. close collects the traces."""
+        traces = [self.traces[str(key)] for key in keys]
+        for trace in traces:
+            trace.closed = True
+        if self.client and (flying := [t.in_flight for t in traces if t.in_flight]):
+            self.client.abort(flying)
+
     def close(self, key):
-        """The episode's trace, final: a call in flight (of a program that timed out or crashed, or left
-        a thread behind) is aborted at vLLM, so that the step does not wait out its tokens (agent_timeout
-        bounds the step), and adds nothing; a later call is answered with an error and adds nothing."""
+        """The episode's trace, final (end first, or here: a call still in flight is aborted again each
+        second, as it may not have reached vLLM when end asked)."""
+        self.end([key])
         trace = self.traces.pop(str(key))
-        trace.closed = True
-        while not trace.lock.acquire(timeout=1.0):  # again each second: it may not have reached vLLM yet
+        while not trace.lock.acquire(timeout=1.0):
             if trace.in_flight:
                 self.client.abort([trace.in_flight])
         trace.lock.release()
@@ -127,6 +137,8 @@ class Gateway:
                           "rollout); ask for one completion per call")
         if body.get("echo") or body.get("suffix"):
             raise Refusal(400, "echo and suffix are not served: ask for the completion alone")
+        if not isinstance(body.get("stream_options") or {}, dict):
+            raise Refusal(400, "stream_options must be an object, such as {\"include_usage\": true}")
         asked = [k for k in PINNED if body.get(k) is not None and body[k] != {"temperature": trace.temperature,
                                                                               "top_p": self.cfg.top_p}.get(k)]
         asked += [k for k, fine in UNHONOURED.items() if body.get(k) is not None and body[k] not in fine]
@@ -296,6 +308,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             body = json.loads(data or b"{}")
         except ValueError as e:
             return self.reply(400, {"error": {"message": f"the body is not JSON ({e})"}})
+        if not isinstance(body, dict):
+            return self.reply(400, {"error": {"message": "the body must be a JSON object"}})
         with trace.lock:  # one call of an episode at a time, its answer written before the next
             if route == "/end":  # the program's run is over (runner.Program): later calls add nothing
                 trace.closed = True

@@ -136,6 +136,7 @@ class Agents:
         started = time.perf_counter()
         values, failures = self.pool.map([(row, url, key) for row, (url, key) in zip(shown, keys)])
         why, overrides, down = {i: (what, text) for i, what, text in failures}, 0, None
+        self.gateway.end([key for _, key in keys])  # the programs are over: their calls in flight aborted at once
         for e, value, (_, key) in zip(episodes, values, keys):
             trace = self.gateway.close(key)
             overrides, down = overrides + trace.overrides, down or trace.server_error

@@ -1,4 +1,4 @@
-"""Agent programs (agent_programs.py) in real worker processes against a scripted server: the
+"""Agent programs (agent_programs/runner.py) in real worker processes against a scripted server: the
 episodes they play through the gateway, their rewards, and the runs that raise, hang, crash,
 never call the model or are refused, each counted and never trained on. test_agents_e2e.py runs
 them with the real vLLM server and train.py."""
@@ -228,6 +228,6 @@ def test_agent_timeout_bounds_the_step_its_call_in_flight_aborted(tmp_path, tiny
         took = time.perf_counter() - started
     finally:
         a.close()
-    assert took < 3.0 + 10.0, took  # agent_timeout, the kill, the abort: not the request's 300 s
+    assert took < 3.0 + 5.0, took  # agent_timeout, the kill, one abort for both: not the request's 300 s
     assert stats["agent_timeouts"] == 2 and all(e.failure and e.sample.token_ids == [] for e in episodes)
-    assert sorted(client.aborted) == sorted(client.named) and len(client.named) == 2
+    assert set(client.aborted) == set(client.named) and len(client.named) == 2

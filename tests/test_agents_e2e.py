@@ -1,4 +1,4 @@
-"""Agent programs end to end, on the tiny model and real vLLM CPU servers: the gateway (gateway.py)
+"""Agent programs end to end, on the tiny model and real vLLM CPU servers: the gateway (agent_programs/gateway.py)
 records exactly what the server sampled, for a plain OpenAI-client agent and for the OpenAI Agents
 SDK's Runner; train.py trains with an --agent (async, LoRA, an EMA reference, resume) and with an
 --agent_cmd whose faults are counted, and stops in one line when the command fails every episode.

@@ -1,4 +1,4 @@
-"""The agent gateway (gateway.py) against a scripted client: what an OpenAI-client agent gets,
+"""The agent gateway (agent_programs/gateway.py) against a scripted client: what an OpenAI-client agent gets,
 and the episode's Sample recorded as exactly the tokens vLLM saw and sampled, with the real chat
 templates of Qwen2.5, Qwen3 and Llama-3.1."""
 
@@ -190,6 +190,8 @@ def test_what_would_change_the_policys_sampling_is_counted_and_said_once(make, c
     assert g.traces[key].overrides == 3
     with pytest.raises(openai.BadRequestError, match="echo and suffix are not served"):
         client.completions.create(model="any", prompt="x", echo=True)
+    with pytest.raises(openai.BadRequestError, match="stream_options must be an object"):
+        client.chat.completions.create(model="any", messages=FIRST, stream=True, extra_body={"stream_options": True})
     with pytest.raises(openai.BadRequestError, match="n > 1 is not served"):
         client.completions.create(model="any", prompt="x", best_of=2)
 

@@ -1,4 +1,4 @@
-"""LoRA (lora.py): what trains, the reference without a copy, the adapter's files and the merge, the
+"""LoRA (lora/): what trains, the reference without a copy, the adapter's files and the merge, the
 config's refusals (in the test process, no process group); then, slow, real runs on a real vLLM CPU
 server serving the adapter: the sync check each step, resume after SIGKILL (a server you run) and after
 SIGTERM (the server train.py launches), the exports. The gradients: tests/test_lora_gradients.py."""

@@ -1,4 +1,4 @@
-"""Multi-turn episodes (episodes.play, envs/environment.py) against a scripted server: the tokens
+"""Multi-turn episodes (envs.environment.Environment.play) against a scripted server: the tokens
 appended turn by turn are the chat template's rendering of the final conversation, only the
 policy's tokens reach the loss, tools that hang, crash or raise become error messages, and
 budgets cut episodes with ids, mask and logprobs aligned. test_smollm2.py runs the calculator

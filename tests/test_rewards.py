@@ -195,6 +195,8 @@ def test_several_rewards_with_weights_as_trl_users_write_them(tmp_path, workers)
     nothing = RewardPool(f"{tmp_path}/b.py:starts_x, {tmp_path}/b.py:never", workers=0)  # weights 1 each
     values, counts, first = nothing.score(["p"] * 2, ["x", "skip"], [{}] * 2)
     assert values[0] == 1.0 and values[1] != values[1] and counts["reward_none"] == 1 and first.startswith("sample 1")
+    twice = RewardPool(f"{tmp_path}/a.py:length,{tmp_path}/a.py:length", workers=0)  # one name twice: logged apart
+    assert twice.score(["p"], ["ab"], [{}])[1]["rewards/length_1"] == [2.0]
 
 
 def test_reward_weights_are_refused_in_one_line_when_they_do_not_fit(tmp_path):
@@ -203,5 +205,11 @@ def test_reward_weights_are_refused_in_one_line_when_they_do_not_fit(tmp_path):
         Config(reward_fn=spec, reward_weights=[1.0])
     with pytest.raises(ValueError, match="reward_weights act only with reward_fn set"):
         Config(reward_weights=[1.0])
+    with pytest.raises(ValueError, match="names no function"):
+        Config(reward_fn=" , ")
+    (tmp_path / "old.py").write_text("from tool_calls import ToolError\n\ndef f(prompt, completion, example):\n"
+                                     "    return 0.0\n")  # written for the layout before envs/ took tool_calls
+    with pytest.raises(ValueError, match="imports tool_calls, which is now envs.tool_calls: import it from there"):
+        user_code.load_reward_fns(f"{tmp_path}/old.py:f")
     with pytest.raises(ValueError, match=r"reward_fn file '.*nowhere.py' does not exist"):
         user_code.load_reward_fns(f"{tmp_path}/a.py:length,{tmp_path}/nowhere.py:f")

@@ -507,7 +507,7 @@ def test_probe_runs_a_cell_or_says_in_one_line_what_to_fix(monkeypatch):
     assert "\n" not in str(missing.value) + str(wrong.value)
 
 def test_the_python_tool_keeps_each_episodes_variables_and_counts_its_errors(tiny_model_dir, monkeypatch):
-    """Two rows of two episodes through episodes.play with two tool workers: each episode counts
+    """Two rows of two episodes through Environment.play with two tool workers: each episode counts
     in its own interpreter and /tmp, its failing cell is told and counted as tool_bad_calls,
     and every episode plays to its end, leaving nothing behind."""
     from transformers import AutoTokenizer

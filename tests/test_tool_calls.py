@@ -1,4 +1,4 @@
-"""Native tool calls (tool_calls.py): tools written as Python functions, rendered by real chat
+"""Native tool calls (envs/tool_calls.py): tools written as Python functions, rendered by real chat
 templates (tests/data/templates), called in the model's own format and read by vLLM's parsers
 (hermes for Qwen2.5, llama3_json for Llama-3.1); episodes whose appended tokens are the
 template's rendering of the final conversation, tool calls included; bad calls answered and
