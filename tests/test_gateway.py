@@ -11,7 +11,7 @@ import time
 import openai
 import pytest
 
-from agent_programs import gateway
+from agent_programs import endpoint, gateway
 import packing
 from envs.chat import ChatTokens
 from config import Config
@@ -403,7 +403,7 @@ def test_a_401_closes_its_connection_and_its_body_is_never_a_request(make):
     response = conn.getresponse()
     assert response.status == 200 and json.loads(response.read())["choices"][0]["message"]["content"] == "Five."
     conn.putrequest("POST", f"/e/{key}/v1/chat/completions")
-    conn.putheader("Content-Length", str(gateway.MAX_BODY + 1))
+    conn.putheader("Content-Length", str(endpoint.MAX_BODY + 1))
     conn.endheaders()
     response = conn.getresponse()
     assert response.status == 413 and response.will_close
