@@ -113,6 +113,8 @@ class Config:
                             low=1, high=65535, resumable=True)
     vllm_dtype: str = option("auto", "dtype of the server we launch; auto = the trainer's (float32 on CPU, bfloat16 "
                                      "on GPU)")
+    vllm_enforce_eager: bool = option(False, "start the server we launch with --enforce-eager: no torch.compile "
+                                             "(on a CPU its warm-up is 1 to 2 minutes of every start)", resumable=True)
     vllm_max_model_len: Optional[int] = option(None, "context of the server we launch; None = max_prompt_length + "
                                                      "response_length")
     vllm_kv_cache_space_gb: int = option(1, "KV cache size of a CPU server we launch (VLLM_CPU_KVCACHE_SPACE)",

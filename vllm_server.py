@@ -95,6 +95,8 @@ def server_command(model_dir, cfg, port=None, uds=None, extra_args=()):
         cmd += ["--hf-overrides", json.dumps({"head_dtype": "float32"})]
     if cfg.weight_sync_transport == "nccl":
         cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+    if cfg.vllm_enforce_eager:  # no compile: the same tokens, logprobs within 4e-5 (tests/test_vllm.py)
+        cmd += ["--enforce-eager"]
     cmd += list(extra_args)
     if cfg.single_gpu_mode:
         if not torch.cuda.is_available():

@@ -15,7 +15,7 @@ import vllm_client
 import vllm_server
 import weight_sync
 from config import Config
-from helpers import generate, logprob_diff, prompt_logprobs, serve, trainer_logprobs
+from helpers import VLLM_CFG, generate, logprob_diff, prompt_logprobs, serve, trainer_logprobs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -261,6 +261,29 @@ def test_launched_server_computes_on_every_core(untied):
         log = f.read()
     cores = sorted(os.sched_getaffinity(0))
     assert f"core ids={cores}" in log and "reserved_cpus=[]" in log
+
+
+@pytest.mark.slow
+def test_an_eager_server_samples_what_the_compiled_one_does(untied, tiny_model_dir, tmp_path):
+    """vllm_enforce_eager: no torch.compile warm-up (its start here skips a minute or two of compiling),
+    and the same seeded samples as the compiled server, token for token, their logprobs within 1e-4."""
+    from dataclasses import replace
+
+    _, compiled = untied
+    assert "--enforce-eager" in vllm_server.server_command("m", replace(VLLM_CFG, vllm_enforce_eager=True))[0]
+    assert "--enforce-eager" not in vllm_server.server_command("m", VLLM_CFG)[0]
+    _, eager = serve(tiny_model_dir, str(tmp_path), 8029, replace(VLLM_CFG, vllm_enforce_eager=True))
+    try:
+        prompts = [[7, 8, 9], [20, 21], [30, 31, 32, 33]]
+        for temperature, n in ((1.0, 4), (0.0, 1)):  # greedy takes n=1 (vLLM)
+            a = generate(compiled, prompts, n=n, max_tokens=12, temperature=temperature, seed=11)
+            b = generate(eager, prompts, n=n, max_tokens=12, temperature=temperature, seed=11)
+            assert [[s["token_ids"] for s in g] for g in a] == [[s["token_ids"] for s in g] for g in b]
+            gaps = [abs(x - y) for ga, gb in zip(a, b) for sa, sb in zip(ga, gb)
+                    for x, y in zip(sa["logprobs"], sb["logprobs"])]
+            assert max(gaps) < 1e-4
+    finally:
+        vllm_server.stop_server(eager.proc)
 
 
 @pytest.mark.slow
