@@ -25,7 +25,7 @@ if [ -f "$stamp" ]; then exit 0; fi
 # torch: torchvision then fails to load ("operator torchvision::nms does not exist")
 # and breaks `import transformers` model classes. Nothing here needs them.
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-"$VENV/bin/python" -c "import torch, transformers, vllm, datasets, math_verify, gguf, peft, openenv, openai, agents; from transformers import Qwen2ForCausalLM" \
+"$VENV/bin/python" -c "import torch, transformers, vllm, datasets, math_verify, gguf, peft, openenv, openai, agents, smolagents, langgraph, langchain_openai; from transformers import Qwen2ForCausalLM" \
     || { echo "install.sh: the installed stack does not import; see the error above" >&2; exit 1; }
 rm -f "$VENV"/.installed-*
 touch "$stamp"

@@ -30,11 +30,16 @@ VOLATILE = ("time_", "tokens_per_s", "peak_memory_gb")  # wall-clock figures dif
 WORKER = os.path.join(ROOT, "tests", "dist_worker.py")
 
 
+# The servers the tests launch skip torch.compile's warm-up (a minute or two of every start on a CPU): they
+# sample the compiled server's tokens (test_vllm.py's eager test, the one place a compiled server is compared)
+EAGER = ["--vllm_enforce_eager", "true"]
+
+
 def train(args, nproc=1, timeout=120):
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
                 "29621"] if nproc > 1 else [sys.executable]
-    return subprocess.run(launcher + [os.path.join(ROOT, "train.py")] + args, env=env, capture_output=True,
+    return subprocess.run(launcher + [os.path.join(ROOT, "train.py")] + EAGER + args, env=env, capture_output=True,
                           text=True, timeout=timeout, cwd=ROOT)
 
 
@@ -47,7 +52,8 @@ def command(script, nproc, port=29641):
 def flags(tiny_model_dir, run_dir, steps, *extra, url=None):
     return ["--model_name_or_path", tiny_model_dir, "--output_dir", str(run_dir / "out"), "--checkpoint_state_dir",
             str(run_dir / "ckpt"), "--num_training_steps", str(steps), "--eval_freq", "0", "--beta", "0.1",
-            "--ref_policy_update_freq", "1", "--seed", "5"] + (["--vllm_server_urls", url] if url else []) + list(extra)
+            "--ref_policy_update_freq", "1", "--seed", "5", *EAGER] + (["--vllm_server_urls", url] if url else []) \
+        + list(extra)
 
 
 def run(cmd, timeout=600):
@@ -101,7 +107,7 @@ def run_worker(mode, model_dir, out, nproc, port, *extra):
 
 # --- a vLLM server, and a scripted one for episodes
 VLLM_CFG = Config(max_prompt_length=48, response_length=16, vllm_startup_timeout=400, vllm_request_timeout=60,
-             vllm_max_retries=1)
+                  vllm_max_retries=1, vllm_enforce_eager=True)
 
 
 def serve(model_dir, tmp, port, cfg=None):

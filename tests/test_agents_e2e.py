@@ -80,7 +80,7 @@ def test_gateway_samples_are_what_the_server_sampled(tiny_model_dir, tmp_path):
     # the Agents SDK's prompt (its instructions are the calculator's system message) is ~300 characters
     # agent= (never loaded here) makes the episodes multi-turn: max_turns calls each
     cfg = Config(agent="tests/agent.py:solve", max_turns=4, max_prompt_length=384, response_length=128,
-                 vllm_startup_timeout=400, vllm_request_timeout=60, vllm_max_retries=1)
+                 vllm_startup_timeout=400, vllm_request_timeout=60, vllm_max_retries=1, vllm_enforce_eager=True)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     _, client = serve(tiny_model_dir, str(tmp_path), PORT, cfg)
     plain = gateway.Gateway(tok, cfg)

@@ -18,7 +18,7 @@ from lora import sync as lora_sync
 from config import Config
 from policy import sequence_logprobs
 from update import dropout, make_optimizer
-from helpers import command, flags, full, lora_model, metrics, run, serve, stable, start, wait_for_step
+from helpers import EAGER, command, flags, full, lora_model, metrics, run, serve, stable, start, wait_for_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -313,7 +313,7 @@ def test_a_server_we_launch_takes_the_adapter_or_the_merged_weights(extra, tiny_
     check holds at every step, the run learns nothing wrong, and its exports load."""
     out = run([sys.executable, os.path.join(ROOT, "train.py"), "--model_name_or_path", tiny_model_dir, "--output_dir",
                str(tmp_path / "out"), "--num_training_steps", "4", "--eval_freq", "0", "--beta", "0.1",
-               "--lora_rank", "8", "--learning_rate", "1e-2", "--vllm_port", "8054", *extra])
+               "--lora_rank", "8", "--learning_rate", "1e-2", "--vllm_port", "8054", *EAGER, *extra])
     assert out.returncode == 0, out.stderr[-3000:]
     rows = metrics(tmp_path)
     assert len(rows) == 4 and all(r["vllm_logp_diff_max"] < 1e-4 for r in rows), rows

@@ -80,6 +80,35 @@ def test_smollm2_calls_the_calculator_over_several_turns_with_vllm_in_sync(smoll
     assert any("[env: " in s["completion"] for s in samples)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("agent, budget", [
+    ("examples/smolagents_agent.py:solve", ["--max_prompt_length", "1536", "--response_length", "4096",
+                                            "--max_tokens_per_micro_batch", "5632", "--num_unique_prompts_rollout", "1",
+                                            "--vllm_port", "8047"]),  # 1 prompt: its episodes are ~2,000 tokens
+    ("examples/langgraph_agent.py:solve", ["--max_prompt_length", "384", "--response_length", "512",
+                                           "--num_unique_prompts_rollout", "2", "--vllm_port", "8048"])],
+    ids=["smolagents", "langgraph"])
+def test_smollm2_trains_as_an_agent_framework_runs_it(smollm2, tmp_path, agent, budget):
+    """An agent written with a framework, unmodified (examples/): smolagents' ToolCallingAgent and
+    LangGraph's ReAct graph play the calculator task through the gateway; their steps train, and the
+    trainer matches vLLM on every token vLLM sampled for them."""
+    out_dir = tmp_path / "run"
+    out = train(["--model_name_or_path", smollm2, "--output_dir", str(out_dir), "--dataset", "calc",
+                 "--agent", agent, "--tool_call_parser", "hermes", *budget, "--math_digits", "2",
+                 "--num_training_steps", "2", "--eval_freq", "0", "--num_samples_per_prompt_rollout", "2",
+                 "--max_turns", "3", "--learning_rate", "2e-5",
+                 "--temperature", "0.7", "--filter_zero_std_samples", "false", "--agent_timeout", "600"],
+                timeout=1800)
+    assert out.returncode == 0, out.stderr[-4000:]
+    steps = [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:  # the bounds of the single-turn test above
+        assert r["vllm_logp_diff_mean"] < 2e-5 and r["vllm_logp_diff_max"] < 2.5e-4, r
+        assert r["agent_errors"] == r["agent_timeouts"] == r["agent_crashes"] == r["agent_refused"] == 0, r
+        assert r["trained_tokens"] > 0 and r["skipped_updates"] == 0
+        assert r["agent_overrides"] > 0 or "smolagents" not in agent  # its tool_choice="required", counted
+
+
 def test_preparation_checks_its_output_and_names_the_pip_command(tiny_model_dir, tmp_path, monkeypatch):
     import shutil
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import train
+from helpers import EAGER, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,7 +56,7 @@ def test_sigterm_stops_the_server_we_started(tiny_model_dir, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), "--model_name_or_path", tiny_model_dir,
                              "--output_dir", str(out_dir), "--num_training_steps", "1000", "--eval_freq", "0",
-                             "--vllm_port", "8042"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                             "--vllm_port", "8042", *EAGER], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     metrics = out_dir / "metrics.jsonl"
     deadline = time.monotonic() + 600

@@ -21,7 +21,7 @@ import vllm_client
 import vllm_server
 from config import Config
 from tracking import claim_output_dir
-from helpers import ENV, ROOT, generate, serve
+from helpers import EAGER, ENV, ROOT, generate, serve
 
 MODEL = "output/demo/vllm_model"
 
@@ -151,7 +151,7 @@ def raced(tiny_model_dir, tmp_path_factory):
         foreign[0].serve_forever()
     threading.Thread(target=take_port, daemon=True).start()
     cfg = Config(max_prompt_length=48, response_length=16, vllm_startup_timeout=400, vllm_request_timeout=60,
-                 vllm_max_retries=1, vllm_port=port)
+                 vllm_max_retries=1, vllm_port=port, vllm_enforce_eager=True)
     _, client = serve(tiny_model_dir, str(tmp_path_factory.mktemp("raced")), None, cfg)
     yield client
     vllm_server.stop_server(client.proc)
@@ -213,7 +213,7 @@ def test_two_runs_started_seconds_apart_both_finish(tiny_model_dir, tmp_path):
     server or found its port taken. A third run into the first's output_dir is refused in one line."""
     def start(name):
         args = ["--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path / name),
-                "--num_training_steps", "2"]
+                "--num_training_steps", "2", *EAGER]
         return subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args], env=ENV, cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     first = start("a")

@@ -265,15 +265,20 @@ def test_launched_server_computes_on_every_core(untied):
 
 @pytest.mark.slow
 def test_an_eager_server_samples_what_the_compiled_one_does(untied, tiny_model_dir, tmp_path):
-    """vllm_enforce_eager: no torch.compile warm-up (its start here skips a minute or two of compiling),
-    and the same seeded samples as the compiled server, token for token, their logprobs within 1e-4."""
+    """vllm_enforce_eager (every other server of the tests runs eager, helpers.EAGER): no torch.compile
+    warm-up, and the same seeded samples as the compiled server, token for token, logprobs within 1e-4."""
     from dataclasses import replace
 
-    _, compiled = untied
-    assert "--enforce-eager" in vllm_server.server_command("m", replace(VLLM_CFG, vllm_enforce_eager=True))[0]
-    assert "--enforce-eager" not in vllm_server.server_command("m", VLLM_CFG)[0]
-    _, eager = serve(tiny_model_dir, str(tmp_path), 8029, replace(VLLM_CFG, vllm_enforce_eager=True))
+    model, eager = untied
+    assert "--enforce-eager" in vllm_server.server_command("m", VLLM_CFG)[0]
+    compiling = replace(VLLM_CFG, vllm_enforce_eager=False)
+    assert "--enforce-eager" not in vllm_server.server_command("m", compiling)[0]
+    _, compiled = serve(tiny_model_dir, str(tmp_path), 8029, compiling)
     try:
+        for client in (eager, compiled):  # the module's earlier tests synced other weights into its server
+            sync = weight_sync.FilesystemSync(client, 0, str(tmp_path / "sync"))
+            sync.sync(model)
+            sync.close()
         prompts = [[7, 8, 9], [20, 21], [30, 31, 32, 33]]
         for temperature, n in ((1.0, 4), (0.0, 1)):  # greedy takes n=1 (vLLM)
             a = generate(compiled, prompts, n=n, max_tokens=12, temperature=temperature, seed=11)
@@ -283,7 +288,7 @@ def test_an_eager_server_samples_what_the_compiled_one_does(untied, tiny_model_d
                     for x, y in zip(sa["logprobs"], sb["logprobs"])]
             assert max(gaps) < 1e-4
     finally:
-        vllm_server.stop_server(eager.proc)
+        vllm_server.stop_server(compiled.proc)
 
 
 @pytest.mark.slow
