@@ -31,7 +31,7 @@ WORKER = os.path.join(ROOT, "tests", "dist_worker.py")
 
 
 # The servers the tests launch skip torch.compile's warm-up (a minute or two of every start on a CPU): they
-# sample the compiled server's tokens (test_vllm.py's eager test, the one place a compiled server is compared)
+# sample what a compiled server samples (test_vllm.py's eager test, the one place a compiled server runs)
 EAGER = ["--vllm_enforce_eager", "true"]
 
 

@@ -45,7 +45,8 @@ def users_server(served, tmp_path_factory):
     model, tokenizer, out = served
     log = str(tmp_path_factory.mktemp("users") / "vllm.log")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", out, "--host", "127.0.0.1",
-           "--port", "8026", "--dtype", "float32", "--max-model-len", "64", "--logprobs-mode", "processed_logprobs"]
+           "--port", "8026", "--dtype", "float32", "--max-model-len", "64", "--logprobs-mode", "processed_logprobs",
+           "--enforce-eager"]  # as every server of the tests: no torch.compile warm-up (helpers.EAGER)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = "http://127.0.0.1:8026"

@@ -84,7 +84,7 @@ def test_smollm2_calls_the_calculator_over_several_turns_with_vllm_in_sync(smoll
 @pytest.mark.parametrize("agent, budget", [
     ("examples/smolagents_agent.py:solve", ["--max_prompt_length", "1536", "--response_length", "4096",
                                             "--max_tokens_per_micro_batch", "5632", "--num_unique_prompts_rollout", "1",
-                                            "--vllm_port", "8047"]),  # 1 prompt: its episodes are ~2,000 tokens
+                                            "--vllm_port", "8047"]),  # 1 prompt: its episodes' sequences are ~2,000 tokens
     ("examples/langgraph_agent.py:solve", ["--max_prompt_length", "384", "--response_length", "512",
                                            "--num_unique_prompts_rollout", "2", "--vllm_port", "8048"])],
     ids=["smolagents", "langgraph"])
