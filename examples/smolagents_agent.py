@@ -57,6 +57,7 @@ def solve(row, base_url, api_key):
                               client_kwargs={"max_retries": 0}, temperature=0.7, max_tokens=128)
     agent = ToolCallingAgent(tools=[calculator], model=model, max_steps=2, verbosity_level=LogLevel.OFF)
     answer = agent.run(question(row))
-    if str(answer).startswith(SWALLOWED):  # a failed call, not the policy's answer: no reward to learn from
-        raise RuntimeError(answer)
+    text = answer[0].get("text", "") if isinstance(answer, list) and answer else answer  # that text comes in parts
+    if isinstance(text, str) and text.startswith(SWALLOWED):  # a failed call, not the policy's answer
+        raise RuntimeError(text)
     return 1.0 if same_number(answer, row["answer"]) else 0.0

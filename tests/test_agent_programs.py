@@ -184,6 +184,37 @@ def test_the_calculator_agent_answers_an_overflow_as_the_policys_error(expressio
     assert (calculate("214 + 659"), calculate("7 / 2")) == ("873", "3.5")
 
 
+def test_the_smolagents_example_raises_the_failure_smolagents_returns_as_its_answer(monkeypatch):
+    """examples/smolagents_agent.py: at max_steps smolagents makes one more call, for the final answer,
+    and returns that call's exception as text (provide_final_answer): the example raises it (the run
+    counted, never trained on) instead of scoring it 0; a real answer is scored against the row's."""
+    import os
+
+    import smolagents
+
+    from helpers import ROOT
+    from user_code import load_object
+
+    solve = load_object(os.path.join(ROOT, "examples", "smolagents_agent.py:solve"), "agent")
+    calls = []
+
+    def generate(model, messages, stop_sequences=None, tools_to_call_from=None, **kwargs):
+        calls.append(bool(tools_to_call_from))  # a step offers the tools; the final-answer call does not
+        if not tools_to_call_from and fail:
+            raise ConnectionError("the gateway went away")
+        return smolagents.ChatMessage(role="assistant", content="5" if not tools_to_call_from else "thinking")
+
+    monkeypatch.setattr(smolagents.OpenAIServerModel, "generate", generate)
+    row = {"prompt": "What is 2 + 3?", "answer": "5"}
+    fail = True
+    with pytest.raises(RuntimeError, match="the gateway went away"):
+        solve(row, "http://127.0.0.1:1/v1", "key")
+    assert calls == [True, True, False]  # two steps, then the final-answer call
+    fail = False
+    assert (solve(row, "http://127.0.0.1:1/v1", "key"), solve(dict(row, answer="6"), "http://127.0.0.1:1/v1", "key")) \
+        == (1.0, 0.0)
+
+
 class Endless(ScriptedClient):
     """A server whose every request runs for minutes (a long answer on a slow machine) unless aborted:
     then it ends at once, with finish_reason "abort", as vLLM's /abort_requests ends it."""
