@@ -60,4 +60,4 @@ def solve(row, base_url, api_key):
     text = answer[0].get("text", "") if isinstance(answer, list) and answer else answer  # that text comes in parts
     if isinstance(text, str) and text.startswith(SWALLOWED):  # a failed call, not the policy's answer
         raise RuntimeError(text)
-    return 1.0 if same_number(answer, row["answer"]) else 0.0
+    return 1.0 if same_number(text, row["answer"]) else 0.0
