@@ -91,10 +91,14 @@ def test_smollm2_calls_the_calculator_over_several_turns_with_vllm_in_sync(smoll
 def test_smollm2_trains_as_an_agent_framework_runs_it(smollm2, tmp_path, agent, budget):
     """An agent written with a framework, unmodified (examples/): smolagents' ToolCallingAgent and
     LangGraph's ReAct graph play the calculator task through the gateway; their steps train, and the
-    trainer matches vLLM on every token vLLM sampled for them."""
+    trainer matches vLLM on every token vLLM sampled for them. The model rarely answers right at first:
+    a reward on the text's length (added to the program's, or in place of the run's) moves the weights
+    at step 1, so that step 2's sync check has something to check."""
     out_dir = tmp_path / "run"
+    (tmp_path / "r.py").write_text("def reward(prompt, completion, example):\n    return len(completion) % 7 / 7\n")
     out = train(["--model_name_or_path", smollm2, "--output_dir", str(out_dir), "--dataset", "calc",
                  "--agent", agent, "--tool_call_parser", "hermes", *budget, "--math_digits", "2",
+                 "--reward_fn", f"{tmp_path}/r.py:reward",
                  "--num_training_steps", "2", "--eval_freq", "0", "--num_samples_per_prompt_rollout", "2",
                  "--max_turns", "3", "--learning_rate", "2e-5",
                  "--temperature", "0.7", "--filter_zero_std_samples", "false", "--agent_timeout", "600"],
@@ -107,6 +111,7 @@ def test_smollm2_trains_as_an_agent_framework_runs_it(smollm2, tmp_path, agent, 
         assert r["agent_errors"] == r["agent_timeouts"] == r["agent_crashes"] == r["agent_refused"] == 0, r
         assert r["trained_tokens"] > 0 and r["skipped_updates"] == 0
         assert r["agent_overrides"] > 0 or "smolagents" not in agent  # its tool_choice="required", counted
+    assert steps[0]["grad_norm"] > 0  # the weights moved: step 2 samples and checks after a real sync
 
 
 def test_preparation_checks_its_output_and_names_the_pip_command(tiny_model_dir, tmp_path, monkeypatch):
