@@ -6,6 +6,7 @@ import concurrent.futures
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -35,17 +36,25 @@ WORKER = os.path.join(ROOT, "tests", "dist_worker.py")
 EAGER = ["--vllm_enforce_eager", "true"]
 
 
-def train(args, nproc=1, timeout=120):
+def free_port():
+    """A port nothing listens on now, for torchrun's rendezvous: the suite runs two test files at once
+    (pytest-xdist), so no two runs may be given the same fixed port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(args, nproc=1, timeout=600):
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-                "29621"] if nproc > 1 else [sys.executable]
+                str(free_port())] if nproc > 1 else [sys.executable]
     return subprocess.run(launcher + [os.path.join(ROOT, "train.py")] + EAGER + args, env=env, capture_output=True,
                           text=True, timeout=timeout, cwd=ROOT)
 
 
-def command(script, nproc, port=29641):
+def command(script, nproc, port=None):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-                str(port)] if nproc > 1 else [sys.executable]
+                str(port or free_port())] if nproc > 1 else [sys.executable]
     return launcher + [os.path.join(ROOT, script)]
 
 

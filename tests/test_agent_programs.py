@@ -50,7 +50,7 @@ def agents(tmp_path, tiny_model_dir, fn="solve", **overrides):
 
     (tmp_path / "programs.py").write_text(PROGRAMS)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    cfg = Config(**dict(dict(agent=f"{tmp_path / 'programs.py'}:{fn}", agent_workers=3, agent_timeout=5.0,
+    cfg = Config(**dict(dict(agent=f"{tmp_path / 'programs.py'}:{fn}", agent_workers=3, agent_timeout=10.0,
                              max_prompt_length=64, response_length=40, max_turns=3, num_samples_per_prompt_rollout=2),
                         **overrides))
     a = Agents(cfg, tok)

@@ -84,7 +84,7 @@ def copy_without(tmp_path, deleted):
     return out
 
 
-def python(repo, *args, timeout=120):
+def python(repo, *args, timeout=600):
     env = dict(ENV, PYTHONPATH=str(repo))
     return subprocess.run([sys.executable, *args], cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -116,7 +116,7 @@ def test_the_plain_trainer_trains_with_every_optional_concept_deleted(tiny_model
     run_dir = tmp_path / "run"
     args = flags(tiny_model_dir, run_dir, 2, "--checkpoint_state_freq", "2", "--num_unique_prompts_rollout", "2",
                  "--num_samples_per_prompt_rollout", "4", "--response_length", "8")
-    out = python(repo, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29655", "train.py",
+    out = python(repo, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29657", "train.py",
                  *args, timeout=600)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert os.path.isdir(run_dir / "ckpt" / "step_00000002") and os.path.isdir(run_dir / "out" / "final")

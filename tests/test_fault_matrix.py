@@ -111,12 +111,12 @@ def env_cell(tmp_path, tok, fault, kind, workers, **kw):
     name = "plain" if fault == "reward_none" else "faulty"
     spec = f"{tmp_path}/env.py:{name if kind == 'shared' else name.capitalize()}"
     reward_fn = f"{tmp_path}/env.py:trl_reward" if fault == "reward_none" else None
-    cfg = Config(environment=spec, tool_workers=workers, tool_timeout=3.0, max_prompt_length=200, response_length=256,
+    cfg = Config(environment=spec, tool_workers=workers, tool_timeout=6.0, max_prompt_length=200, response_length=256,
                  max_turns=3, num_samples_per_prompt_rollout=2, num_unique_prompts_rollout=2, unscored_stop=1.0,
                  filter_zero_std_samples=False, reward_fn=reward_fn, **kw)
     env = Environment(spec, tok, cfg)
     env.start()
-    pool = RewardPool(reward_fn or "rewards:copy_reward", workers=workers, timeout=3.0, fallback=float("nan"))
+    pool = RewardPool(reward_fn or "rewards:copy_reward", workers=workers, timeout=6.0, fallback=float("nan"))
     try:
         rows = with_prompts(env, tok, [dict(prompt="a", answer="x"), dict(prompt="b", answer="x", good=True)])
         rows[0]["fault"] = fault  # after the prompts' rendering, which resets too
@@ -130,7 +130,7 @@ def agent_cell(tmp_path, tok, fault):
     from agent_programs.runner import Agents
 
     (tmp_path / "agent.py").write_text(PROGRAM)
-    cfg = Config(agent=f"{tmp_path}/agent.py:solve", agent_workers=2, agent_timeout=3.0, max_prompt_length=64,
+    cfg = Config(agent=f"{tmp_path}/agent.py:solve", agent_workers=2, agent_timeout=6.0, max_prompt_length=64,
                  response_length=40, num_samples_per_prompt_rollout=2, num_unique_prompts_rollout=2, unscored_stop=1.0,
                  filter_zero_std_samples=False)
     agents = Agents(cfg, tok)

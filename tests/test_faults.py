@@ -93,7 +93,7 @@ def test_sigterm_writes_a_checkpoint_then_exits(server, tiny_model_dir, tmp_path
     proc = start(command("train.py", 2, 29643) + args)
     wait_for_step(proc, tmp_path, 3)
     proc.send_signal(signal.SIGTERM)  # torchrun passes it to both ranks
-    text = proc.communicate(timeout=120)[0]
+    text = proc.communicate(timeout=300)[0]
     assert proc.returncode != 0
     last = metrics(tmp_path)[-1]["step"]
     assert os.listdir(tmp_path / "ckpt") == [f"step_{last:08d}"], text[-2000:]

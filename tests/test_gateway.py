@@ -359,6 +359,19 @@ def closed(sock, within):
         return False
 
 
+def served_again(client, within=10.0):
+    """A call's answer once the gateway serves again: until the threads of closed connections end, a
+    connection past max_connections is answered 503."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return client.chat.completions.create(model="any", messages=FIRST).choices[0].message.content
+        except (openai.APIStatusError, openai.APIConnectionError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def test_idle_connections_are_closed_and_a_call_is_served_beside_them(make):
     """Connections need no key: 50 that send nothing do not keep a call from being served, and the
     gateway closes each after idle_timeout seconds (each held a thread of rank 0)."""
@@ -366,7 +379,7 @@ def test_idle_connections_are_closed_and_a_call_is_served_beside_them(make):
     idle = [socket.create_connection(g.server.server_address[:2], timeout=5) for _ in range(50)]
     assert client.chat.completions.create(model="any", messages=FIRST).choices[0].message.content == "Five."
     started = time.monotonic()
-    assert all(closed(s, 5.0) for s in idle) and time.monotonic() - started < 5.0
+    assert all(closed(s, 15.0) for s in idle) and time.monotonic() - started < 15.0
     for s in idle:
         s.close()
 
@@ -380,8 +393,7 @@ def test_connections_past_the_cap_are_refused_at_once(make):
     extra = socket.create_connection(g.server.server_address[:2], timeout=5)
     assert extra.recv(1000).startswith(b"HTTP/1.1 503") and closed(extra, 1.0)
     assert all(closed(s, 5.0) for s in idle)
-    time.sleep(0.2)  # their threads end
-    assert client.chat.completions.create(model="any", messages=FIRST).choices[0].message.content == "Five."
+    assert served_again(client) == "Five."  # once their threads end
     for s in idle + [extra]:
         s.close()
 

@@ -222,7 +222,7 @@ def test_the_server_we_launch_starts_from_the_base_when_it_loads_the_adapter(tin
 @pytest.fixture(scope="module")
 def lora_server(tiny_model_dir, tmp_path_factory):
     """A server "the user runs", started with LoRA enabled (lora_sync.server_flags)."""
-    _, client = serve(tiny_model_dir, str(tmp_path_factory.mktemp("lora_server")), 8053,
+    _, client = serve(tiny_model_dir, str(tmp_path_factory.mktemp("lora_server")), 8056,
                       cfg=Config(model_name_or_path=tiny_model_dir, lora_rank=8))
     yield client
     vllm_server.stop_server(client.proc)

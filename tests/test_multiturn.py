@@ -76,7 +76,7 @@ def tokenizer(request, tiny_model_dir):
 
 
 def episodes_of(tokenizer, script, rows, workers=0, **kw):
-    cfg = Config(environment="test_multiturn:adder", tool_workers=workers, tool_timeout=2.0, max_prompt_length=200,
+    cfg = Config(environment="test_multiturn:adder", tool_workers=workers, tool_timeout=5.0, max_prompt_length=200,
                  **{"response_length": 256, "max_turns": 4, "num_samples_per_prompt_rollout": 2, **kw})
     env = Environment(cfg.environment, tokenizer, cfg)
     env.start()
@@ -189,7 +189,7 @@ def test_tools_that_hang_crash_or_raise_end_their_episodes_unscored(tiny_model_d
                                      num_samples_per_prompt_rollout=2)
     why = {e.row.get("tool"): e.failure for e in episodes}
     assert why[None] is None and all(e.turns == 2 and e.completion == "done." for e in episodes[6:])
-    assert why["hang"] == "its environment call failed (tool_timeouts): no answer after tool_timeout=2.0s"
+    assert why["hang"] == "its environment call failed (tool_timeouts): no answer after tool_timeout=5.0s"
     assert why["crash"].startswith("its environment call failed (tool_crashes): the tool's process died (exit code 3)")
     assert why["raise"] == "its environment call failed (tool_errors): ValueError: boom"
     assert sorted(kind for kind, _ in stats["tool_failures"]) == ["tool_crashes"] * 2 + ["tool_errors"] * 2 + \
@@ -843,7 +843,7 @@ def failing_rewards(tmp_path, tok, spec, rows, workers=1, pool=None, **kw):
     from rollout import rollout_batch
 
     (tmp_path / "env.py").write_text(FAILING_REWARDS)
-    cfg = Config(environment=f"{tmp_path}/env.py:{spec}", tool_workers=workers, tool_timeout=1.0, max_prompt_length=200,
+    cfg = Config(environment=f"{tmp_path}/env.py:{spec}", tool_workers=workers, tool_timeout=5.0, max_prompt_length=200,
                  response_length=64, max_turns=1, num_samples_per_prompt_rollout=2, num_unique_prompts_rollout=len(rows),
                  **kw)
     env = Environment(cfg.environment, tok, cfg)
@@ -867,7 +867,7 @@ def test_an_environments_reward_that_hangs_is_a_reward_timeout(tiny_model_dir, t
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     with pytest.raises(Refused, match=r"1 of 1 groups left the batch with episodes that could not be scored "
                                       r"\(more than unscored_stop=0.5 of them\); first: the "
-                                      r"environment's reward: no answer after tool_timeout=1.0s"):
+                                      r"environment's reward: no answer after tool_timeout=5.0s"):
         failing_rewards(tmp_path, tok, spec, [dict(prompt="p")])
     _, m = failing_rewards(tmp_path, tok, spec, [dict(prompt="p")], unscored_stop=2.0)
     assert m["reward_timeouts"] == 2 and m["unscored_episodes"] == 2 and m["tool_lost"] == 0

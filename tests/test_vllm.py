@@ -199,12 +199,13 @@ def test_the_directories_of_a_killed_trainer_go_with_the_next_run(tmp_path, monk
     proc = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, TMPDIR=tmp), cwd=ROOT,
                             stdout=subprocess.PIPE, text=True)
     uds, weights = proc.stdout.readline().split()
+    # checked before the kill: another test's run may clean /dev/shm the moment the owner is dead
+    assert os.path.isdir(os.path.dirname(uds)) and os.path.isdir(weights)
     proc.kill()
     proc.wait()
     monkeypatch.setattr(tempfile, "tempdir", tmp)  # the next run's temporary directory: the same
     syncs, sockets = [], []
     try:
-        assert os.path.isdir(os.path.dirname(uds)) and os.path.isdir(weights)
         sockets.append(vllm_server.private_socket())
         syncs.append(weight_sync.FilesystemSync(None, 0, str(tmp_path / "b")))
         assert not os.path.exists(os.path.dirname(uds)) and not os.path.exists(weights)

@@ -68,7 +68,7 @@ def test_every_number_type_is_a_reward(workers):
 
 
 def test_hang_crash_and_raise_score_nan_and_the_pool_goes_on():
-    pool = RewardPool(SPEC, workers=2, timeout=2.0)
+    pool = RewardPool(SPEC, workers=2, timeout=5.0)
     try:
         batch = ["0.5", "hang", "1", "die", "raise", "0.25", "hang", "die", "2"]
         values, counts, first = run(pool, batch)
@@ -116,7 +116,7 @@ def running(pid):
 
 
 def test_a_timed_out_call_ends_its_children_with_it(tmp_path):
-    pool = RewardPool(SPEC, workers=1, timeout=3.0)
+    pool = RewardPool(SPEC, workers=1, timeout=6.0)
     try:
         values, counts, _ = run(pool, [f"spawn {tmp_path}/pid", "1"])
         child = int((tmp_path / "pid").read_text())
