@@ -117,8 +117,9 @@ class Config:
                                              "(on a CPU its warm-up is 1 to 2 minutes of every start)", resumable=True)
     vllm_max_model_len: Optional[int] = option(None, "context of the server we launch; None = max_prompt_length + "
                                                      "response_length")
-    vllm_kv_cache_space_gb: int = option(1, "KV cache size of a CPU server we launch (VLLM_CPU_KVCACHE_SPACE)",
-                                         low=1, resumable=True)
+    vllm_kv_cache_space_gb: Optional[float] = option(None, "KV cache of the server we launch, GB (1e9 bytes); None = "
+                                                            "what the batch's sequences need at full length (memory.py)",
+                                                     above=0, resumable=True)
     vllm_cpu_threads: Optional[int] = option(None, "cores a CPU server we launch computes on; None = all with "
                                                    "async_steps=0, half otherwise", low=1)
     vllm_gpu_memory_utilization: float = option(0.9, "memory fraction of a GPU server we launch",

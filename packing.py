@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from sample import Sample
+from episodes import Sample
 
 
 def batch_plan(cfg, world_size: int) -> dict:

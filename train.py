@@ -42,6 +42,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import checkpoint
+import memory
 import packing
 import tracking
 import vllm_client
@@ -64,7 +65,8 @@ from worker_pool import RewardPool
 
 def check_model(cfg):
     """The model's config.json against what the trainer implements: its vocabulary, its LM head and
-    layout, LoRA's targets, the heads sequence parallelism splits. ValueError naming the fix."""
+    layout, LoRA's targets, the heads sequence parallelism splits. ValueError naming the fix. Returns the
+    config and the model built on the meta device (LoRA's adapters in it), for the memory plan."""
     model_config = load_model_config(cfg)
     check_vocabulary(model_config, cfg.kl_topk)
     meta_model = check_model_config(model_config)  # an LM head or layout the logprobs do not implement
@@ -74,6 +76,7 @@ def check_model(cfg):
     if cfg.sequence_parallel_size > 1:
         from sequence_parallel import check_heads  # noqa: PLC0415 - the optional concept's door
         check_heads(model_config, cfg.sequence_parallel_size)
+    return model_config, meta_model
 
 
 def choose_player(cfg, tokenizer):
@@ -94,21 +97,27 @@ def choose_player(cfg, tokenizer):
 
 
 def load_inputs(cfg):
-    """Before any process group, model or server: the tokenizer, the player, the prompts, the reward
-    and the tracker, each checked; bad input exits with one line naming the fix (exit 2)."""
-    rank0 = int(os.environ.get("RANK", 0)) == 0
+    """Before any process group, model or server: the tokenizer, the player, the prompts, the reward,
+    the memory plan and the tracker, each checked; bad input exits with one line naming the fix (exit 2)."""
+    rank0, world = int(os.environ.get("RANK", 0)) == 0, int(os.environ.get("WORLD_SIZE", 1))
+    cuda = torch.cuda.is_available()
     try:
-        check_launch(cfg, torch.cuda.is_available())  # where our vLLM server would go, before any model
-        mesh_shape(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # a world the mesh does not fit
+        check_launch(cfg, cuda)  # where our vLLM server would go, before any model
+        mesh_shape(cfg, world)  # a world the mesh does not fit
         locate_model(cfg.model_name_or_path)  # in seconds offline, not after the hub's minute of retries
         tokenizer = load_tokenizer(cfg)
-        check_model(cfg)
+        model_config, meta_model = check_model(cfg)
         tracking.make_dirs(cfg)  # output_dir claimed: a second run into it stops here
         if rank0:
             vllm_client.check_servers(cfg.vllm_server_urls, cfg.vllm_request_timeout)
         player, env = choose_player(cfg, tokenizer)
         train_rows, eval_rows, skipped, reward_fn = load_prompts(cfg, tokenizer, env)
-        return tokenizer, player, (train_rows, eval_rows, skipped, reward_fn), tracking.open_tracker(cfg) if rank0 else None
+        plan = (memory.trainer_plan(cfg, model_config, meta_model, world, cuda),
+                memory.server_plan(cfg, model_config, meta_model, cuda))
+        if rank0:  # this node's ranks and our server against its memory, or a rank against its GPU
+            memory.check(cfg, *plan, int(os.environ.get("LOCAL_WORLD_SIZE", world)), cuda)
+        return (tokenizer, player, (train_rows, eval_rows, skipped, reward_fn), plan,
+                tracking.open_tracker(cfg) if rank0 else None)
     except ValueError as e:
         if rank0:
             print(f"error: {e}", file=sys.stderr)
@@ -128,11 +137,14 @@ def what_scores(cfg, player, reward_fn):
         f" + {cfg.reward_fn}" if cfg.reward_fn else f" (None: {reward})" if cfg.agent_program else ""))
 
 
-def announce(cfg, plan, world_size, device, data, player, resumed_from, start, policy):
-    """Rank 0, before step 0: what reproduces the run (run_info.json), the batch arithmetic, the data."""
+def announce(cfg, plan, memory_plan, world_size, device, data, player, resumed_from, start, policy):
+    """Rank 0, before step 0: what reproduces the run (run_info.json), the batch arithmetic, the memory
+    plan, the data."""
     train_rows, eval_rows, skipped, reward_fn = data
-    tracking.write_run_info(cfg, world_size, device, skipped_rows=skipped, resumed_from=resumed_from)
+    tracking.write_run_info(cfg, world_size, device, skipped_rows=skipped, resumed_from=resumed_from,
+                            memory_plan=[{k: v / memory.GB for k, v in part.items()} for part in memory_plan])
     print(packing.describe(cfg, plan))
+    print(memory.describe(*memory_plan))
     if line := packing.unshared_reason(cfg):
         print(line)
     print(f"data: {len(train_rows)} train / {len(eval_rows)} eval prompts from {cfg.dataset!r}, skipped {skipped}; "
@@ -236,14 +248,17 @@ def timed(m, key):
         m[key] = time.perf_counter() - start
 
 
-def finish_log(cfg, log, m, gen, eval_rows, last, started, device):
-    """Rank 0: evaluation when due, the step's time, throughput and peak memory, then one log line."""
+def finish_log(cfg, log, m, gen, eval_rows, last, started, device, trainer_plan):
+    """Rank 0: evaluation when due, the step's time, throughput, peak memory and the memory plan at the
+    step's largest micro-batch (GB = 1e9 bytes), then one log line."""
     if cfg.eval_freq > 0 and (m["step"] % cfg.eval_freq == 0 or last):
         m.update(gen.evaluate(eval_rows))
     m["time_step"] = time.perf_counter() - started
     m["tokens_per_s"] = m.pop("response_tokens") / m["time_step"]
     m["peak_memory_gb"] = (torch.cuda.max_memory_allocated() if device.type == "cuda" else
-                           resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30
+                           resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / memory.GB
+    if "micro_batch_tokens" in m:  # a step that trained
+        m["memory_plan_gb"] = memory.at_tokens(trainer_plan, m.pop("micro_batch_tokens")) / memory.GB
     log.write(m)
 
 
@@ -262,7 +277,7 @@ def save(cfg, state, step, position, tokenizer, rank, stopping):
 def main(cfg: Config):
     """One run; returns the exit status (0, or 143 after a SIGTERM). The caller then calls
     close_distributed(), once the run's models are out of scope."""
-    tokenizer, player, data, tracker = load_inputs(cfg)
+    tokenizer, player, data, memory_plan, tracker = load_inputs(cfg)
     train_rows, eval_rows, skipped, reward_fn = data
     sigterm = Sigterm()
     rank, world_size, device, mesh = setup_distributed(cfg)
@@ -276,7 +291,7 @@ def main(cfg: Config):
                       weights=cfg.reward_weights) if rank == 0 else None
     log = tracking.MetricsLog(cfg.output_dir, start, tracker) if rank == 0 else None
     if rank == 0:
-        announce(cfg, plan, world_size, device, data, player, resumed_from, start, state.policy)
+        announce(cfg, plan, memory_plan, world_size, device, data, player, resumed_from, start, state.policy)
     gen, saved, trained, skipped_in_a_row = None, start, start, 0
     try:
         # inside the try: a server we launched is stopped (finally) however the run ends, its start included
@@ -324,7 +339,7 @@ def main(cfg: Config):
             stopping = sigterm.on_any_rank(device)
             saved = step if save(cfg, state, step, gen.position, tokenizer, rank, stopping) else saved
             if rank == 0:  # --- evaluation and log
-                finish_log(cfg, log, m, gen, eval_rows, step == cfg.num_training_steps, started, device)
+                finish_log(cfg, log, m, gen, eval_rows, step == cfg.num_training_steps, started, device, memory_plan[0])
             if stopping:
                 if rank == 0:
                     print(f"SIGTERM: stopped after step {step}" + (f", checkpoint in {cfg.checkpoint_state_dir}"

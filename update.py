@@ -134,6 +134,7 @@ class StepMetrics:
         self.vllm_logp_diff_max = torch.zeros((), device=device)
         self.vllm_logp_diff_mean = 0.0
         self.ess, self.grad_norms, self.skipped = [], [], 0
+        self.micro_batch_tokens = 0  # this rank's largest micro-batch (row tokens): the memory plan's step figure
 
     def add(self, **values):
         for k, v in values.items():
@@ -170,7 +171,7 @@ class StepMetrics:
                  grad_norm_max=max(self.grad_norms, default=0.0),
                  vllm_logp_diff_mean=self.vllm_logp_diff_mean,
                  vllm_logp_diff_max=self.vllm_logp_diff_max.item(), skipped_updates=self.skipped,
-                 trained_tokens=int(s["tokens"]))
+                 trained_tokens=int(s["tokens"]), micro_batch_tokens=self.micro_batch_tokens)
         if cfg.objective.ess:
             m.update(ess=sum(self.ess) / len(self.ess), ess_trust=s["ess_trust"] / n)
         if cfg.vllm_importance_sampling_mask != "none":
@@ -258,6 +259,7 @@ def mini_batch_backward(cfg, policy, mbs, frozens, forward, denom, world_size, m
     with dropout(policy, cfg.lora_dropout > 0):  # on through backward: a checkpointed layer recomputes it
         for i, (b, frozen) in enumerate(zip(mbs, frozens)):
             policy.set_requires_gradient_sync(i == len(mbs) - 1)  # reduce-scatter once per optimizer step
+            metrics.micro_batch_tokens = max(metrics.micro_batch_tokens, b["input_ids"].numel())
             logp, entropy, head_logp, _ = forward(policy, b, head_ids=frozen.head_ids)
             if reads_ess and cfg.ess_scope == "micro_batch":  # over this micro-batch on every rank
                 old_logp = logp.detach() if frozen.old_logp is None else frozen.old_logp

@@ -34,6 +34,7 @@ import urllib.error
 
 import torch
 
+import memory
 from faults import VLLMError
 from vllm_client import fetch, log_tail
 from tracking import private_dir
@@ -85,7 +86,8 @@ def server_command(model_dir, cfg, port=None, uds=None, extra_args=()):
         # The CPU build crashes ("CPU Generator does not use offset") when a seeded request's
         # prompt is prefilled in chunks, i.e. when a step's prompt tokens pass the batch budget
         # (2048 on CPU): 4 prompts x 8 samples of 120 tokens did. Whole prompts only.
-        cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(2048, max_len))]
+        cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens",
+                str(max(2048, max_len, memory.server_sequences(cfg)))]  # vLLM wants it >= --max-num-seqs
         # The prefix cache reuses whole blocks. With the CPU default of 128 tokens a block, each
         # turn of an episode prefilled again up to 127 tokens the cache already held; with 32 (the
         # CPU kernels want a multiple of 32) episodes generate 6% faster, single turns the same
@@ -95,6 +97,11 @@ def server_command(model_dir, cfg, port=None, uds=None, extra_args=()):
         cmd += ["--hf-overrides", json.dumps({"head_dtype": "float32"})]
     if cfg.weight_sync_transport == "nccl":
         cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+    kv = kv_cache_size(model_dir, cfg) if cfg.vllm_kv_cache_space_gb or not torch.cuda.is_available() else None
+    if kv:  # on a CPU the plan's, not vLLM's share of the machine's RAM
+        cmd += ["--kv-cache-memory-bytes", str(kv)]
+        if not cfg.vllm_kv_cache_space_gb:  # no more sequences at once than the plan gave room to
+            cmd += ["--max-num-seqs", str(memory.server_sequences(cfg))]
     if cfg.vllm_enforce_eager:  # no compile: the same tokens, logprobs within 4e-5 (tests/test_vllm.py)
         cmd += ["--enforce-eager"]
     cmd += list(extra_args)
@@ -103,13 +110,26 @@ def server_command(model_dir, cfg, port=None, uds=None, extra_args=()):
             raise VLLMError("single_gpu_mode=True needs a GPU (vLLM's sleep mode frees GPU memory); "
                             "set single_gpu_mode=False on CPU")
         cmd += ["--enable-sleep-mode"]
-    added = dict(VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=str(cfg.vllm_kv_cache_space_gb),
-                 VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")  # the LoRA load and unload routes
+    added = dict(VLLM_SERVER_DEV_MODE="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")  # the LoRA load and unload routes
     if uds:  # vLLM's own ZMQ sockets (API server <-> engine) beside ours, not in the shared /tmp
         added["VLLM_RPC_BASE_PATH"] = os.path.dirname(uds)
     if not torch.cuda.is_available():
         added.update(cpu_placement(cfg, os.environ))
     return cmd, added
+
+
+def kv_cache_size(model_dir, cfg):
+    """Bytes of KV cache: vllm_kv_cache_space_gb, or the memory plan's for the run's own sequences; None
+    for a model whose config is not on this machine (scripts/serve.py given a hub name: vLLM sizes it)."""
+    from transformers import AutoConfig
+
+    if cfg.vllm_kv_cache_space_gb:
+        return int(cfg.vllm_kv_cache_space_gb * memory.GB)
+    try:
+        model_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError):
+        return None
+    return memory.kv_cache_bytes(cfg, model_config, torch.cuda.is_available())
 
 
 def launch_server(model_dir, cfg, log_path, port=None, env=None, extra_args=()):

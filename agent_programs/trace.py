@@ -1,7 +1,7 @@
 """An agent's episode as the gateway records it: one Trace per episode, its calls' tokens in one
 Sample, and the messages of its calls compared as the chat template reads them.
 
-What is recorded, per episode, is one Sample (sample.py) of the tokens vLLM saw and sampled:
+What is recorded, per episode, is one Sample (episodes.py) of the tokens vLLM saw and sampled:
 - the first call's prompt, rendered by the chat template (with the call's tools), is the
   sample's prompt;
 - a call whose messages extend the previous call's messages and the reply the gateway gave
@@ -25,7 +25,7 @@ import json
 import threading
 
 from episodes import completion_text
-from sample import Sample
+from episodes import Sample
 
 
 class Refusal(Exception):

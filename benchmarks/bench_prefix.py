@@ -69,7 +69,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
-from sample import Sample  # noqa: E402
+from episodes import Sample  # noqa: E402
 
 REAL = os.path.join(ROOT, "models", "smollm2-135m-instruct")
 # models/smollm2-135m-instruct/config.json's shape

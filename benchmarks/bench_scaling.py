@@ -44,7 +44,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
-from sample import Sample  # noqa: E402
+from episodes import Sample  # noqa: E402
 
 
 def synthetic_rollouts(n_prompts, n_samples, new_tokens, vocab, seed=0):

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-VOLATILE = ("time_", "tokens_per_s", "peak_memory_gb")
+VOLATILE = ("time_", "tokens_per_s", "peak_memory_gb", "memory_plan_gb")
 # The server's side of the sync check: with episodes of several turns (an environment, an agent) the
 # server batches turns as they arrive, and its logprobs move in the last bits between two runs of the
 # same code. Shown when they differ, never counted as a difference.

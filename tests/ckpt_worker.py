@@ -20,7 +20,7 @@ import update
 from config import Config
 from data import PromptSampler
 from reference import EMAReference
-from sample import Sample
+from episodes import Sample
 from weight_sync import full_state_dict
 
 mode, model_dir, out = sys.argv[1:4]

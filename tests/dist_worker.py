@@ -25,7 +25,7 @@ from cli import convert
 from config import Config
 from packing import micro_batches
 from reference import local, make_reference
-from sample import Sample
+from episodes import Sample
 from weight_sync import full_state_dict
 
 mode, model_dir, out = sys.argv[1:4]

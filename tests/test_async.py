@@ -8,7 +8,7 @@ import time
 import pytest
 
 from rollout import Rollouts, drop_stale
-from sample import Sample
+from episodes import Sample
 from helpers import train
 
 

@@ -21,7 +21,7 @@ from envs.chat import ChatTokens
 from envs.environment import Environment
 from loss import grpo_loss
 from policy import sequence_logprobs
-from sample import Sample
+from episodes import Sample
 from helpers import documented, IM_END, ScriptedClient, with_prompts
 
 

@@ -12,7 +12,7 @@ import packing
 import policy
 from config import Config, flash_attention_available
 from loss import grpo_loss
-from sample import Sample
+from episodes import Sample
 
 
 def rollouts(n, seed, prompt=(2, 12), completion=(1, 30)):

@@ -5,7 +5,7 @@ and the sizes that must divide (the Config's other refusals: tests/test_config.p
 import pytest
 import torch
 
-from sample import Sample
+from episodes import Sample
 from helpers import run_worker
 
 

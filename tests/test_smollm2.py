@@ -145,7 +145,7 @@ def test_smollm2_shared_prompts_match_the_unshared_row(smollm2):
 
     import packing
     import policy
-    from sample import Sample
+    from episodes import Sample
 
     tok = AutoTokenizer.from_pretrained(smollm2)
     model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32, attn_implementation="packed_sdpa")

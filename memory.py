@@ -1,0 +1,186 @@
+"""The run's memory plan: what a trainer rank and the vLLM server we launch will hold, from the
+model's config, the mesh and the batch, before any weight loads. train.py prints it (the
+`memory plan:` line), refuses a plan the machine cannot hold (one line naming the knob), sizes
+the launched server's KV cache from it, and logs each step's plan at that step's largest
+micro-batch (`memory_plan_gb`) beside the measured `peak_memory_gb` (BENCHMARKS.md, "Memory plan").
+
+A trainer rank, FSDP2 over `shard` ranks, the parameters held in float32 (parallel.load_model):
+- parameters: the rank's shard;
+- gathered: the largest unit (the root's embeddings and LM head, or one decoder layer) whole in the
+  compute dtype, twice (FSDP2 gathers the next unit while one computes), and its whole gradient
+  before the reduce-scatter;
+- gradients: the shard, or every trainable parameter whole when a step packs several
+  micro-batches (update.py reduce-scatters once per optimizer step; until then FSDP2 holds them
+  unsharded);
+- optimizer: AdamW's two float32 moments of the trainable shard;
+- reference: a second sharded model when the KL needs one (LoRA's reference is an adapter: none);
+- activations: what the forward keeps for backward (activation_values: measured, below), in the
+  compute dtype; with activation checkpointing each layer keeps its input and one layer
+  at a time the rest;
+- LM head: policy.token_logprobs' (256, V) float32 logits and their gradient;
+- weight sync: rank 0's whole float32 state dict in host memory (weight_sync.full_state_dict, the
+  tied head copied for the server), each step; on a GPU it is host memory, not the GPU's;
+- runtime: on a CPU what the process holds before any weight loads (the libraries, the tokenizer,
+  the prompts), read from /proc; on a GPU the CUDA context, about 0.5 GB beside the allocator.
+The server we launch: its weights in its dtype, the KV cache of the run's own sequences (the
+batch's sequences at max_prompt_length + response_length, in whole blocks), and on a CPU its
+processes' runtime (CPU_SERVER_RUNTIME, measured).
+"""
+
+import math
+import os
+
+import torch
+
+GB = 1e9
+# Measured with saved-tensor hooks on this code's forward (policy.sequence_logprobs, sdpa, float32 CPU),
+# Llama and Qwen2 layers at six shapes, every figure exact: a token and decoder layer keeps
+# 6 h + 2 q + 4 i + 2 kv + heads + 2 values (h hidden, q = heads x head_dim, i the MLP's width, kv the
+# keys' and values' width), and the model outside its layers about 4 h.
+# A CPU server's processes without its weights and KV cache (PSS, SmolLM2-135M, BENCHMARKS.md): API server,
+# engine and model runner; 1.9 GB with VLLM_ENABLE_V1_MULTIPROCESSING=0 (the runner inside the engine)
+CPU_SERVER_RUNTIME = 2.3 * GB
+CPU_SERVER_RUNTIME_TWO_PROCESSES = 1.9 * GB
+CUDA_CONTEXT = 0.5 * GB
+CHUNK = 256  # policy.token_logprobs' chunk_size
+
+
+def shape(mc):
+    """(layers, hidden, query width, MLP width, key/value width, heads) of a model config."""
+    heads = mc.num_attention_heads
+    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
+    kv_heads = getattr(mc, "num_key_value_heads", None) or heads
+    return mc.num_hidden_layers, mc.hidden_size, heads * head_dim, mc.intermediate_size, kv_heads * head_dim, heads
+
+
+def activation_values(mc, checkpointing):
+    """Values the forward keeps for backward, per token of a micro-batch (the docstring's count)."""
+    layers, h, q, i, kv, heads = shape(mc)
+    layer = 6 * h + 2 * q + 4 * i + 2 * kv + heads + 2
+    # checkpointed, a layer keeps its input (the first layer's is the embeddings' output, in the 4 h)
+    return ((layers - 1) * h + layer if checkpointing else layers * layer) + 4 * h
+
+
+def share_tokens(cfg, world_size):
+    """A rank's tokens in the forward when every sequence has its full length: its samples, their
+    prompt once a group with shared prompts; capped by the micro-batch budget."""
+    seqs = cfg.num_unique_prompts_rollout * cfg.num_samples_per_prompt_rollout // cfg.num_mini_batches
+    per_rank = -(-seqs // (world_size // cfg.sequence_parallel_size))
+    prompts = -(-per_rank // cfg.num_samples_per_prompt_rollout) if cfg.shared_prefix else per_rank
+    tokens = prompts * cfg.max_prompt_length + per_rank * cfg.response_length
+    return min(tokens, cfg.max_tokens_per_micro_batch), tokens > cfg.max_tokens_per_micro_batch
+
+
+def trainer_plan(cfg, mc, meta_model, world_size, cuda):
+    """{item: bytes} of one trainer rank (the docstring's items); "per_token" is the activations'
+    bytes a token of a micro-batch, for the plan at a step's own micro-batch (at_tokens)."""
+    dtype = 2 if cuda else 4
+    shard = cfg.fsdp_shard_size or world_size
+    total = sum(p.numel() for p in meta_model.parameters())
+    trainable = sum(p.numel() for p in meta_model.parameters() if p.requires_grad)  # with LoRA, its adapter's
+    layer = sum(p.numel() for p in meta_model.model.layers[0].parameters())
+    unit = max(total - len(meta_model.model.layers) * layer, layer)
+    tokens, several = share_tokens(cfg, world_size)
+    per_token = activation_values(mc, cfg.activation_checkpointing) * dtype // cfg.sequence_parallel_size
+    offloaded = cuda and cfg.offload_params  # shards, gradients and AdamW state in host memory
+    separate_ref = cfg.beta > 0 and cfg.load_ref_policy and not cfg.lora_rank
+    tied = bool(getattr(mc, "tie_word_embeddings", False))
+    return dict(parameters=0 if offloaded else 4 * total // shard,
+                gathered=3 * unit * dtype,
+                gradients=0 if offloaded else 4 * trainable // (1 if several else shard),
+                optimizer=0 if offloaded else 8 * trainable // shard,
+                reference=4 * total // shard if separate_ref and not (cuda and cfg.offload_ref_policy) else 0,
+                activations=tokens * per_token,
+                lm_head=2 * CHUNK * mc.vocab_size * 4,
+                weight_sync=0 if cuda else 4 * (total + mc.vocab_size * mc.hidden_size * tied),
+                runtime=CUDA_CONTEXT if cuda else resident_bytes(),
+                per_token=per_token)
+
+
+def kv_cache_bytes(cfg, mc, cuda):
+    """The launched server's KV cache for the run's own sequences: the batch's (server_sequences), each in
+    whole blocks of max_prompt_length + response_length tokens, keys and values
+    of every layer in the server's dtype (float32 on a CPU)."""
+    layers, _, _, _, kv, _ = shape(mc)
+    block = 16 if cuda else 32  # vllm_server.server_command's --block-size on a CPU, vLLM's default on a GPU
+    seq = cfg.vllm_max_model_len or cfg.max_prompt_length + cfg.response_length
+    return server_sequences(cfg) * math.ceil(seq / block) * block * 2 * layers * kv * (2 if cuda else 4)
+
+
+def server_sequences(cfg):
+    """Sequences the server runs at once when its KV cache is the plan's (its --max-num-seqs): the batch's.
+    More (an evaluation's prompts) wait their turn rather than preempt one another."""
+    return cfg.num_unique_prompts_rollout * cfg.num_samples_per_prompt_rollout
+
+
+def server_plan(cfg, mc, meta_model, cuda):
+    """{item: bytes} of the server we launch; empty with vllm_server_urls (yours)."""
+    if cfg.vllm_server_urls:
+        return {}
+    kv = int(cfg.vllm_kv_cache_space_gb * GB) if cfg.vllm_kv_cache_space_gb else kv_cache_bytes(cfg, mc, cuda)
+    return dict(weights=sum(p.numel() for p in meta_model.parameters()) * (2 if cuda else 4), kv_cache=kv,
+                runtime=0 if cuda else CPU_SERVER_RUNTIME_TWO_PROCESSES
+                if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else CPU_SERVER_RUNTIME)
+
+
+def resident_bytes():
+    """This process's resident set now (VmRSS)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def machine_bytes():
+    """This machine's memory (MemTotal): what the run may hold at most. Not MemAvailable, which other jobs
+    move from moment to moment: the same run must not be refused on one start and pass on the next."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+
+
+def rank_total(trainer):
+    return sum(v for k, v in trainer.items() if k != "per_token")
+
+
+def at_tokens(trainer, tokens):
+    """A rank's plan at a micro-batch of `tokens` tokens (a step's own largest), in bytes."""
+    return rank_total(trainer) - trainer["activations"] + tokens * trainer["per_token"]
+
+
+def knob(cfg, trainer, server):
+    """The setting that frees the most of the largest item."""
+    items = dict(activations=trainer["activations"], reference=trainer["reference"], kv_cache=server.get("kv_cache", 0),
+                 model=sum(trainer[k] for k in ("parameters", "gathered", "gradients", "optimizer")))
+    largest = max(items, key=items.get)
+    if largest == "activations":
+        return ("lower max_tokens_per_micro_batch" if cfg.activation_checkpointing else
+                "set activation_checkpointing=True") + f" (now {cfg.max_tokens_per_micro_batch} tokens a micro-batch)"
+    if largest == "reference":
+        return "set offload_ref_policy=True (GPU) or train with lora_rank, whose reference is an adapter"
+    if largest == "kv_cache":
+        return "lower num_samples_per_prompt_rollout, num_unique_prompts_rollout or response_length"
+    return "shard over more ranks, set offload_params=True (GPU), or train adapters with lora_rank"
+
+
+def check(cfg, trainer, server, local_ranks, cuda, device_bytes=None):
+    """Refuse, in one line naming the knob, a plan this machine cannot hold: on a GPU a rank's plan
+    against its GPU (the server's fraction off in single_gpu_mode); on a CPU this node's ranks and
+    the server we launch against the machine's memory."""
+    if cuda:
+        limit = device_bytes or torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        limit *= (1 - cfg.vllm_gpu_memory_utilization) if cfg.single_gpu_mode else 1
+        need, what = rank_total(trainer), f"a trainer rank needs {rank_total(trainer) / GB:.1f} GB of its GPU's"
+    else:
+        limit = device_bytes or machine_bytes()
+        need = local_ranks * rank_total(trainer) + sum(server.values())
+        what = f"{local_ranks} trainer rank(s) and the vLLM server need {need / GB:.1f} GB of this machine's"
+    if need > limit:
+        raise ValueError(f"memory plan: {what} {limit / GB:.1f} GB; {knob(cfg, trainer, server)}")
+
+
+def describe(trainer, server):
+    """The start-up line: a rank's figure and the server's, each with its parts, in GB."""
+    parts = ", ".join(f"{k} {v / GB:.2f}" for k, v in trainer.items() if k != "per_token" and v)
+    line = f"memory plan: trainer rank {rank_total(trainer) / GB:.2f} GB ({parts})"
+    if server:
+        line += (f"; vLLM server {sum(server.values()) / GB:.2f} GB ("
+                 + ", ".join(f"{k} {v / GB:.2f}" for k, v in server.items() if v) + ")")
+    return line + "; GB = 1e9 bytes, sequences at full length"

@@ -1,0 +1,176 @@
+"""The memory plan (memory.py): its activation count against what the forward really keeps, its
+items by hand, its refusals, and the launched server's KV cache."""
+
+import dataclasses
+import json
+import os
+import types
+
+import pytest
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+import memory
+from config import Config
+from policy import sequence_logprobs
+from tests.helpers import train
+from vllm_server import server_command
+
+# (hidden, MLP width, heads, key/value heads, head_dim): query width equal to, above and below hidden
+SHAPES = [(128, 256, 2, 1, 64), (192, 384, 4, 1, 64), (256, 512, 8, 2, 32)]
+
+
+def model_config(h, i, heads, kv_heads, head_dim, layers=2, vocab=100):
+    return Qwen2Config(hidden_size=h, intermediate_size=i, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                       head_dim=head_dim, vocab_size=vocab, num_hidden_layers=layers,
+                       layer_types=["full_attention"] * layers)
+
+
+def saved_values(mc, checkpointing=False, tokens=64):
+    """Values the forward of policy.sequence_logprobs keeps for backward, a token, parameters left out
+    (each storage once): what autograd's saved-tensor hooks see."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(mc, attn_implementation="sdpa").float()
+    if checkpointing:
+        for k in range(len(model.model.layers)):
+            model.model.layers[k] = checkpoint_wrapper(model.model.layers[k])
+    model.sequence_logprobs = types.MethodType(sequence_logprobs, model)
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, mc.vocab_size, (1, tokens))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.sequence_logprobs(ids, torch.ones(1, tokens - 1, dtype=torch.bool), 1.0,
+                                position_ids=torch.arange(tokens)[None])
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(n for ptr, n in seen.items() if ptr not in params) / tokens / 4
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_activations_per_layer_are_what_the_forward_keeps(shape):
+    """A decoder layer's count is exact (two layers minus one); the model's whole within 3%, with and
+    without activation checkpointing (where the forward keeps each layer's input only)."""
+    one, two = saved_values(model_config(*shape, layers=1)), saved_values(model_config(*shape, layers=2))
+    planned = memory.activation_values(model_config(*shape, layers=2), False)
+    assert two - one == planned - memory.activation_values(model_config(*shape, layers=1), False)
+    assert abs(two - planned) <= 0.03 * two
+    kept = saved_values(model_config(*shape, layers=2), checkpointing=True)
+    layer = planned - memory.activation_values(model_config(*shape, layers=1), False)
+    # the plan's checkpointed figure adds the one layer recomputed in backward at a time
+    assert abs(kept - (memory.activation_values(model_config(*shape, layers=2), True) - layer)) <= 0.03 * kept
+
+
+def meta_model(mc):
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(mc)
+
+
+def test_trainer_items_by_hand():
+    """h 128, i 256, 2 layers, vocab 100, untied: 2 x 2 ranks of float32 on a CPU."""
+    mc = model_config(128, 256, 2, 1, 64, vocab=100)
+    layer = 3 * 128 * 256 + (128 * 128 + 128) + 2 * (128 * 64 + 64) + 128 * 128 + 2 * 128  # MLP, q, k, v, o, norms
+    total = 2 * layer + 2 * 100 * 128 + 128
+    cfg = Config(num_unique_prompts_rollout=4, num_samples_per_prompt_rollout=4, max_prompt_length=32,
+                 response_length=16, max_tokens_per_micro_batch=4096, beta=0.1, load_ref_policy=True)
+    plan = memory.trainer_plan(cfg, mc, meta_model(mc), 2, cuda=False)
+    assert plan["parameters"] == 4 * total // 2 and plan["optimizer"] == 8 * total // 2
+    assert plan["gradients"] == 4 * total // 2 and plan["reference"] == 4 * total // 2
+    assert 2 * 100 * 128 + 128 < layer  # the root's unit (embeddings, head, final norm) is smaller than a layer
+    assert plan["gathered"] == 3 * 4 * layer
+    # 8 samples a rank, 2 groups: the prompt twice (shared prompts) and every response
+    assert plan["activations"] == (2 * 32 + 8 * 16) * memory.activation_values(mc, False) * 4
+    assert plan["lm_head"] == 2 * 256 * 100 * 4 and plan["weight_sync"] == 4 * total  # untied: no head copy
+    assert memory.at_tokens(plan, 10) == memory.rank_total(plan) - plan["activations"] + 10 * plan["per_token"]
+    # several micro-batches: gradients whole until the one reduce-scatter
+    several = dataclasses.replace(cfg, max_tokens_per_micro_batch=48, shared_prefix=False)
+    plan = memory.trainer_plan(several, mc, meta_model(mc), 2, cuda=False)
+    assert plan["gradients"] == 4 * total and plan["activations"] == 48 * plan["per_token"]
+
+
+def test_kv_cache_by_hand():
+    """2 x 4 sequences of 32 + 40 tokens in blocks of 32 (CPU): 3 blocks each; K and V of 2 layers, 64 wide."""
+    mc = model_config(128, 256, 2, 1, 64)
+    cfg = Config(num_unique_prompts_rollout=2, num_samples_per_prompt_rollout=4, max_prompt_length=32,
+                 response_length=40)
+    assert memory.kv_cache_bytes(cfg, mc, cuda=False) == 8 * 96 * 2 * 2 * 64 * 4
+    assert memory.kv_cache_bytes(cfg, mc, cuda=True) == 8 * 80 * 2 * 2 * 64 * 2
+    assert memory.server_plan(Config(vllm_server_urls=["http://x:8000"]), mc, meta_model(mc), False) == {}
+
+
+def test_launched_server_gets_the_plans_kv_cache(tiny_model_dir):
+    cfg = Config(model_name_or_path=tiny_model_dir)
+    cmd, env = server_command(tiny_model_dir, cfg, uds="/tmp/x.sock")
+    planned = memory.kv_cache_bytes(cfg, Qwen2Config.from_pretrained(tiny_model_dir), cuda=False)
+    assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(planned) and "VLLM_CPU_KVCACHE_SPACE" not in env
+    batch = cfg.num_unique_prompts_rollout * cfg.num_samples_per_prompt_rollout
+    assert cmd[cmd.index("--max-num-seqs") + 1] == str(batch)
+    cmd, _ = server_command(tiny_model_dir, Config(model_name_or_path=tiny_model_dir, vllm_kv_cache_space_gb=0.5),
+                            uds="/tmp/x.sock")
+    assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == "500000000"
+
+
+@pytest.mark.parametrize("overrides, knob", [
+    (dict(), "set activation_checkpointing=True"),
+    (dict(activation_checkpointing=True), "lower max_tokens_per_micro_batch"),
+    (dict(max_tokens_per_micro_batch=128, response_length=64, num_samples_per_prompt_rollout=64),
+     "lower num_samples_per_prompt_rollout"),
+])
+def test_refusal_names_the_knob_of_the_largest_item(overrides, knob):
+    mc = model_config(256, 512, 8, 2, 32, layers=4, vocab=1000)
+    cfg = Config(**{**dict(max_tokens_per_micro_batch=65536, response_length=4096, max_prompt_length=64), **overrides})
+    trainer = memory.trainer_plan(cfg, mc, meta_model(mc), 2, cuda=False)
+    server = memory.server_plan(cfg, mc, meta_model(mc), False)
+    need = 2 * memory.rank_total(trainer) + sum(server.values())
+    memory.check(cfg, trainer, server, 2, cuda=False, device_bytes=need)  # exactly enough: no refusal
+    with pytest.raises(ValueError, match=f"^memory plan: 2 trainer rank.*{knob}") as e:
+        memory.check(cfg, trainer, server, 2, cuda=False, device_bytes=need - 1)
+    assert "\n" not in str(e.value)
+    gpu = memory.trainer_plan(cfg, mc, meta_model(mc), 2, cuda=True)
+    with pytest.raises(ValueError, match=r"^memory plan: a trainer rank needs [0-9.]+ GB of its GPU's 0.0 GB; "):
+        memory.check(cfg, gpu, {}, 2, cuda=True, device_bytes=1)
+
+
+@pytest.mark.subprocess
+def test_train_refuses_a_plan_the_machine_cannot_hold(tiny_model_dir, tmp_path):
+    """Before any process group, model or server: exit 2, one line naming the knob. 4,096 x 64 sequences
+    of 2,048 tokens: the server's KV cache alone is 550 GB."""
+    out = train(["--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path / "out"),
+                 "--max_prompt_length", "1024", "--response_length", "1024", "--num_unique_prompts_rollout", "4096",
+                 "--num_samples_per_prompt_rollout", "64", "--max_tokens_per_micro_batch", "2048"], timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: memory plan: 1 trainer rank(s) and the vLLM server need") and \
+        "lower num_samples_per_prompt_rollout" in line
+    assert not os.path.exists(tmp_path / "out" / "metrics.jsonl")
+
+
+@pytest.mark.slow
+def test_plan_against_the_measured_peak_of_two_ranks(tmp_path):
+    """2 CPU ranks training a 24 M-parameter model (random weights; a reward on the text's length, so
+    every group trains): each step's plan at its own largest micro-batch within 25% of rank 0's
+    measured peak (resident set)."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+    model = tmp_path / "24m"
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_tiny_model.py"), "--out", str(model),
+                    "--shape", "24m"], check=True, capture_output=True)
+    (tmp_path / "r.py").write_text("def reward(prompt, completion, example):\n    return len(completion) % 7 / 7\n")
+    out = train(["--model_name_or_path", str(model), "--output_dir", str(tmp_path / "out"), "--num_training_steps",
+                 "2", "--eval_freq", "0", "--reward_fn", f"{tmp_path}/r.py:reward", "--max_prompt_length", "128", "--response_length", "256",
+                 "--num_unique_prompts_rollout", "2", "--num_samples_per_prompt_rollout", "8", "--temperature", "1.5"],
+                nproc=2)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "memory plan: trainer rank" in out.stdout
+    rows = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
+    trained = [r for r in rows if "memory_plan_gb" in r]
+    assert trained
+    for r in trained:
+        assert abs(r["memory_plan_gb"] - r["peak_memory_gb"]) <= 0.25 * r["peak_memory_gb"], r
+    plan = json.load(open(tmp_path / "out" / "run_info.json"))["memory_plan"]
+    assert plan[0]["activations"] > plan[0]["runtime"] / 2  # activations weigh here, not the libraries alone
