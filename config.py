@@ -118,8 +118,9 @@ class Config:
     vllm_max_model_len: Optional[int] = option(None, "context of the server we launch; None = max_prompt_length + "
                                                      "response_length")
     vllm_kv_cache_space_gb: Optional[float] = option(None, "KV cache of the server we launch, GB (1e9 bytes); None = "
-                                                            "what the batch's sequences need at full length (memory.py)",
-                                                     above=0, resumable=True)
+                                                            "on a CPU what the run's sequences need at full length "
+                                                            "(memory.py), on a GPU vllm_gpu_memory_utilization's share",
+                                                     low=0.001, high=10000, resumable=True)
     vllm_cpu_threads: Optional[int] = option(None, "cores a CPU server we launch computes on; None = all with "
                                                    "async_steps=0, half otherwise", low=1)
     vllm_gpu_memory_utilization: float = option(0.9, "memory fraction of a GPU server we launch",

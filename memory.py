@@ -38,9 +38,9 @@ GB = 1e9
 # 6 h + 2 q + 4 i + 2 kv + heads + 2 values (h hidden, q = heads x head_dim, i the MLP's width, kv the
 # keys' and values' width), and the model outside its layers about 4 h.
 # A CPU server's processes without its weights and KV cache (PSS, SmolLM2-135M, BENCHMARKS.md): API server,
-# engine and model runner; 1.9 GB with VLLM_ENABLE_V1_MULTIPROCESSING=0 (the runner inside the engine)
-CPU_SERVER_RUNTIME = 2.3 * GB
-CPU_SERVER_RUNTIME_TWO_PROCESSES = 1.9 * GB
+# engine and model runner 2.6-2.8 GB; 2.0 with VLLM_ENABLE_V1_MULTIPROCESSING=0 (the runner in the engine)
+CPU_SERVER_RUNTIME = 2.7 * GB
+CPU_SERVER_RUNTIME_TWO_PROCESSES = 2.0 * GB
 CUDA_CONTEXT = 0.5 * GB
 CHUNK = 256  # policy.token_logprobs' chunk_size
 
@@ -50,7 +50,8 @@ def shape(mc):
     heads = mc.num_attention_heads
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
     kv_heads = getattr(mc, "num_key_value_heads", None) or heads
-    return mc.num_hidden_layers, mc.hidden_size, heads * head_dim, mc.intermediate_size, kv_heads * head_dim, heads
+    mlp = getattr(mc, "intermediate_size", None) or 4 * mc.hidden_size
+    return mc.num_hidden_layers, mc.hidden_size, heads * head_dim, mlp, kv_heads * head_dim, heads
 
 
 def activation_values(mc, checkpointing):
@@ -63,12 +64,15 @@ def activation_values(mc, checkpointing):
 
 def share_tokens(cfg, world_size):
     """A rank's tokens in the forward when every sequence has its full length: its samples, their
-    prompt once a group with shared prompts; capped by the micro-batch budget."""
+    prompt once a group with shared prompts; capped by the micro-batch budget; and whether a step
+    then packs several micro-batches."""
     seqs = cfg.num_unique_prompts_rollout * cfg.num_samples_per_prompt_rollout // cfg.num_mini_batches
     per_rank = -(-seqs // (world_size // cfg.sequence_parallel_size))
     prompts = -(-per_rank // cfg.num_samples_per_prompt_rollout) if cfg.shared_prefix else per_rank
     tokens = prompts * cfg.max_prompt_length + per_rank * cfg.response_length
-    return min(tokens, cfg.max_tokens_per_micro_batch), tokens > cfg.max_tokens_per_micro_batch
+    # under sequence parallelism a rank holds 1/S of each packed row (sequence_parallel.piece)
+    piece = -(-min(tokens, cfg.max_tokens_per_micro_batch) // cfg.sequence_parallel_size)
+    return piece, tokens > cfg.max_tokens_per_micro_batch
 
 
 def trainer_plan(cfg, mc, meta_model, world_size, cuda):
@@ -78,13 +82,12 @@ def trainer_plan(cfg, mc, meta_model, world_size, cuda):
     shard = cfg.fsdp_shard_size or world_size
     total = sum(p.numel() for p in meta_model.parameters())
     trainable = sum(p.numel() for p in meta_model.parameters() if p.requires_grad)  # with LoRA, its adapter's
-    layer = sum(p.numel() for p in meta_model.model.layers[0].parameters())
-    unit = max(total - len(meta_model.model.layers) * layer, layer)
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in meta_model.model.layers]
+    unit = max(max(layers), total - sum(layers))  # a decoder layer, or the root's embeddings and head
     tokens, several = share_tokens(cfg, world_size)
-    per_token = activation_values(mc, cfg.activation_checkpointing) * dtype // cfg.sequence_parallel_size
+    per_token = activation_values(mc, cfg.activation_checkpointing) * dtype
     offloaded = cuda and cfg.offload_params  # shards, gradients and AdamW state in host memory
     separate_ref = cfg.beta > 0 and cfg.load_ref_policy and not cfg.lora_rank
-    tied = bool(getattr(mc, "tie_word_embeddings", False))
     return dict(parameters=0 if offloaded else 4 * total // shard,
                 gathered=3 * unit * dtype,
                 gradients=0 if offloaded else 4 * trainable // (1 if several else shard),
@@ -92,25 +95,30 @@ def trainer_plan(cfg, mc, meta_model, world_size, cuda):
                 reference=4 * total // shard if separate_ref and not (cuda and cfg.offload_ref_policy) else 0,
                 activations=tokens * per_token,
                 lm_head=2 * CHUNK * mc.vocab_size * 4,
-                weight_sync=0 if cuda else 4 * (total + mc.vocab_size * mc.hidden_size * tied),
+                weight_sync=0 if cuda else 4 * (total + mc.vocab_size * mc.hidden_size * tied(mc)),
                 runtime=CUDA_CONTEXT if cuda else resident_bytes(),
                 per_token=per_token)
 
 
 def kv_cache_bytes(cfg, mc, cuda):
-    """The launched server's KV cache for the run's own sequences: the batch's (server_sequences), each in
-    whole blocks of max_prompt_length + response_length tokens, keys and values
-    of every layer in the server's dtype (float32 on a CPU)."""
+    """The launched server's KV cache for the run's own sequences (server_sequences), each in whole
+    blocks of max_prompt_length + response_length tokens (no episode grows past it), at least one
+    sequence of vllm_max_model_len, and the block vLLM keeps back; keys and values of every layer in
+    the server's dtype (float32 on a CPU)."""
     layers, _, _, _, kv, _ = shape(mc)
     block = 16 if cuda else 32  # vllm_server.server_command's --block-size on a CPU, vLLM's default on a GPU
-    seq = cfg.vllm_max_model_len or cfg.max_prompt_length + cfg.response_length
-    return server_sequences(cfg) * math.ceil(seq / block) * block * 2 * layers * kv * (2 if cuda else 4)
+    blocks = server_sequences(cfg) * math.ceil((cfg.max_prompt_length + cfg.response_length) / block)
+    blocks = max(blocks, math.ceil((cfg.vllm_max_model_len or 0) / block)) + 1
+    return blocks * block * 2 * layers * kv * (2 if cuda else 4)
 
 
 def server_sequences(cfg):
-    """Sequences the server runs at once when its KV cache is the plan's (its --max-num-seqs): the batch's.
-    More (an evaluation's prompts) wait their turn rather than preempt one another."""
-    return cfg.num_unique_prompts_rollout * cfg.num_samples_per_prompt_rollout
+    """Sequences the server may run at once (its --max-num-seqs when its KV cache is the plan's): a
+    batch's, or an evaluation's prompts if more; both with generation ahead (async_steps), where an
+    evaluation may run beside the next batch. None waits for another's room to run."""
+    batch = cfg.num_unique_prompts_rollout * cfg.num_samples_per_prompt_rollout
+    evals = cfg.num_eval_prompts if cfg.eval_freq > 0 else 0
+    return batch + evals if cfg.async_steps else max(batch, evals)
 
 
 def server_plan(cfg, mc, meta_model, cuda):
@@ -118,22 +126,30 @@ def server_plan(cfg, mc, meta_model, cuda):
     if cfg.vllm_server_urls:
         return {}
     kv = int(cfg.vllm_kv_cache_space_gb * GB) if cfg.vllm_kv_cache_space_gb else kv_cache_bytes(cfg, mc, cuda)
-    return dict(weights=sum(p.numel() for p in meta_model.parameters()) * (2 if cuda else 4), kv_cache=kv,
+    weights = sum(p.numel() for p in meta_model.parameters()) + mc.vocab_size * mc.hidden_size * tied(mc)
+    return dict(weights=weights * (2 if cuda else 4), kv_cache=kv,  # the served copy's head untied
                 runtime=0 if cuda else CPU_SERVER_RUNTIME_TWO_PROCESSES
                 if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else CPU_SERVER_RUNTIME)
 
 
+def tied(mc):
+    """1 when the model's LM head is its embedding (the served copy then holds the head twice)."""
+    return int(bool(getattr(mc, "tie_word_embeddings", False)))
+
+
 def resident_bytes():
-    """This process's resident set now (VmRSS)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    """This process's resident set now (VmRSS; 0 where there is no /proc)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except OSError:
+        return 0
 
 
 def machine_bytes():
-    """This machine's memory (MemTotal): what the run may hold at most. Not MemAvailable, which other jobs
+    """This machine's physical memory: what the run may hold at most. Not what is free, which other jobs
     move from moment to moment: the same run must not be refused on one start and pass on the next."""
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def rank_total(trainer):
@@ -156,7 +172,8 @@ def knob(cfg, trainer, server):
     if largest == "reference":
         return "set offload_ref_policy=True (GPU) or train with lora_rank, whose reference is an adapter"
     if largest == "kv_cache":
-        return "lower num_samples_per_prompt_rollout, num_unique_prompts_rollout or response_length"
+        return ("lower vllm_kv_cache_space_gb" if cfg.vllm_kv_cache_space_gb else
+                "lower num_samples_per_prompt_rollout, num_unique_prompts_rollout, num_eval_prompts or response_length")
     return "shard over more ranks, set offload_params=True (GPU), or train adapters with lora_rank"
 
 
@@ -170,7 +187,9 @@ def check(cfg, trainer, server, local_ranks, cuda, device_bytes=None):
         need, what = rank_total(trainer), f"a trainer rank needs {rank_total(trainer) / GB:.1f} GB of its GPU's"
     else:
         limit = device_bytes or machine_bytes()
-        need = local_ranks * rank_total(trainer) + sum(server.values())
+        # the weight sync's state dict is rank 0's alone (weight_sync.full_state_dict)
+        sync = trainer["weight_sync"]
+        need = local_ranks * (rank_total(trainer) - sync) + sync + sum(server.values())
         what = f"{local_ranks} trainer rank(s) and the vLLM server need {need / GB:.1f} GB of this machine's"
     if need > limit:
         raise ValueError(f"memory plan: {what} {limit / GB:.1f} GB; {knob(cfg, trainer, server)}")

@@ -328,6 +328,7 @@ def main(cfg: Config):
                 # on its samples would be off-policy unseen), or a step nobody could score: log and checkpoint
                 # what was trained (not twice: the last checkpoint may be this step's), then stop
                 if rank == 0 and trained == step:
+                    m.pop("micro_batch_tokens", None)
                     log.write(m)
                 if cfg.checkpoint_state_dir and saved < trained:
                     checkpoint.save(cfg.checkpoint_state_dir, trained, state,

@@ -97,9 +97,8 @@ def server_command(model_dir, cfg, port=None, uds=None, extra_args=()):
         cmd += ["--hf-overrides", json.dumps({"head_dtype": "float32"})]
     if cfg.weight_sync_transport == "nccl":
         cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
-    kv = kv_cache_size(model_dir, cfg) if cfg.vllm_kv_cache_space_gb or not torch.cuda.is_available() else None
-    if kv:  # on a CPU the plan's, not vLLM's share of the machine's RAM
-        cmd += ["--kv-cache-memory-bytes", str(kv)]
+    if cfg.vllm_kv_cache_space_gb or not torch.cuda.is_available():  # on a CPU the plan's, not a share of the RAM
+        cmd += ["--kv-cache-memory-bytes", str(kv_cache_size(model_dir, cfg))]
         if not cfg.vllm_kv_cache_space_gb:  # no more sequences at once than the plan gave room to
             cmd += ["--max-num-seqs", str(memory.server_sequences(cfg))]
     if cfg.vllm_enforce_eager:  # no compile: the same tokens, logprobs within 4e-5 (tests/test_vllm.py)
@@ -119,8 +118,8 @@ def server_command(model_dir, cfg, port=None, uds=None, extra_args=()):
 
 
 def kv_cache_size(model_dir, cfg):
-    """Bytes of KV cache: vllm_kv_cache_space_gb, or the memory plan's for the run's own sequences; None
-    for a model whose config is not on this machine (scripts/serve.py given a hub name: vLLM sizes it)."""
+    """Bytes of KV cache: vllm_kv_cache_space_gb, or the memory plan's for the run's own sequences; 1 GiB
+    for a model whose config is not on this machine (scripts/serve.py given a hub name)."""
     from transformers import AutoConfig
 
     if cfg.vllm_kv_cache_space_gb:
@@ -128,7 +127,7 @@ def kv_cache_size(model_dir, cfg):
     try:
         model_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError):
-        return None
+        return 2**30
     return memory.kv_cache_bytes(cfg, model_config, torch.cuda.is_available())
 
 
@@ -149,6 +148,7 @@ def launch_server(model_dir, cfg, log_path, port=None, env=None, extra_args=()):
     # our server wants no key: the socket is the lock (VLLM_API_KEY is for the servers you run)
     server_env = dict(os.environ, **added)
     server_env.pop("VLLM_API_KEY", None)
+    server_env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vLLM's CPU build would put it over --kv-cache-memory-bytes
     for k, v in (env or {}).items():
         server_env.pop(k, None) if v is None else server_env.__setitem__(k, v)
     log = open(log_path, "w")

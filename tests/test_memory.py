@@ -92,22 +92,28 @@ def test_trainer_items_by_hand():
 
 
 def test_kv_cache_by_hand():
-    """2 x 4 sequences of 32 + 40 tokens in blocks of 32 (CPU): 3 blocks each; K and V of 2 layers, 64 wide."""
+    """2 x 4 sequences of 32 + 40 tokens in blocks of 32 (CPU): 3 blocks each, and the block vLLM keeps
+    back; K and V of 2 layers, 64 wide. An evaluation of more prompts, or beside generation ahead, more."""
     mc = model_config(128, 256, 2, 1, 64)
     cfg = Config(num_unique_prompts_rollout=2, num_samples_per_prompt_rollout=4, max_prompt_length=32,
-                 response_length=40)
-    assert memory.kv_cache_bytes(cfg, mc, cuda=False) == 8 * 96 * 2 * 2 * 64 * 4
-    assert memory.kv_cache_bytes(cfg, mc, cuda=True) == 8 * 80 * 2 * 2 * 64 * 2
+                 response_length=40, eval_freq=0)
+    assert memory.kv_cache_bytes(cfg, mc, cuda=False) == (8 * 3 + 1) * 32 * 2 * 2 * 64 * 4
+    assert memory.kv_cache_bytes(cfg, mc, cuda=True) == (8 * 5 + 1) * 16 * 2 * 2 * 64 * 2
+    long = dataclasses.replace(cfg, vllm_max_model_len=2048)  # one sequence of the server's context at least
+    assert memory.kv_cache_bytes(long, mc, cuda=False) == (64 + 1) * 32 * 2 * 2 * 64 * 4
+    evals = dataclasses.replace(cfg, eval_freq=10, num_eval_prompts=20)
+    assert memory.server_sequences(evals) == 20 and memory.server_sequences(cfg) == 8
+    assert memory.server_sequences(dataclasses.replace(evals, async_steps=1, use_vllm_logprobs=True)) == 28
     assert memory.server_plan(Config(vllm_server_urls=["http://x:8000"]), mc, meta_model(mc), False) == {}
 
 
-def test_launched_server_gets_the_plans_kv_cache(tiny_model_dir):
+def test_launched_server_gets_the_plans_kv_cache(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg = Config(model_name_or_path=tiny_model_dir)
     cmd, env = server_command(tiny_model_dir, cfg, uds="/tmp/x.sock")
     planned = memory.kv_cache_bytes(cfg, Qwen2Config.from_pretrained(tiny_model_dir), cuda=False)
     assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(planned) and "VLLM_CPU_KVCACHE_SPACE" not in env
-    batch = cfg.num_unique_prompts_rollout * cfg.num_samples_per_prompt_rollout
-    assert cmd[cmd.index("--max-num-seqs") + 1] == str(batch)
+    assert cmd[cmd.index("--max-num-seqs") + 1] == str(memory.server_sequences(cfg))
     cmd, _ = server_command(tiny_model_dir, Config(model_name_or_path=tiny_model_dir, vllm_kv_cache_space_gb=0.5),
                             uds="/tmp/x.sock")
     assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == "500000000"
@@ -124,7 +130,8 @@ def test_refusal_names_the_knob_of_the_largest_item(overrides, knob):
     cfg = Config(**{**dict(max_tokens_per_micro_batch=65536, response_length=4096, max_prompt_length=64), **overrides})
     trainer = memory.trainer_plan(cfg, mc, meta_model(mc), 2, cuda=False)
     server = memory.server_plan(cfg, mc, meta_model(mc), False)
-    need = 2 * memory.rank_total(trainer) + sum(server.values())
+    sync = trainer["weight_sync"]  # rank 0's alone
+    need = 2 * (memory.rank_total(trainer) - sync) + sync + sum(server.values())
     memory.check(cfg, trainer, server, 2, cuda=False, device_bytes=need)  # exactly enough: no refusal
     with pytest.raises(ValueError, match=f"^memory plan: 2 trainer rank.*{knob}") as e:
         memory.check(cfg, trainer, server, 2, cuda=False, device_bytes=need - 1)
@@ -162,7 +169,8 @@ def test_plan_against_the_measured_peak_of_two_ranks(tmp_path):
                     "--shape", "24m"], check=True, capture_output=True)
     (tmp_path / "r.py").write_text("def reward(prompt, completion, example):\n    return len(completion) % 7 / 7\n")
     out = train(["--model_name_or_path", str(model), "--output_dir", str(tmp_path / "out"), "--num_training_steps",
-                 "2", "--eval_freq", "0", "--reward_fn", f"{tmp_path}/r.py:reward", "--max_prompt_length", "128", "--response_length", "256",
+                 "2", "--eval_freq", "0", "--reward_fn", f"{tmp_path}/r.py:reward", "--max_prompt_length", "128",
+                 "--response_length", "256",
                  "--num_unique_prompts_rollout", "2", "--num_samples_per_prompt_rollout", "8", "--temperature", "1.5"],
                 nproc=2)
     assert out.returncode == 0, out.stderr[-3000:]
