@@ -225,8 +225,13 @@ class Config:
                                          "CPUOffloadPolicy: all three)", resumable=True)
     offload_ref_policy: bool = option(False, "the reference's parameter shards in CPU memory (copied to the GPU "
                                              "layer by layer for its forward)", resumable=True)
-    single_gpu_mode: bool = option(False, "trainer and our vLLM server share one GPU; the server sleeps while "
-                                          "training (untested here)")
+    vllm_colocate: Optional[bool] = option(None, "our vLLM server on the training GPUs, asleep while the policy "
+                                                 "trains (each step: wake its weights, sync, wake its KV cache, "
+                                                 "generate, sleep); None = on with GPUs and no vllm_server_urls. On a "
+                                                 "CPU the same calls run and vLLM's CPU build does nothing with them")
+    vllm_tensor_parallel_size: int = option(1, "GPUs each replica of a colocated server spans; the node's GPUs / "
+                                               "this = its data-parallel replicas", low=1)
+    single_gpu_mode: bool = option(False, "vllm_colocate on one GPU, at vllm_gpu_memory_utilization (untested here)")
     sequence_parallel_size: int = option(1, "ranks that split each packed row (DeepSpeed-Ulysses: all-to-all around "
                                             "attention, sequence_parallel.py); 1 = off",
                                             low=1, note=" (1: every rank holds whole sequences)")
@@ -295,9 +300,9 @@ class Config:
             return (f"async_steps={self.async_steps} trains on samples from older weights: set use_vllm_logprobs=True "
                     "(ratios against the weights that sampled) or truncated_importance_sampling_ratio_cap > 0 "
                     "(a truncated correction exp(old_logp - vllm_logp)); otherwise the staleness goes uncorrected")
-        if self.async_steps and self.single_gpu_mode:
-            return ("async_steps > 0 generates while the trainer trains; single_gpu_mode=True puts the server to "
-                    "sleep while training: set one of them off")
+        if self.async_steps and (self.single_gpu_mode or self.vllm_colocate):
+            return ("async_steps > 0 generates while the trainer trains; a colocated server (vllm_colocate, "
+                    "single_gpu_mode) sleeps while training: set async_steps=0, or give the server GPUs of its own")
         if self.async_steps and self.objective and self.objective.ess and not self.use_vllm_logprobs:
             return (f"loss_fn={self.loss_fn!r} with async_steps > 0 needs use_vllm_logprobs=True: the ESS must measure the "
                     "ratios against the weights that sampled the batch")
@@ -393,11 +398,13 @@ class Config:
         """Config's rules on the ranks and GPUs: sequence parallelism, single_gpu_mode, the collectives' timeout."""
         if problem := self._check_sequence_parallel():
             return problem
-        if self.single_gpu_mode and self.vllm_server_urls:
-            return ("single_gpu_mode=True shares the trainer's GPU with a server we launch (in sleep mode); "
-                    "remove vllm_server_urls or set single_gpu_mode=False")
-        if self.single_gpu_mode and self.weight_sync_transport == "nccl":
-            return ("single_gpu_mode=True cannot use weight_sync_transport='nccl' (NCCL cannot link two processes "
+        colocate = ("single_gpu_mode=True" if self.single_gpu_mode else
+                    "vllm_colocate=True" if self.vllm_colocate else "")
+        if colocate and self.vllm_server_urls:
+            return (f"{colocate} shares the training GPUs with a server we launch (in sleep mode); "
+                    f"remove vllm_server_urls or set {colocate.replace('True', 'False')}")
+        if colocate and self.weight_sync_transport == "nccl":
+            return (f"{colocate} cannot use weight_sync_transport='nccl' (NCCL cannot link two processes "
                     "on one GPU); use weight_sync_transport='filesystem'")
         if self.single_gpu_mode and self.vllm_gpu_memory_utilization > 0.5:
             return (f"single_gpu_mode=True with vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} "

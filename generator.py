@@ -13,9 +13,11 @@ same step's prompts again; any other failure raises VLLMError on every rank.
 
 import os
 
+import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import memory
 import vllm_client
 import vllm_server
 from faults import Refused, VLLMError
@@ -35,7 +37,7 @@ def make_sync(cfg, client, rank, device):
 
 
 class Generator:
-    def __init__(self, cfg, policy, tokenizer, sampler, pool, rank, device, player):
+    def __init__(self, cfg, policy, tokenizer, sampler, pool, rank, device, player, memory_plan):
         self.cfg, self.tokenizer, self.sampler, self.pool, self.rank, self.device = cfg, tokenizer, sampler, pool, rank, device
         self.player = player  # what plays the episodes (episodes.Player), chosen at start-up
         if rank == 0:
@@ -47,6 +49,8 @@ class Generator:
         self.restarts, self.position = 0, sampler.position  # the sampler's position after the last batch taken
         self.max_staleness = cfg.async_steps if cfg.max_sample_staleness is None else cfg.max_sample_staleness
         self.log_path = os.path.join(cfg.output_dir, "vllm.log")
+        self.colocated = vllm_server.colocated(cfg, device.type == "cuda")  # asleep while the policy trains
+        self.memory_plan = memory_plan
         self.served = os.path.join(cfg.output_dir, "vllm_model")
         try:
             # the model's every end-of-sequence id, sent with each request: the server we launch
@@ -68,7 +72,7 @@ class Generator:
             if rank == 0 and not cfg.vllm_server_urls:
                 write_serving_dir(full, policy.config, tokenizer, self.served)
                 self.server, url = vllm_server.launch_server(self.served, cfg, self.log_path,
-                                                             extra_args=self.weight_sync.server_flags)
+                                                             extra_args=self.server_flags())
                 self.client = vllm_client.VLLMClient([url], self.served, cfg.vllm_request_timeout, cfg.vllm_max_retries,
                                                  proc=self.server, log_path=self.log_path, stop_token_ids=stop_ids)
                 self.weight_sync.client = self.client
@@ -122,27 +126,42 @@ class Generator:
             self.sampler.position = self.position  # this step's prompts again
             vllm_server.stop_server(self.server)
             self.server, url = vllm_server.launch_server(self.served, self.cfg, self.log_path,
-                                                         extra_args=self.weight_sync.server_flags)
+                                                         extra_args=self.server_flags())
             self.client.proc, self.client.urls = self.server, [url]  # a new socket
         self.weight_sync.close()
         self.weight_sync = make_sync(self.cfg, self.client, self.rank, self.device)
         self.weight_sync.sync(policy)
 
-    def sync(self, policy):
-        """The policy's weights into every server (every rank takes part); VLLMError if that fails."""
-        self.weight_sync.sync(policy)
+    def server_flags(self):
+        """The flags of the server we launch: the weight sync's, and a colocated server's (vllm_server.py)."""
+        if not self.colocated:
+            return tuple(self.weight_sync.server_flags)
+        trainer, server = self.memory_plan
+        gpu = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
+        fraction = memory.colocated_fraction(self.cfg, trainer, server["weights"], gpu) if gpu else 0
+        return tuple(self.weight_sync.server_flags) + tuple(vllm_server.colocate_flags(self.cfg, fraction))
+
+    def sleep(self):
+        """A colocated server frees the GPUs for training (rank 0 asks)."""
+        if self.colocated and self.rank == 0:
+            self.client.sleep()
+
+    def sync(self, policy, trained=True):
+        """The policy's weights into every server (every rank takes part), when the step trained; VLLMError if
+        that fails. A colocated server wakes its weights first, so the sync's are the ones it serves,
+        then its KV cache, for the evaluation and the next batch."""
+        if self.colocated and self.rank == 0:
+            self.client.wake_up("weights")
+        if trained:
+            self.weight_sync.sync(policy)
+        if self.colocated and self.rank == 0:
+            self.client.wake_up("kv_cache")
 
     def evaluate(self, eval_rows):
         """Rank 0: greedy accuracy on the held-out prompts (and with episodes of several turns the
         fraction that called a tool), as metrics."""
         accuracy, tool_calls = evaluate(self.client, eval_rows, self.pool, self.player)
         return dict(eval_accuracy=accuracy, **({"eval_tool_calls": tool_calls} if self.player.multi_turn else {}))
-
-    def sleep(self):  # single_gpu_mode: the server frees the GPU for training
-        self.client.sleep()
-
-    def wake_up(self):
-        self.client.wake_up()
 
     def close(self):
         if self.rollouts:

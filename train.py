@@ -58,7 +58,7 @@ from parallel import close_distributed, load_model, mesh_shape, setup_distribute
 from policy import check_model_config, check_vocabulary
 from reference import make_reference
 from update import TrainState, make_optimizer, train_on_batch
-from vllm_server import check_launch
+from vllm_server import check_launch, colocated
 from weight_sync import full_state_dict
 from worker_pool import RewardPool
 
@@ -116,6 +116,8 @@ def load_inputs(cfg):
                 memory.server_plan(cfg, model_config, meta_model, cuda))
         if rank0:  # this node's ranks and our server against its memory, or a rank against its GPU
             memory.check(cfg, *plan, int(os.environ.get("LOCAL_WORLD_SIZE", world)), cuda)
+            if cuda and colocated(cfg, cuda):  # what the plan leaves a server on the training GPUs
+                memory.colocated_fraction(cfg, plan[0], plan[1]["weights"], torch.cuda.mem_get_info()[1])
         return (tokenizer, player, (train_rows, eval_rows, skipped, reward_fn), plan,
                 tracking.open_tracker(cfg) if rank0 else None)
     except ValueError as e:
@@ -203,18 +205,15 @@ def resume(cfg, rank, state, sampler):
 
 
 def train_step(cfg, state, samples, plan, gen, world_size, device):
-    """The update on this step's batch (update.py); its metrics. In single_gpu_mode the server
-    sleeps meanwhile (its weights go to CPU memory) and is woken before the weight sync."""
-    if cfg.single_gpu_mode:
-        gen.sleep()
+    """The update on this step's batch (update.py); its metrics. A colocated server sleeps meanwhile
+    (its weights in host memory) and wakes in gen.sync."""
+    gen.sleep()
     m = {}
     if samples:
         m = train_on_batch(cfg, state, samples, dist.get_rank(), world_size, device)
     else:  # every group was filtered out: no update, the schedule still moves
         for _ in range(plan["optimizer_steps"]):
             state.scheduler.step()
-    if cfg.single_gpu_mode:
-        gen.wake_up()
     return m
 
 
@@ -295,7 +294,7 @@ def main(cfg: Config):
     gen, saved, trained, skipped_in_a_row = None, start, start, 0
     try:
         # inside the try: a server we launched is stopped (finally) however the run ends, its start included
-        gen = Generator(cfg, state.policy, tokenizer, sampler, pool, rank, device, player)  # our server, or yours
+        gen = Generator(cfg, state.policy, tokenizer, sampler, pool, rank, device, player, memory_plan)  # ours/yours
         if rank == 0 and cfg.eval_freq > 0 and eval_rows and not start:  # a resumed run has its step 0 logged
             log.write({"step": 0, **gen.evaluate(eval_rows), "skipped_rows": skipped})
         sigterm.in_loop = True
@@ -320,9 +319,8 @@ def main(cfg: Config):
                 if state.ref is not None:
                     state.ref.step(step)
                 # --- weight sync into vLLM
-                with timed(m, "time_sync"):
-                    if samples:
-                        gen.sync(state.policy)
+                with timed(m, "time_sync"):  # a colocated server's wake-ups too, synced or not
+                    gen.sync(state.policy, trained=bool(samples))
             except (VLLMError, SyncError, Refused):  # a server we cannot repair, a sync that did not take (found
                 # before the step's update: vLLM would go on sampling from other weights than these, and training
                 # on its samples would be off-policy unseen), or a step nobody could score: log and checkpoint

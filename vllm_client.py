@@ -244,11 +244,12 @@ class VLLMClient:
         self.broadcast("/reset_prefix_cache")
 
     def sleep(self):
-        """single_gpu_mode: free the GPU for training (level 1: weights to CPU memory, KV cache dropped)."""
+        """A colocated server frees the GPUs for training (level 1: weights to host memory, KV cache dropped)."""
         self.broadcast("/sleep", params="?level=1")
 
-    def wake_up(self):
-        self.broadcast("/wake_up")
+    def wake_up(self, tags):
+        """Wake the part `tags` names: "weights" or "kv_cache" (vLLM's sleep-mode tags)."""
+        self.broadcast("/wake_up", params=f"?tags={tags}")
 
     def pause(self):
         self.broadcast("/pause", params="?mode=keep")

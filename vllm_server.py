@@ -14,12 +14,16 @@ run (vllm_server_urls, or scripts/serve.py, this server's command line) listens 
 VLLM_API_KEY, exported to it and to train.py, closes its /v1 routes (completions, models, the
 LoRA load and unload routes); its dev routes stay open to every local process.
 
-single_gpu_mode (untested here: it needs a GPU build of vLLM): the server we launch shares
-the trainer's GPU, started with --enable-sleep-mode and the vllm_gpu_memory_utilization
-fraction. train.py puts it to sleep before training (POST /sleep?level=1: weights to CPU
-memory, KV cache freed) and wakes it (POST /wake_up) before the weight sync and the next
-generation. Level 1, not 2: a step without samples syncs nothing, and must still find
-the weights it left.
+Colocated (vllm_colocate; by default on GPUs without vllm_server_urls; untested on GPUs here: it
+needs a GPU build of vLLM): rank 0 launches one server over this node's GPUs, the trainers' own,
+with --enable-sleep-mode and the GPU fraction the memory plan leaves it (colocate_flags). Each step
+the generator puts it to sleep before training (POST /sleep?level=1: weights to host memory, KV
+cache freed), then wakes its weights (POST /wake_up?tags=weights), syncs, and wakes its KV cache
+(?tags=kv_cache) before evaluation and the next generation: the weights are woken before the sync
+so that the sync's are the ones it serves (the sync check compares every step). Level 1, not 2: a
+step without samples syncs nothing, and must still find the weights it left. single_gpu_mode is
+the one-GPU case, at vllm_gpu_memory_utilization. On a CPU the same calls run (vLLM's CPU build
+logs that it cannot sleep and does nothing), which is how the order is tested here.
 """
 
 import http.client
@@ -51,15 +55,39 @@ def die_with_parent():
         pass  # not Linux: stop_server and the finally in train.py still stop it on a clean exit
 
 
+def colocated(cfg, cuda: bool) -> bool:
+    """Whether the server we launch shares the training devices, asleep while the policy trains:
+    vllm_colocate, or by default on GPUs without vllm_server_urls (single_gpu_mode: on one GPU)."""
+    if cfg.vllm_colocate is not None:
+        return cfg.vllm_colocate
+    return cfg.single_gpu_mode or (cuda and not cfg.vllm_server_urls)
+
+
 def check_launch(cfg, cuda: bool):
-    """Refuse, before any model loads, a GPU run that would launch its vLLM server on a training GPU:
-    launch_server starts it on the first visible GPU, rank 0's, to take vllm_gpu_memory_utilization of
-    a GPU the policy already fills. In a world of one as well, where single_gpu_mode is the way to share."""
-    if cuda and not cfg.vllm_server_urls and not cfg.single_gpu_mode:
-        raise ValueError("on GPUs, without vllm_server_urls rank 0 would launch its vLLM server on its own "
-                         "training GPU; give the servers GPUs of their own with bash scripts/launch_8gpu.sh (or "
-                         "pass vllm_server_urls of servers you run), or set single_gpu_mode=True to share one GPU "
-                         "in a single process")
+    """Refuse, before any model loads, a GPU run whose server has nowhere to go (vllm_colocate=False and
+    no vllm_server_urls), and a colocated one that cannot sleep while the policy trains."""
+    if cuda and not cfg.vllm_server_urls and not colocated(cfg, cuda):
+        raise ValueError("vllm_colocate=False on GPUs without vllm_server_urls leaves our vLLM server no GPU; "
+                         "give the servers GPUs of their own with bash scripts/launch_8gpu.sh (or pass "
+                         "vllm_server_urls of servers you run), or leave vllm_colocate unset to share the training "
+                         "GPUs")
+    if colocated(cfg, cuda) and (cfg.async_steps or cfg.weight_sync_transport == "nccl"):
+        raise ValueError("our vLLM server shares the training GPUs (no vllm_server_urls) and sleeps while the policy "
+                         "trains: set async_steps=0 and weight_sync_transport='filesystem', or give the servers GPUs "
+                         "of their own with bash scripts/launch_8gpu.sh")
+
+
+def colocate_flags(cfg, fraction):
+    """The flags of a server on the training GPUs (vllm_colocate): sleep mode, the GPU fraction the memory
+    plan leaves it (single_gpu_mode: vllm_gpu_memory_utilization), and its layout over this node's GPUs:
+    replicas of vllm_tensor_parallel_size GPUs each. None on a CPU, where there is nothing to free."""
+    if not torch.cuda.is_available():
+        return []
+    gpus, tp = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), cfg.vllm_tensor_parallel_size
+    if gpus % tp:
+        raise ValueError(f"vllm_tensor_parallel_size={tp} does not divide this node's {gpus} GPUs")
+    return ["--enable-sleep-mode", "--gpu-memory-utilization", f"{fraction:.3f}", "--tensor-parallel-size", str(tp),
+            "--data-parallel-size", str(gpus // tp)]
 
 
 def server_dtype(cfg):
@@ -103,12 +131,7 @@ def server_command(model_dir, cfg, port=None, uds=None, extra_args=()):
             cmd += ["--max-num-seqs", str(memory.server_sequences(cfg))]
     if cfg.vllm_enforce_eager:  # no compile: the same tokens, logprobs within 4e-5 (tests/test_vllm.py)
         cmd += ["--enforce-eager"]
-    cmd += list(extra_args)
-    if cfg.single_gpu_mode:
-        if not torch.cuda.is_available():
-            raise VLLMError("single_gpu_mode=True needs a GPU (vLLM's sleep mode frees GPU memory); "
-                            "set single_gpu_mode=False on CPU")
-        cmd += ["--enable-sleep-mode"]
+    cmd += list(extra_args)  # later flags win: a colocated server's --gpu-memory-utilization
     added = dict(VLLM_SERVER_DEV_MODE="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")  # the LoRA load and unload routes
     if uds:  # vLLM's own ZMQ sockets (API server <-> engine) beside ours, not in the shared /tmp
         added["VLLM_RPC_BASE_PATH"] = os.path.dirname(uds)

@@ -103,10 +103,10 @@ def test_train_py_names_a_server_that_is_not_there(tmp_path, tiny_model_dir):
     assert p.returncode == 2 and len(err) == 1 and err[0].startswith("error: vllm_server_urls"), p.stderr[-2000:]
 
 
-def test_a_gpu_run_without_servers_is_refused_before_any_model(capsys, monkeypatch, tmp_path):
-    """`torchrun --nproc_per_node 8 train.py` on GPUs would have rank 0 launch a vLLM server on its own,
-    loaded GPU: refused in one line naming the launcher, before the tokenizer or any model is loaded
-    (the model named here does not even exist). Before: no refusal; the model loaded first."""
+def test_a_gpu_run_whose_server_has_no_gpu_is_refused_before_any_model(capsys, monkeypatch, tmp_path):
+    """On GPUs with vllm_colocate=False and no vllm_server_urls the server we launch has no GPU: refused
+    in one line naming the launcher, before the tokenizer or any model is loaded (the model named here
+    does not even exist). By default the server shares the training GPUs (test_colocate.py)."""
     import torch
 
     import train
@@ -114,9 +114,9 @@ def test_a_gpu_run_without_servers_is_refused_before_any_model(capsys, monkeypat
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(train, "load_tokenizer", lambda cfg: pytest.fail("the tokenizer was loaded first"))
     monkeypatch.setenv("RANK", "0")
-    cfg = Config(model_name_or_path=str(tmp_path / "no_model"), output_dir=str(tmp_path / "out"))
+    cfg = Config(model_name_or_path=str(tmp_path / "no_model"), output_dir=str(tmp_path / "out"), vllm_colocate=False)
     line = one_error_line(capsys, lambda: train.load_inputs(cfg))
-    assert "bash scripts/launch_8gpu.sh" in line and "single_gpu_mode" in line
+    assert "bash scripts/launch_8gpu.sh" in line and "leave vllm_colocate unset" in line
 
 
 def test_a_model_that_is_nowhere_fails_in_seconds(monkeypatch, tmp_path):

@@ -285,15 +285,21 @@ def test_max_seed_keeps_every_request_seed_in_int64(tiny_model_dir):
     assert max(sent) <= 2**63 - 1 < max(sent) + 2**32  # seed + 1 would overflow
 
 
-def test_a_gpu_run_launches_no_server_on_a_training_gpu():
-    """On GPUs a server we launch would sit on rank 0's GPU (a world of one included): refused
-    naming the launcher, unless servers are given or single_gpu_mode shares the GPU on purpose.
-    Before: nothing refused it (Config had no such check)."""
+def test_a_gpu_run_shares_its_gpus_with_the_server_unless_told_not_to():
+    """On GPUs without vllm_server_urls the server we launch shares the training GPUs (colocated,
+    asleep while training); with vllm_colocate=False it has nowhere to go: refused naming the launcher."""
     with pytest.raises(ValueError, match="bash scripts/launch_8gpu.sh"):
-        check_launch(Config(), cuda=True)
+        check_launch(Config(vllm_colocate=False), cuda=True)
+    check_launch(Config(), cuda=True)  # the card's command: the server shares the training GPUs
     check_launch(Config(), cuda=False)  # CPU: the server we launch takes the CPU's cores
     check_launch(Config(vllm_server_urls=["http://gpu-node:8000"]), cuda=True)
     check_launch(Config(single_gpu_mode=True, vllm_gpu_memory_utilization=0.3), cuda=True)
+    # colocated by default on GPUs: what a sleeping server cannot do is refused there, not on a CPU
+    bad = Config(async_steps=1, use_vllm_logprobs=True)
+    with pytest.raises(ValueError, match="set async_steps=0 and weight_sync_transport='filesystem'"):
+        check_launch(bad, cuda=True)
+    check_launch(bad, cuda=False)
+    check_launch(dataclasses.replace(bad, vllm_server_urls=["http://gpu-node:8000"]), cuda=True)
 
 
 @pytest.mark.parametrize("bad,message", [

@@ -1,0 +1,55 @@
+"""The colocated server (vllm_colocate; the default on GPUs without vllm_server_urls): each step the
+server sleeps while the policy trains, then its weights wake, the sync loads the new ones, its KV
+cache wakes, and it generates. vLLM's CPU build takes the sleep and wake calls and does nothing
+with them, so what a CPU shows is the order, read from the real server's access log, and that a
+wake followed by generation without a sync is caught by the sync check."""
+
+import re
+
+import pytest
+import torch
+
+from tests.helpers import command, flags, metrics, run
+
+ROUTES = {"/sleep?level=1": "sleep", "/wake_up?tags=weights": "wake weights", "/collective_rpc": "load",
+          "/reset_prefix_cache": "reset", "/wake_up?tags=kv_cache": "wake kv cache", "/v1/completions": "generate"}
+
+
+def calls(log_path):
+    """The server's answered POSTs in order, named by ROUTES, a run of completions as one "generate"."""
+    seen = []
+    for route, status in re.findall(r'"POST (\S+) HTTP/1\.1" (\d+)', open(log_path).read()):
+        assert status == "200", (route, status)
+        name = ROUTES.get(route)
+        if name and not (name == "generate" and seen and seen[-1] == "generate"):
+            seen.append(name)
+    return seen
+
+
+@pytest.mark.slow
+def test_each_step_sleeps_wakes_syncs_then_generates_and_a_lost_sync_stops_the_run(tiny_model_dir, tmp_path):
+    """The reload after step 2 is never sent (tests/fault_worker.py lost_sync): the server wakes and
+    generates from step 1's weights, and step 3's sync check stops the run before it trains."""
+    out = run(command("tests/fault_worker.py", 1) + ["lost_sync=1"] +
+              flags(tiny_model_dir, tmp_path, 5, "--vllm_colocate", "true", "--checkpoint_state_freq", "100"))
+    assert out.returncode != 0
+    errors = [line for line in out.stderr.splitlines() if "SyncError: " in line]
+    assert len(errors) == 1 and "the last weight sync did not take" in errors[0], out.stderr[-3000:]
+    assert [r["step"] for r in metrics(tmp_path) if "loss" in r] == [1, 2], "steps 1 and 2 trained, not 3"
+    seq = calls(tmp_path / "out" / "vllm.log")
+    step = ["generate", "sleep", "wake weights", "load", "reset", "wake kv cache"]
+    lost = ["generate", "sleep", "wake weights", "wake kv cache"]
+    assert seq == step + lost + ["generate", "sleep"], seq  # step 3 slept, then stopped before its update
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the colocated server on GPUs needs 2 GPUs and a GPU "
+                    "build of vLLM; untested here")
+def test_the_cards_command_trains_on_two_gpus_with_the_server_beside_it(tiny_model_dir, tmp_path):
+    """`torchrun --nproc_per_node 2 train.py` with no server flags: our server on the same 2 GPUs, in
+    sleep mode; every step's sync check passes."""
+    out = run(command("train.py", 2) + flags(tiny_model_dir, tmp_path, 3, "--checkpoint_state_freq", "100"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [r for r in metrics(tmp_path) if "loss" in r]
+    assert rows and all(r["vllm_logp_diff_mean"] < 1e-2 for r in rows)
+    assert calls(tmp_path / "out" / "vllm.log").count("sleep") == 3
