@@ -102,7 +102,7 @@ def split_argv(argv: list, types: dict) -> list:
         key, eq, value = arg[2:].partition("=")
         if not eq:
             nxt = argv[i + 1] if i + 1 < len(argv) else None
-            if types.get(key) is bool and (nxt is None or nxt.startswith("--")):
+            if types.get(key) in (bool, typing.Optional[bool]) and (nxt is None or nxt.startswith("--")):
                 value = "true"
             elif nxt is None:
                 fail(f"--{key} needs a value")

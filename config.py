@@ -123,7 +123,8 @@ class Config:
                                                      low=0.001, high=10000, resumable=True)
     vllm_cpu_threads: Optional[int] = option(None, "cores a CPU server we launch computes on; None = all with "
                                                    "async_steps=0, half otherwise", low=1)
-    vllm_gpu_memory_utilization: float = option(0.9, "memory fraction of a GPU server we launch",
+    vllm_gpu_memory_utilization: float = option(0.9, "memory fraction of a GPU server we launch (colocated: at most "
+                                                     "this, less if the memory plan leaves less)",
                                                 above=0, high=1, resumable=True)
     vllm_startup_timeout: float = option(600.0, "seconds to wait for a launched server to answer as ours "
                                                 "(/v1/models serves our model)",
@@ -228,9 +229,10 @@ class Config:
     vllm_colocate: Optional[bool] = option(None, "our vLLM server on the training GPUs, asleep while the policy "
                                                  "trains (each step: wake its weights, sync, wake its KV cache, "
                                                  "generate, sleep); None = on with GPUs and no vllm_server_urls. On a "
-                                                 "CPU the same calls run and vLLM's CPU build does nothing with them")
+                                                 "CPU the same calls run (the server pauses; nothing is freed)",
+                                           resumable=True)
     vllm_tensor_parallel_size: int = option(1, "GPUs each replica of a colocated server spans; the node's GPUs / "
-                                               "this = its data-parallel replicas", low=1)
+                                               "this = its data-parallel replicas", low=1, resumable=True)
     single_gpu_mode: bool = option(False, "vllm_colocate on one GPU, at vllm_gpu_memory_utilization (untested here)")
     sequence_parallel_size: int = option(1, "ranks that split each packed row (DeepSpeed-Ulysses: all-to-all around "
                                             "attention, sequence_parallel.py); 1 = off",

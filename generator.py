@@ -24,7 +24,7 @@ from faults import Refused, VLLMError
 from model_files import stop_token_ids
 from rollout import Rollouts, drop_stale, evaluate, rollout_batch
 from tracking import claim_output_dir
-from weight_sync import make_weight_sync, write_serving_dir
+from weight_sync import make_weight_sync, raise_on_every_rank, write_serving_dir
 
 
 def make_sync(cfg, client, rank, device):
@@ -119,6 +119,8 @@ class Generator:
     def restart(self, step, policy):
         """Relaunch our dead server, give it the current weights, and ask for `step`'s prompts again."""
         self.restarts += 1
+        if self.colocated and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # a colocated server's start-up wants its share of the GPU free
         if self.rank == 0:
             tqdm.write(f"step {step}: the vLLM server died; restart {self.restarts} of {self.cfg.vllm_max_restarts}")
             self.rollouts.close()
@@ -136,26 +138,41 @@ class Generator:
         """The flags of the server we launch: the weight sync's, and a colocated server's (vllm_server.py)."""
         if not self.colocated:
             return tuple(self.weight_sync.server_flags)
-        trainer, server = self.memory_plan
         gpu = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
-        fraction = memory.colocated_fraction(self.cfg, trainer, server["weights"], gpu) if gpu else 0
+        gpus = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        fraction = memory.colocated_fraction(self.cfg, *self.memory_plan, gpus, gpu) if gpu else 0
         return tuple(self.weight_sync.server_flags) + tuple(vllm_server.colocate_flags(self.cfg, fraction))
 
     def sleep(self):
-        """A colocated server frees the GPUs for training (rank 0 asks)."""
-        if self.colocated and self.rank == 0:
-            self.client.sleep()
+        """A colocated server frees the GPUs for training."""
+        if self.colocated:
+            self.ask_server(self.client.sleep if self.rank == 0 else None)
 
     def sync(self, policy, trained=True):
         """The policy's weights into every server (every rank takes part), when the step trained; VLLMError if
-        that fails. A colocated server wakes its weights first, so the sync's are the ones it serves,
-        then its KV cache, for the evaluation and the next batch."""
-        if self.colocated and self.rank == 0:
-            self.client.wake_up("weights")
+        that fails. A colocated server wakes its weights first (the reload writes into them, and a wake
+        after it would bring back the old ones), then its KV cache, for the evaluation and the next
+        batch; the trainers first hand back the GPU memory their allocator keeps cached."""
+        if self.colocated:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.ask_server((lambda: self.client.wake_up("weights")) if self.rank == 0 else None)
         if trained:
             self.weight_sync.sync(policy)
-        if self.colocated and self.rank == 0:
-            self.client.wake_up("kv_cache")
+        if self.colocated:
+            self.ask_server((lambda: self.client.wake_up("kv_cache")) if self.rank == 0 else None)
+
+    def ask_server(self, call):
+        """Rank 0 makes `call` to the colocated server; every rank learns how it went (a collective, so no
+        rank trains before the server slept, and a failure stops every rank alike, each able to save its
+        checkpoint). A server of ours that died is no failure here: the next batch restarts it."""
+        error = None
+        if call:
+            try:
+                call()
+            except VLLMError as e:
+                error = None if self.server is not None and self.server.poll() is not None else str(e)
+        raise_on_every_rank(error)
 
     def evaluate(self, eval_rows):
         """Rank 0: greedy accuracy on the held-out prompts (and with episodes of several turns the

@@ -195,17 +195,20 @@ def check(cfg, trainer, server, local_ranks, cuda, device_bytes=None):
         raise ValueError(f"memory plan: {what} {limit / GB:.1f} GB; {knob(cfg, trainer, server)}")
 
 
-def colocated_fraction(cfg, trainer, server_weights, gpu_bytes):
-    """The share of each GPU a colocated server gets: what a trainer rank's plan leaves, less 5% for the
-    allocators (at most vllm_gpu_memory_utilization; single_gpu_mode takes that as it is). Refused in
-    one line when it cannot hold its share of the weights."""
+def colocated_fraction(cfg, trainer, server, gpus, gpu_bytes):
+    """The share of each GPU a colocated server gets: what a trainer rank holds between steps (its
+    shards, AdamW state, reference and runtime; the server sleeps while the activations come and go)
+    leaves, less 5% for the allocators, at most vllm_gpu_memory_utilization (single_gpu_mode takes that
+    as it is). Refused in one line when it cannot hold its part of the weights and KV cache."""
     if cfg.single_gpu_mode:
         return cfg.vllm_gpu_memory_utilization
-    fraction = min(cfg.vllm_gpu_memory_utilization, 1 - rank_total(trainer) / gpu_bytes - 0.05)
-    if fraction * gpu_bytes < 1.2 * server_weights / cfg.vllm_tensor_parallel_size:
-        raise ValueError(f"memory plan: a trainer rank needs {rank_total(trainer) / GB:.1f} GB of a "
-                         f"{gpu_bytes / GB:.1f} GB GPU, leaving the colocated vLLM server too little for its weights; "
-                         f"{knob(cfg, trainer, {})}, or give the servers GPUs of their own (scripts/launch_8gpu.sh)")
+    held = sum(trainer[k] for k in ("parameters", "optimizer", "reference", "runtime"))
+    fraction = min(cfg.vllm_gpu_memory_utilization, 1 - held / gpu_bytes - 0.05)
+    need = server["weights"] / cfg.vllm_tensor_parallel_size + server["kv_cache"] / gpus
+    if fraction * gpu_bytes < 1.2 * need:
+        raise ValueError(f"memory plan: a trainer rank holds {held / GB:.1f} GB of a {gpu_bytes / GB:.1f} GB GPU "
+                         f"between steps, leaving the colocated vLLM server less than its {need / GB:.1f} GB; "
+                         f"{knob(cfg, trainer, server)}, or give the servers GPUs of their own (scripts/launch_8gpu.sh)")
     return fraction
 
 

@@ -1,8 +1,8 @@
 """Parallelism: the process group, the device mesh and the FSDP2-sharded model.
 
     python train.py                                                # a world of one (gloo on CPU)
-    torchrun --nproc_per_node 8 train.py --vllm_server_urls URL    # shard over 8 ranks (FSDP); on GPUs the
-                                                                   # servers need GPUs of their own (scripts/launch_8gpu.sh)
+    torchrun --nproc_per_node 8 train.py --vllm_server_urls URL    # shard over 8 ranks (FSDP); on GPUs without
+                                                                   # the URLs our server shares the 8 (vllm_colocate)
     torchrun --nnodes 4 --nproc_per_node 8 ... train.py --fsdp_shard_size 8   # shard in each node,
                                                                    # replicate across the 4 (HSDP)
     torchrun --nproc_per_node 8 train.py --sequence_parallel_size 2 ...  # 4 groups of 2 ranks split each row

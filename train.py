@@ -117,7 +117,8 @@ def load_inputs(cfg):
         if rank0:  # this node's ranks and our server against its memory, or a rank against its GPU
             memory.check(cfg, *plan, int(os.environ.get("LOCAL_WORLD_SIZE", world)), cuda)
             if cuda and colocated(cfg, cuda):  # what the plan leaves a server on the training GPUs
-                memory.colocated_fraction(cfg, plan[0], plan[1]["weights"], torch.cuda.mem_get_info()[1])
+                memory.colocated_fraction(cfg, *plan, int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+                                          torch.cuda.mem_get_info()[1])
         return (tokenizer, player, (train_rows, eval_rows, skipped, reward_fn), plan,
                 tracking.open_tracker(cfg) if rank0 else None)
     except ValueError as e:

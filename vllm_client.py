@@ -1,6 +1,6 @@
 """The HTTP client of vLLM: generation requests spread over the servers, retries,
 weight versions (a completion never mixes two), and the routes the weight sync and
-single_gpu_mode use. The servers are ours (vllm_server.py: a URL unix:PATH, HTTP over its private
+a colocated server's sleep use. The servers are ours (vllm_server.py: a URL unix:PATH, HTTP over its private
 Unix socket) or the user's (vllm_server_urls, http(s)://host:port, started with
 VLLM_SERVER_DEV_MODE=1 for the weight routes; the key in VLLM_API_KEY, if set, is sent to them).
 

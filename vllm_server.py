@@ -75,6 +75,13 @@ def check_launch(cfg, cuda: bool):
         raise ValueError("our vLLM server shares the training GPUs (no vllm_server_urls) and sleeps while the policy "
                          "trains: set async_steps=0 and weight_sync_transport='filesystem', or give the servers GPUs "
                          "of their own with bash scripts/launch_8gpu.sh")
+    gpus = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if cuda and colocated(cfg, cuda) and int(os.environ.get("WORLD_SIZE", 1)) != gpus:
+        raise ValueError("several nodes would share one colocated server on the first node's GPUs; give the servers "
+                         "GPUs of their own (bash scripts/launch_multinode.sh) and pass vllm_server_urls")
+    if cuda and colocated(cfg, cuda) and gpus % cfg.vllm_tensor_parallel_size:
+        raise ValueError(f"vllm_tensor_parallel_size={cfg.vllm_tensor_parallel_size} does not divide this node's "
+                         f"{gpus} GPUs; pick a divisor of {gpus}")
 
 
 def colocate_flags(cfg, fraction):
@@ -83,9 +90,7 @@ def colocate_flags(cfg, fraction):
     replicas of vllm_tensor_parallel_size GPUs each. None on a CPU, where there is nothing to free."""
     if not torch.cuda.is_available():
         return []
-    gpus, tp = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), cfg.vllm_tensor_parallel_size
-    if gpus % tp:
-        raise ValueError(f"vllm_tensor_parallel_size={tp} does not divide this node's {gpus} GPUs")
+    gpus, tp = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), cfg.vllm_tensor_parallel_size  # check_launch: tp | gpus
     return ["--enable-sleep-mode", "--gpu-memory-utilization", f"{fraction:.3f}", "--tensor-parallel-size", str(tp),
             "--data-parallel-size", str(gpus // tp)]
 

@@ -28,13 +28,14 @@ def calls(log_path):
 
 @pytest.mark.slow
 def test_each_step_sleeps_wakes_syncs_then_generates_and_a_lost_sync_stops_the_run(tiny_model_dir, tmp_path):
-    """The reload after step 2 is never sent (tests/fault_worker.py lost_sync): the server wakes and
-    generates from step 1's weights, and step 3's sync check stops the run before it trains."""
-    out = run(command("tests/fault_worker.py", 1) + ["lost_sync=1"] +
-              flags(tiny_model_dir, tmp_path, 5, "--vllm_colocate", "true", "--checkpoint_state_freq", "100"))
+    """2 ranks (every sleep and wake is rank 0's call that every rank waits for). The reload after step 2
+    is never sent (tests/fault_worker.py lost_sync): the server wakes and generates from step 1's
+    weights, and step 3's sync check stops the run on both ranks before it trains."""
+    out = run(command("tests/fault_worker.py", 2) + ["lost_sync=1"] +
+              flags(tiny_model_dir, tmp_path, 5, "--vllm_colocate", "--checkpoint_state_freq", "100"))
     assert out.returncode != 0
     errors = [line for line in out.stderr.splitlines() if "SyncError: " in line]
-    assert len(errors) == 1 and "the last weight sync did not take" in errors[0], out.stderr[-3000:]
+    assert errors and all("the last weight sync did not take" in e for e in errors), out.stderr[-3000:]
     assert [r["step"] for r in metrics(tmp_path) if "loss" in r] == [1, 2], "steps 1 and 2 trained, not 3"
     seq = calls(tmp_path / "out" / "vllm.log")
     step = ["generate", "sleep", "wake weights", "load", "reset", "wake kv cache"]

@@ -184,6 +184,9 @@ def test_cli_forms():
     assert c.filter_zero_std_samples is False and c.ref_policy_update_freq is None
     assert c.vllm_server_urls == ["http://a:1", "http://b:2"] and c.loss_denominator == "512" and c.seed == 7
     assert parse_args(["--ref_policy_update_freq", "4", "--beta", "0.1"]).ref_policy_update_freq == 4
+    # an Optional[bool] field as a bare flag is True, as a bool field is; None stays writable
+    assert parse_args(["--vllm_colocate", "--seed", "7"]).vllm_colocate is True
+    assert parse_args(["--vllm_colocate", "none"]).vllm_colocate is None
 
 
 @pytest.mark.parametrize("argv,fragment", [
@@ -300,6 +303,18 @@ def test_a_gpu_run_shares_its_gpus_with_the_server_unless_told_not_to():
         check_launch(bad, cuda=True)
     check_launch(bad, cuda=False)
     check_launch(dataclasses.replace(bad, vllm_server_urls=["http://gpu-node:8000"]), cuda=True)
+
+
+def test_a_colocated_server_refuses_several_nodes_and_a_tensor_parallel_size_off_the_node(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(ValueError, match="several nodes would share one colocated server"):
+        check_launch(Config(), cuda=True)
+    check_launch(Config(vllm_server_urls=["http://gpu-node:8000"]), cuda=True)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(ValueError, match="vllm_tensor_parallel_size=3 does not divide this node's 8 GPUs"):
+        check_launch(Config(vllm_tensor_parallel_size=3), cuda=True)
+    check_launch(Config(vllm_tensor_parallel_size=4), cuda=True)
 
 
 @pytest.mark.parametrize("bad,message", [

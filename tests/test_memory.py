@@ -141,6 +141,25 @@ def test_refusal_names_the_knob_of_the_largest_item(overrides, knob):
         memory.check(cfg, gpu, {}, 2, cuda=True, device_bytes=1)
 
 
+def test_a_colocated_server_gets_what_a_rank_holds_between_steps_leaves():
+    """80 GB GPUs, 8 of them: a rank holds 10 GB between steps (shards, AdamW, reference, runtime; not its
+    activations, which come while the server sleeps): the server gets 1 - 10/80 - 0.05 = 0.825 of each
+    GPU, at most vllm_gpu_memory_utilization; refused when that cannot hold 1.2 x its weights per tensor-
+    parallel group and its share of the KV cache."""
+    trainer = dict(parameters=2e9, optimizer=4e9, reference=2e9, runtime=2e9, activations=30e9, gradients=2e9,
+                   gathered=1e9, lm_head=1e8, weight_sync=0, per_token=1)
+    server = dict(weights=14e9, kv_cache=8e9, runtime=0)
+    cfg = Config(vllm_gpu_memory_utilization=0.9)
+    assert memory.colocated_fraction(cfg, trainer, server, 8, 80e9) == pytest.approx(0.825)
+    assert memory.colocated_fraction(dataclasses.replace(cfg, vllm_gpu_memory_utilization=0.5), trainer, server, 8,
+                                     80e9) == 0.5
+    with pytest.raises(ValueError, match=r"^memory plan: a trainer rank holds 10.0 GB of a 24.0 GB GPU between "
+                                         r"steps, leaving the colocated vLLM server less than its 15.0 GB"):
+        memory.colocated_fraction(cfg, trainer, server, 8, 24e9)  # 0.53 x 24 < 1.2 x (14 + 1)
+    assert memory.colocated_fraction(dataclasses.replace(cfg, vllm_tensor_parallel_size=2), trainer, server, 8,
+                                     24e9) == pytest.approx(1 - 10 / 24 - 0.05)  # 7 + 1 GB a GPU fits
+
+
 @pytest.mark.subprocess
 def test_train_refuses_a_plan_the_machine_cannot_hold(tiny_model_dir, tmp_path):
     """Before any process group, model or server: exit 2, one line naming the knob. 4,096 x 64 sequences
