@@ -34,7 +34,7 @@ import torch
 
 GB = 1e9
 # Measured with saved-tensor hooks on this code's forward (policy.sequence_logprobs, sdpa, float32 CPU),
-# Llama and Qwen2 layers at six shapes, every figure exact: a token and decoder layer keeps
+# Llama layers at six shapes and Qwen2 layers at four, every figure exact: a token and decoder layer keeps
 # 6 h + 2 q + 4 i + 2 kv + heads + 2 values (h hidden, q = heads x head_dim, i the MLP's width, kv the
 # keys' and values' width), and the model outside its layers about 4 h.
 # A CPU server's processes without its weights and KV cache (PSS, SmolLM2-135M, BENCHMARKS.md): API server,
