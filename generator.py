@@ -1,6 +1,6 @@
 """The trainer's side of vLLM: the server, the weights in it, and each step's batch on every rank.
 
-    gen = Generator(cfg, policy, tokenizer, sampler, pool, rank, device, player)
+    gen = Generator(cfg, policy, tokenizer, sampler, pool, rank, device, player, memory_plan)
     samples, m = gen.batch(step, policy)   # every rank; rank 0 asks vLLM, scores, broadcasts
     gen.sync(policy)                       # every rank: the policy's weights into the server
     gen.close()
@@ -37,7 +37,7 @@ def make_sync(cfg, client, rank, device):
 
 
 class Generator:
-    def __init__(self, cfg, policy, tokenizer, sampler, pool, rank, device, player, memory_plan):
+    def __init__(self, cfg, policy, tokenizer, sampler, pool, rank, device, player, memory_plan=None):
         self.cfg, self.tokenizer, self.sampler, self.pool, self.rank, self.device = cfg, tokenizer, sampler, pool, rank, device
         self.player = player  # what plays the episodes (episodes.Player), chosen at start-up
         if rank == 0:
@@ -140,7 +140,8 @@ class Generator:
             return tuple(self.weight_sync.server_flags)
         gpu = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
         gpus = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        fraction = memory.colocated_fraction(self.cfg, *self.memory_plan, gpus, gpu) if gpu else 0
+        fraction = (memory.colocated_fraction(self.cfg, *self.memory_plan, gpus, gpu) if gpu and self.memory_plan
+                    else self.cfg.vllm_gpu_memory_utilization)  # memory_plan: train.py's (memory.py)
         return tuple(self.weight_sync.server_flags) + tuple(vllm_server.colocate_flags(self.cfg, fraction))
 
     def sleep(self):
