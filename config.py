@@ -174,9 +174,14 @@ class Config:
     clip_higher: float = option(0.28, "dapo, gspo: ratio clipped above at 1 + clip_higher; cispo: weight capped at 1 "
                                       "+ clip_higher", low=0)
     beta: float = option(0.0, "KL coefficient toward the reference; 0 = no KL term", low=0)
-    kl_estimator: Literal["k1", "k2", "k3", "k4", "topk"] = option("k3", "k1, k2, k3, k4 or topk")
-    kl_topk: int = option(0, "topk: tokens of the sampling policy summed exactly per position (0 = sampled k4)",
-                          low=0)
+    kl_estimator: Literal["k1", "k2", "k3", "k4", "topk", "advantage"] = option("k3",
+        "k1, k2, k3, k4 or topk (a loss term), or advantage (the sampled k1 taken from each token's advantage)")
+    kl_topk: int = option(0, "topk: tokens of the sampling policy (a teacher's) summed exactly per position (0 = "
+                             "sampled k4)", low=0)
+    teacher_model_name_or_path: Optional[str] = option(None, "on-policy distillation (distill/): a teacher with the "
+        "student's tokenizer, served by a vLLM server train.py launches, is the reference the KL term reads")
+    reward_advantage: bool = option(True, "the reward's group advantage in the policy term; False: the KL term "
+                                          "alone trains (distillation from a teacher)")
     ess_scope: Literal["step", "micro_batch"] = option("step",
         "ess: ESS over the optimizer step's tokens (one extra forward) or per micro_batch")
     loss_denominator: str = option("token", "\"token\" (valid tokens of the whole optimizer step) or a positive "
@@ -367,6 +372,21 @@ class Config:
                     "the reference (it is not built); set beta > 0 or leave ref_policy_update_freq None")
         if self.offload_ref_policy and not self.load_ref_policy:
             return "offload_ref_policy=True but load_ref_policy=False: there is no reference to offload"
+        if not self.reward_advantage and not (self.teacher_model_name_or_path and self.beta > 0):
+            return ("reward_advantage=False trains on the KL term alone, which only a teacher makes a goal: set "
+                    "teacher_model_name_or_path and beta > 0, or reward_advantage=True")
+        if not self.reward_advantage and self.active_sampling:
+            return "active_sampling=True refills groups without reward signal; with reward_advantage=False none is read"
+        return self._check_teacher() if self.teacher_model_name_or_path else None
+
+    def _check_teacher(self):
+        if not self.uses_reference:
+            return "teacher_model_name_or_path needs beta > 0 (and load_ref_policy=True): the KL to it is its one use"
+        if self.temperature != 1.0:
+            return (f"teacher_model_name_or_path with temperature={self.temperature}: vLLM scores the student's tokens "
+                    "at temperature 1 (prompt logprobs skip its sampler); sample at temperature=1.0")
+        if self.ref_policy_update_freq is not None or self.offload_ref_policy:
+            return "a teacher neither moves nor offloads: leave ref_policy_update_freq None and offload_ref_policy off"
 
     def _check_lora(self):
         if not self.lora_rank:

@@ -51,6 +51,9 @@ class Sample:
     # where in token_ids a new sequence starts, positions from 0 and attending to nothing before it:
     # an agent's call that did not continue its episode's conversation (agent_programs/trace.py)
     restarts: tuple = ()
+    # per policy token (the mask's order), what the reference put on it before packing: a teacher's
+    # ref_logp, ref_head_ids and ref_head_logp (distill/teacher.py); packing.REFERENCE_TOKENS
+    ref: Optional[dict] = None
 
     def __post_init__(self):
         if self.mask is None:

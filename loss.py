@@ -77,8 +77,19 @@ def kl_k4(logp, ref_logp, rho):
 
 
 # kl_estimator names; each takes (logp, ref_logp, rho) (N,) and returns (N,). "topk" is apart: it
-# also needs the sampling policy's top-k head (kl_topk below).
+# also needs the sampling policy's top-k head (kl_topk below); so is "advantage" (kl_advantage).
 KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3, "k4": kl_k4}
+
+
+def kl_advantage(adv, old_logp, ref_logp, beta):
+    """kl_estimator="advantage": the sampled k1 of the policy that sampled, d = log pi_old - log ref, as a
+    per-token advantage, A_t = A - beta sg(d_t), through the objective like the reward's advantage (its
+    ratio, clipping and importance corrections; no KL term in the loss). On-policy its expected gradient
+    is beta E_pi[d grad log pi], the reverse KL's (k2's, here clipped as the objective clips). The form
+    of on-policy distillation in tinker's cookbook (KL to a teacher as the per-token reward), and of
+    verl's KL in the reward (use_kl_in_reward). Returns (A_t, d), both (N,)."""
+    d = (old_logp - ref_logp).detach()
+    return adv - beta * d, d
 
 
 def kl_topk(logp, ref_logp, old_logp, head_logp, ref_head_logp, in_head, corrected=True, behaviour_weight=None):
@@ -239,7 +250,8 @@ def grpo_loss(logp, old_logp, adv, seq_ids, denominator, cfg, *, ref_logp=None, 
               ess_value=1.0, kl_heads=None):
     """The loss of one micro-batch: (sum over its tokens of policy term + trust term + beta * KL)
     / denominator, with the objective of cfg.loss_fn (cfg.objective: its row) and, when ref_logp is given, the
-    KL estimator cfg.kl_estimator weighted by cfg.beta.
+    KL estimator cfg.kl_estimator weighted by cfg.beta ("advantage": beta * k1 taken from each token's
+    advantage instead, kl_advantage; the logged KL is then that k1).
 
     tis_weight (N,), truncated importance sampling min(pi_old/pi_vllm, cap), multiplies the
     policy term; it also corrects every KL estimator (k1-k3 by sg(rho), k4 and the top-k tail
@@ -252,6 +264,9 @@ def grpo_loss(logp, old_logp, adv, seq_ids, denominator, cfg, *, ref_logp=None, 
     row = cfg.objective
     if row is None:
         raise ValueError(f"loss_fn={cfg.loss_fn!r} is not implemented: add it to loss.OBJECTIVES")
+    kl, in_loss = torch.zeros_like(logp), ref_logp is not None and cfg.kl_estimator != "advantage"
+    if ref_logp is not None and not in_loss:  # the KL in the advantage, not in the loss
+        adv, kl = kl_advantage(adv, old_logp, ref_logp, cfg.beta)
     needs = dict(seq_ids=seq_ids) if row.sequences else {}
     if row.ess:
         needs["ess_value"] = ess_value
@@ -260,15 +275,14 @@ def grpo_loss(logp, old_logp, adv, seq_ids, denominator, cfg, *, ref_logp=None, 
         pg = pg * tis_weight
     if mismatch_mask is not None:
         pg = pg * mismatch_mask
-    kl = torch.zeros_like(logp)
-    if ref_logp is not None:
+    if in_loss:
         if cfg.kl_estimator == "topk":  # needs the top-k heads, not just the sampled token
             kl = kl_topk(logp, ref_logp, old_logp, *kl_heads, behaviour_weight=tis_weight)
         else:
             # pi/mu, mu the policy that sampled: k1-k3 take sg(rho) (their on-policy targets, off-policy too), k4 rho
             rho = torch.exp(logp - old_logp) * (1.0 if tis_weight is None else tis_weight)
             kl = KL_ESTIMATORS[cfg.kl_estimator](logp, ref_logp, rho)
-    loss = (pg + trust + cfg.beta * kl).sum() / denominator
+    loss = (pg + trust + (cfg.beta * kl if in_loss else 0.0)).sum() / denominator
     sums = dict(pg_loss=pg.detach().sum(), kl=kl.detach().sum(), clipped=clipped.sum(), ess_trust=trust.detach().sum())
     return loss, sums
 

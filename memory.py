@@ -87,7 +87,7 @@ def trainer_plan(cfg, mc, meta_model, world_size, cuda):
     tokens, several = share_tokens(cfg, world_size)
     per_token = activation_values(mc, cfg.activation_checkpointing) * dtype
     offloaded = cuda and cfg.offload_params  # shards, gradients and AdamW state in host memory
-    separate_ref = cfg.beta > 0 and cfg.load_ref_policy and not cfg.lora_rank
+    separate_ref = cfg.uses_reference and not cfg.lora_rank and not cfg.teacher_model_name_or_path  # a teacher: its server
     return dict(parameters=0 if offloaded else 4 * total // shard,
                 gathered=3 * unit * dtype,
                 gradients=0 if offloaded else 4 * trainable // (1 if several else shard),
@@ -122,9 +122,16 @@ def server_sequences(cfg):
 
 
 def server_plan(cfg, mc, meta_model, cuda):
-    """{item: bytes} of the server we launch; empty with vllm_server_urls (yours)."""
-    if cfg.vllm_server_urls:
-        return {}
+    """{item: bytes} of the servers we launch: the policy's (none with vllm_server_urls: yours) and a teacher's."""
+    plan = {} if cfg.vllm_server_urls else model_server(cfg, mc, meta_model, cuda)
+    if cfg.teacher_model_name_or_path:
+        from distill import teacher  # noqa: PLC0415 - the optional concept's door
+        plan.update(teacher.server_plan(cfg, cuda))
+    return plan
+
+
+def model_server(cfg, mc, meta_model, cuda):
+    """{item: bytes} of a server we launch on the model of config mc: its weights, KV cache and runtime."""
     kv = int(cfg.vllm_kv_cache_space_gb * GB) if cfg.vllm_kv_cache_space_gb else kv_cache_bytes(cfg, mc, cuda)
     weights = sum(p.numel() for p in meta_model.parameters()) + mc.vocab_size * mc.hidden_size * tied(mc)
     return dict(weights=weights * (2 if cuda else 4), kv_cache=kv,  # the served copy's head untied

@@ -211,13 +211,17 @@ PER_TOKEN = {"vllm_logp": torch.float32,  # the sampler's logprob
              "adv": torch.float32,  # the sample's advantage
              "fresh": torch.bool,  # sampled by the weights the trainer holds (the sync check reads these)
              "seq_ids": torch.long}  # the sample's number within the micro-batch
+# ... and what a reference put on the samples (Sample.ref), carried when they have it: a teacher's
+# logprob of each token and, for the top-k KL, its k most likely ids there and their logprobs (N, k)
+REFERENCE_TOKENS = {"ref_logp": torch.float32, "ref_head_ids": torch.long, "ref_head_logp": torch.float32}
+TOKENS = {**PER_TOKEN, **REFERENCE_TOKENS}
 
 
 def loss_tokens(s, i):
-    """The PER_TOKEN lists of sample s (number i in its micro-batch) over its policy tokens."""
+    """The per-token lists of sample s (number i in its micro-batch) over its policy tokens."""
     logp = [lp for lp, m in zip(s.logprobs, s.mask) if m]
     return dict(vllm_logp=logp, adv=[s.adv] * len(logp), fresh=[s.staleness == 0] * len(logp),
-                seq_ids=[i] * len(logp))
+                seq_ids=[i] * len(logp), **(s.ref or {}))
 
 
 def collate(samples, share=False):
@@ -247,13 +251,13 @@ def collate(samples, share=False):
         mask += [False] * (p - 1 - start) + [s.valid and bool(m) for m in s.mask] + [False]
         if s.valid:
             for k, values in loss_tokens(s, i).items():
-                per[k] += values
+                per.setdefault(k, []).extend(values)
     return dict(input_ids=torch.tensor([ids]), position_ids=torch.tensor([positions]),
                 mask=torch.tensor([mask[:-1]], dtype=torch.bool), **per_token(per))
 
 
 def per_token(lists):
-    return {k: torch.tensor(lists[k], dtype=dtype) for k, dtype in PER_TOKEN.items()}
+    return {k: torch.tensor(values, dtype=TOKENS[k]) for k, values in lists.items()}
 
 
 def shares_prompts(cfg):
@@ -301,5 +305,5 @@ def collate_padded(samples, pad_id):
         if s.valid:
             mask[i, p - 1:p + c - 1] = torch.tensor(s.mask, dtype=torch.bool)
             for k, values in loss_tokens(s, i).items():
-                per[k] += values
+                per.setdefault(k, []).extend(values)
     return dict(input_ids=input_ids, attention_mask=attention_mask, mask=mask, **per_token(per))

@@ -1,6 +1,7 @@
 """The reference (anchor) policy: every kind behind one seam, and the sharded exponential moving average.
 
     ref = make_reference(cfg, policy, load_copy)   # None without a KL term
+    ref.prepare(samples)                           # every rank, each step before packing (update.py)
     ref.logprobs(forward, micro_batch, ...)        # its logprobs (update.py)
     ref.step(step)                                 # after step's update: moves when due (train.py)
     ref.state_dict(), ref.load_state_dict(state)   # what a checkpoint holds of it (checkpoint.py)
@@ -8,7 +9,8 @@
                                                    # EMA adapter), the policy's part of a checkpoint holds them
 
 The kinds: a fixed copy of the initial policy (Reference), an EMA of the policy (EMAReference),
-and with LoRA the base (the policy's module, adapters off) or an EMA adapter. A new kind is a
+with LoRA the base (the policy's module, adapters off) or an EMA adapter, and a teacher of another
+model served by vLLM (distill/teacher.py: on-policy distillation). A new kind is a
 class here with those methods, and a line in make_reference.
 
 The EMA:
@@ -66,8 +68,14 @@ class Reference:
         if self.owns_weights:
             model.requires_grad_(False)
 
+    def prepare(self, samples):
+        """Before the step's samples are packed: what this kind puts on them (a teacher's scores); returns
+        its metrics of the step. Nothing here."""
+        return {}
+
     def logprobs(self, forward, b, **kwargs):
-        """forward(model, micro-batch, ...) of update.py, run on this reference."""
+        """forward(model, micro-batch, ...) of update.py, run on this reference: (logp, entropy, head_logp,
+        head_ids), the last the ids of the top-k KL's head (those passed in, or the kind's own)."""
         return forward(self.model, b, **kwargs)
 
     def step(self, step):
@@ -140,12 +148,16 @@ class EMAReference(Reference):
 
 
 def make_reference(cfg, policy, load_copy):
-    """The reference the config asks for; None without a KL term. load_copy() builds a sharded
+    """The reference the config asks for; None without a KL term; a teacher's server with
+    teacher_model_name_or_path. load_copy() builds a sharded
     copy of the initial policy (parallel.load_model(..., reference=True)); with LoRA the
     reference is the policy's own module: the base (adapters off) when fixed, else the EMA
     adapter."""
     if not cfg.uses_reference:
         return None
+    if cfg.teacher_model_name_or_path:
+        from distill import teacher  # noqa: PLC0415 - the optional concept's door
+        return teacher.Teacher(cfg, torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
     every = cfg.ref_policy_update_freq
     if not cfg.lora_rank:
         return EMAReference(load_copy(), policy, cfg.alpha, every=every) if every else Reference(load_copy())

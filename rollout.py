@@ -126,6 +126,8 @@ def sample_groups(cfg, client, rows, seed, step, pool, tokenizer, player, show=F
     rewards = torch.tensor(rewards)
     broken = rewards.isnan().view(-1, n).any(dim=1).repeat_interleave(n)  # each sample: its group has an unscored one
     adv, std = group_advantages(rewards.nan_to_num(0.0), n, cfg.advantage_normalization_type)
+    if not cfg.reward_advantage:  # the KL term alone trains (a teacher's): every group has its signal
+        adv, std = torch.zeros_like(adv), torch.ones_like(std)
     # std is exactly 0 for a group whose rewards are all equal (max == min), also at 2/3 or 0.1
     signal = (std > 0) if cfg.filter_zero_std_samples else torch.ones_like(std, dtype=torch.bool)
     kept = signal & ~broken

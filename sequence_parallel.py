@@ -53,7 +53,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import AttentionMaskInterface
 
-from packing import PER_TOKEN
+from packing import TOKENS
 from policy import packed_sdpa
 
 GROUP = None  # this rank's sequence-parallel process group (init_groups); None: no sequence parallelism
@@ -91,7 +91,7 @@ def piece(b, sp_rank, size):
     first, n = int(mask[:, :lo].sum()), int(mask[:, lo:hi].sum())
     out = dict(input_ids=ids[:, lo:hi], position_ids=positions[:, lo:hi], targets=targets[:, lo:hi],
                mask=mask[:, lo:hi], row_position_ids=positions)
-    out.update({k: b[k][first:first + n] for k in PER_TOKEN})
+    out.update({k: b[k][first:first + n] for k in TOKENS if k in b})
     return out
 
 

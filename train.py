@@ -63,10 +63,14 @@ from weight_sync import full_state_dict
 from worker_pool import RewardPool
 
 
-def check_model(cfg):
+def check_model(cfg, tokenizer, cuda):
     """The model's config.json against what the trainer implements: its vocabulary, its LM head and
-    layout, LoRA's targets, the heads sequence parallelism splits. ValueError naming the fix. Returns the
-    config and the model built on the meta device (LoRA's adapters in it), for the memory plan."""
+    layout, LoRA's targets, the heads sequence parallelism splits, a teacher's tokenizer. ValueError naming
+    the fix. Returns the config and the model built on the meta device (LoRA's adapters in it), for the
+    memory plan."""
+    if cfg.teacher_model_name_or_path:
+        from distill import teacher  # noqa: PLC0415 - the optional concept's door
+        teacher.check(cfg, tokenizer, cuda)
     model_config = load_model_config(cfg)
     check_vocabulary(model_config, cfg.kl_topk)
     meta_model = check_model_config(model_config)  # an LM head or layout the logprobs do not implement
@@ -106,7 +110,7 @@ def load_inputs(cfg):
         mesh_shape(cfg, world)  # a world the mesh does not fit
         locate_model(cfg.model_name_or_path)  # in seconds offline, not after the hub's minute of retries
         tokenizer = load_tokenizer(cfg)
-        model_config, meta_model = check_model(cfg)
+        model_config, meta_model = check_model(cfg, tokenizer, cuda)
         tracking.make_dirs(cfg)  # output_dir claimed: a second run into it stops here
         if rank0:
             vllm_client.check_servers(cfg.vllm_server_urls, cfg.vllm_request_timeout)

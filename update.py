@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from faults import SyncError
 from loss import ess_from_sums, ess_sums, grpo_loss, mismatch_mask, step_denominator
-from packing import PER_TOKEN, micro_batches
+from packing import TOKENS, micro_batches
 
 
 @dataclass
@@ -57,15 +57,15 @@ class FrozenLogprobs:
     over its completion tokens."""
     old_logp: Optional[torch.Tensor] = None  # None: the detached new logp (one mini-batch, one epoch: ratio 1)
     ref_logp: Optional[torch.Tensor] = None  # None: no KL term
-    head_ids: Optional[torch.Tensor] = None  # (N, k) top-k KL: the sampling policy's k most likely tokens
+    head_ids: Optional[torch.Tensor] = None  # (N, k) top-k KL: the sampling policy's (a teacher's) k most likely tokens
     ref_head_logp: Optional[torch.Tensor] = None  # (N, k) the reference's logp at head_ids
     in_head: Optional[torch.Tensor] = None  # (N,) bool: the sampled token is one of head_ids
 
 
 def frozen_logprobs(cfg, policy, ref, micro, forward, reuse_old, device):
     """One FrozenLogprobs per micro-batch: old_logp (recomputed, or vLLM's with use_vllm_logprobs), the
-    reference's logp and, for the top-k KL, the sampling policy's top-k ids with the reference's
-    logp there (O(k) per token)."""
+    reference's logp and, for the top-k KL, the sampling policy's top-k ids (a teacher's: its own)
+    with the reference's logp there (O(k) per token)."""
     topk_kl = cfg.kl_estimator == "topk" and cfg.beta > 0
     out = []
     with torch.no_grad():
@@ -77,8 +77,9 @@ def frozen_logprobs(cfg, policy, ref, micro, forward, reuse_old, device):
                 frozen.old_logp = b["vllm_logp"]
             if not topk_kl:
                 frozen.head_ids = None
-            if cfg.beta > 0:
-                frozen.ref_logp, _, frozen.ref_head_logp, _ = ref.logprobs(forward, b, head_ids=frozen.head_ids)
+            if cfg.beta > 0:  # a teacher's head is its own top k (distill/teacher.py)
+                frozen.ref_logp, _, frozen.ref_head_logp, ids = ref.logprobs(forward, b, head_ids=frozen.head_ids)
+                frozen.head_ids = ids if topk_kl else None
             if topk_kl:
                 targets = (b["targets"] if "targets" in b else b["input_ids"][:, 1:])[b["mask"]].to(device)
                 frozen.in_head = (frozen.head_ids == targets[:, None]).any(-1)
@@ -166,7 +167,8 @@ class StepMetrics:
         dist.all_reduce(sums)  # the sync check's figures were reduced by check_sync
         s = dict(zip(self.SUMS, sums.tolist()))
         n = max(s["tokens"], 1)
-        m = dict(loss=s["loss"] / n, pg_loss=s["pg_loss"] / n, kl=s["kl"] / n, clip_frac=s["clipped"] / n,
+        m = dict(loss=s["loss"] / n, pg_loss=s["pg_loss"] / n, clip_frac=s["clipped"] / n,
+                 **{"teacher_kl" if cfg.teacher_model_name_or_path else "kl": s["kl"] / n},  # KL to the reference
                  entropy=s["entropy"] / n, grad_norm=sum(self.grad_norms) / max(len(self.grad_norms), 1),
                  grad_norm_max=max(self.grad_norms, default=0.0),
                  vllm_logp_diff_mean=self.vllm_logp_diff_mean,
@@ -185,6 +187,8 @@ def train_on_batch(cfg, state, samples, rank, world_size, device):
     # Each mini-batch's sequences, tokens balanced over ranks and packed into micro-batches of at most
     # max_tokens_per_micro_batch tokens; every rank runs as many as the others (packing.py). Under
     # sequence parallelism the S ranks of a group share their rows, each keeping a piece of every row.
+    # what the reference puts on the samples first (a teacher's scores), and its metrics
+    prepared = state.ref.prepare(samples) if state.ref is not None else {}
     size = cfg.sequence_parallel_size
     minis = micro_batches(samples, cfg, world_size // size, rank // size)
     if size > 1:
@@ -193,7 +197,7 @@ def train_on_batch(cfg, state, samples, rank, world_size, device):
         minis = [([piece(b, rank % size, size) for b in mbs], n_tokens, n_seqs) for mbs, n_tokens, n_seqs in minis]
     micro = [mbs for mbs, _, _ in minis]
     for b in (b for mbs in micro for b in mbs):
-        for key in PER_TOKEN:
+        for key in TOKENS.keys() & b.keys():
             b[key] = b[key].to(device)
 
     def forward(model, b, **kw):  # logp, entropy, head_logp, head_ids of b's completion tokens
@@ -227,7 +231,7 @@ def train_on_batch(cfg, state, samples, rank, world_size, device):
             grad_norm, skipped = optimizer_step(cfg, state, step_loss)
             metrics.grad_norms.append(grad_norm)
             metrics.skipped += skipped  # a non-finite loss or gradient norm on some rank: the weights are kept
-    return metrics.reduce(cfg)
+    return {**metrics.reduce(cfg), **prepared}
 
 
 @contextlib.contextmanager

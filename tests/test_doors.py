@@ -21,6 +21,7 @@ CONCEPTS = {
     "sandbox": ["envs/sandbox.py", "envs/sandbox_process.py", "envs/python_tool.py"],
     "openenv": ["envs/openenv_adapter.py"],
     "agents": ["agent_programs", "examples"],
+    "distill": ["distill"],
 }
 # Where the core imports each concept: file and function, each a lazy import under the concept's flag.
 DOORS = {
@@ -30,9 +31,11 @@ DOORS = {
                           "update.py:train_on_batch"},
     "environments": {"train.py:choose_player"},
     "agents": {"train.py:choose_player"},
+    "distill": {"reference.py:make_reference", "train.py:check_model", "memory.py:server_plan"},
 }
 DOCSTRINGS = {"lora": "lora/__init__.py", "sequence_parallel": "sequence_parallel.py",
-              "environments": "envs/__init__.py", "agents": "agent_programs/__init__.py"}
+              "environments": "envs/__init__.py", "agents": "agent_programs/__init__.py",
+              "distill": "distill/__init__.py"}
 OPTIONAL = [m for files in CONCEPTS.values() for f in files for m in [f[:-3].replace("/", ".") if f.endswith(".py") else f]]
 
 

@@ -30,7 +30,7 @@ def ess(rho):
 
 def test_objective_and_kl_tables_agree_with_config():
     assert set(config_choices("loss_fn")) == set(OBJECTIVES)
-    assert set(config_choices("kl_estimator")) == set(KL_ESTIMATORS) | {"topk"}  # topk needs the heads: apart
+    assert set(config_choices("kl_estimator")) == set(KL_ESTIMATORS) | {"topk", "advantage"}  # apart: heads, advantage
 
 
 def test_gspo_by_hand():

@@ -1,0 +1,165 @@
+"""The teacher of on-policy distillation: a reference whose logprobs a vLLM server of its own answers.
+
+    ref = Teacher(cfg, rank)          # rank 0 launches the server on teacher_model_name_or_path
+    ref.prepare(samples)              # every rank, each step before packing: rank 0 asks, every rank gets
+    ref.logprobs(forward, b, ...)     # the teacher's logp of micro-batch b's tokens (and its top k), from b
+
+The student samples; the teacher scores every token it wrote; the KL term (loss.py) pulls the
+student toward the teacher on the student's own samples (the reverse KL, mode-seeking). vLLM scores
+a prompt's tokens (prompt_logprobs): entry j is log p(token j | tokens before j), entry 0 is None,
+and with prompt_logprobs=k the k most likely tokens at j come with it. A sample goes as one prompt
+(its prompt and every token after it; each sequence of an agent's episode apart) with max_tokens=1,
+so sampled token i is entry len(prompt) + i, the alignment of the trainer's own next-token targets.
+The environment's tokens are scored and dropped with the mask.
+
+Prompt logprobs skip vLLM's sampler: they are the teacher's at temperature 1, so Config refuses a
+teacher beside another sampling temperature (the KL would compare two different temperatures).
+
+For the top-k KL (kl_estimator="topk") the exact head is the teacher's k most likely tokens at each
+position. EMA-PG's estimator is unbiased for any head chosen before the token at that position is
+sampled (the tail term covers the rest), and the teacher's top k is such a head; it is also the
+only one a server that reports its own top k can give, where a reference in the trainer reports
+its logprobs at any ids (there the head is the sampling policy's k).
+"""
+
+import atexit
+import os
+import time
+
+import torch.distributed as dist
+
+import vllm_client
+import vllm_server
+from faults import VLLMError
+from reference import Reference
+from weight_sync import raise_on_every_rank
+
+
+def check(cfg, tokenizer, cuda):
+    """Before anything starts: the teacher's files, and the student's tokenizer (the KL compares the two
+    models' logprobs of the same token ids). ValueError naming the fix."""
+    from transformers import AutoTokenizer
+
+    path = cfg.teacher_model_name_or_path
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"teacher_model_name_or_path={path!r} is not a local model directory (no config.json); "
+                         "pass the directory of a Hugging Face model that shares the student's tokenizer")
+    if cuda:  # train.py would start it on the GPU of rank 0, beside that rank and a colocated policy server
+        raise ValueError("teacher_model_name_or_path on GPUs: the trainer does not yet give a teacher's server GPUs "
+                         "of its own (it runs on the CPU, tested there); distil on a CPU machine for now")
+    try:
+        theirs = AutoTokenizer.from_pretrained(path).get_vocab()
+    except (OSError, ValueError) as e:
+        raise ValueError(f"teacher_model_name_or_path={path!r}: its tokenizer does not load ({type(e).__name__}); "
+                         "the teacher must ship the student's tokenizer") from None
+    ours = tokenizer.get_vocab()
+    if theirs != ours:
+        differ = len(set(theirs.items()) ^ set(ours.items()))
+        raise ValueError(f"teacher_model_name_or_path={path!r} has another tokenizer than model_name_or_path="
+                         f"{cfg.model_name_or_path!r} ({differ} token/id pairs differ): the KL compares the logprobs "
+                         "of the same token ids; pick a teacher of the student's family")
+
+
+def server_plan(cfg, cuda):
+    """{teacher_item: bytes} of the teacher's server, planned as the policy's (memory.model_server)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import memory
+
+    mc = AutoConfig.from_pretrained(cfg.teacher_model_name_or_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(mc)
+    return {f"teacher_{k}": v for k, v in memory.model_server(cfg, mc, model, cuda).items()}
+
+
+def sequences(s):
+    """The sequences of sample s the teacher scores: (token ids, the index in s.token_ids of its first
+    token after the prompt, that token's position in it). An agent's episode may restart (Sample.restarts)."""
+    cuts = [0, *s.restarts, len(s.token_ids)]
+    return [((s.prompt_ids if m == 0 else []) + s.token_ids[a:b], a, len(s.prompt_ids) if m == 0 else 0)
+            for m, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+
+
+def scores(s, answers, k):
+    """The teacher's answers for sample s (prompt_logprobs of each of its sequences) as lists over its policy
+    tokens, in the mask's order (packing.loss_tokens): ref_logp, and with k > 0 ref_head_ids and
+    ref_head_logp, the teacher's k most likely tokens at each position."""
+    out = dict(ref_logp=[], ref_head_ids=[], ref_head_logp=[])
+    for (ids, first, at), entries in zip(sequences(s), answers):
+        for j in range(len(ids) - at):  # token first + j of the sample is token at + j of this sequence
+            if not s.mask[first + j]:
+                continue
+            entry, token = entries[at + j], str(s.token_ids[first + j])
+            if entry is None or token not in entry:
+                raise VLLMError(f"the teacher's server did not score sampled token {first + j} (id {token})")
+            out["ref_logp"].append(entry[token]["logprob"])
+            if k:  # the top k, and the sampled token when it is not among them (then k + 1 entries)
+                head = sorted(((int(i), e["logprob"]) for i, e in entry.items() if i != token or len(entry) == k),
+                              key=lambda x: -x[1])
+                out["ref_head_ids"].append([i for i, _ in head])
+                out["ref_head_logp"].append([lp for _, lp in head])
+    return out if k else dict(ref_logp=out["ref_logp"])
+
+
+class Teacher(Reference):
+    """A reference that does not move and holds no weights in the trainer: its logprobs come with the
+    micro-batch (prepare puts them on the samples, packing carries them)."""
+
+    def __init__(self, cfg, rank):
+        super().__init__(None)
+        self.rank, self.timeout = rank, cfg.vllm_request_timeout
+        self.k = cfg.kl_topk if cfg.kl_estimator == "topk" else 0
+        self.server = self.client = None
+        error = None
+        if rank == 0:
+            log = os.path.join(cfg.output_dir, "teacher_vllm.log")
+            try:
+                self.server, url = vllm_server.launch_server(cfg.teacher_model_name_or_path, cfg, log,
+                                                             extra_args=("--max-logprobs", str(max(self.k, 1))))
+                atexit.register(self.close)
+                self.client = vllm_client.VLLMClient([url], cfg.teacher_model_name_or_path, cfg.vllm_request_timeout,
+                                                     cfg.vllm_max_retries, proc=self.server, log_path=log)
+            except VLLMError as e:
+                error = f"the teacher's server: {e}"
+        raise_on_every_rank(error)
+
+    def ask(self, samples):
+        """Rank 0: every sample's scores (a list of dicts, scores()), from one request per sequence."""
+        asked = [(i, ids) for i, s in enumerate(samples) for ids, _, _ in sequences(s)]
+        got = self.client.map("/v1/completions", [dict(model=self.client.model, prompt=ids, max_tokens=1,
+                                                       temperature=1.0, prompt_logprobs=self.k) for _, ids in asked])
+        answers = [[] for _ in samples]
+        for (i, _), resp in zip(asked, got):
+            answers[i].append(resp["choices"][0]["prompt_logprobs"])
+        return [scores(s, a, self.k) for s, a in zip(samples, answers)]
+
+    def prepare(self, samples):
+        """Every rank: each sample's `ref` (the teacher's scores of its policy tokens); rank 0 asks the
+        server and broadcasts them. VLLMError on every rank when it cannot. Returns the seconds it took."""
+        start, box = time.perf_counter(), [None]
+        if self.rank == 0:
+            try:
+                box = [self.ask(samples)]
+            except VLLMError as e:
+                box = [f"the teacher's server: {e}"]
+        if dist.is_initialized():
+            dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], str):
+            raise VLLMError(box[0])
+        for s, ref in zip(samples, box[0]):
+            s.ref = ref
+        return dict(time_teacher=time.perf_counter() - start)
+
+    def logprobs(self, forward, b, head_ids=None):
+        """The teacher's logp (N,) of b's tokens and, for the top-k KL, its logp (N, k) at its own top-k ids
+        (N, k), which the policy's forward then reads (update.frozen_logprobs)."""
+        logp = b.get("ref_logp", b["vllm_logp"].new_zeros(0))
+        if not self.k:
+            return logp, None, None, None
+        ids = b.get("ref_head_ids", b["seq_ids"].new_zeros(0, self.k)).view(-1, self.k)
+        return logp, None, b.get("ref_head_logp", logp.new_zeros(0, self.k)).view(-1, self.k), ids
+
+    def close(self):
+        vllm_server.stop_server(self.server)
+        self.server = None

@@ -1,0 +1,273 @@
+"""On-policy distillation (distill/): the teacher's scores aligned with the trainer's targets token for
+token, the objectives against exact enumeration, the refusals, and the teacher's vLLM server against a
+forward of the teacher in the trainer."""
+
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+from config import Config
+from distill import teacher
+from episodes import Sample
+from helpers import EAGER, metrics, run, trainer_logprobs
+from loss import grpo_loss, kl_advantage
+from packing import collate
+
+V = 9
+
+
+def log_softmax(seed):
+    return torch.log_softmax(torch.randn(V, generator=torch.Generator().manual_seed(seed), dtype=torch.float64), -1)
+
+
+def exact_kl(theta, ref):
+    logpi = torch.log_softmax(theta, -1)
+    kl = (logpi.exp() * (logpi - ref)).sum()
+    return kl, torch.autograd.grad(kl, theta)[0]
+
+
+# --- the objectives, by hand and by exact enumeration over a vocabulary of V tokens
+
+
+def test_kl_advantage_by_hand():
+    """A_t = A - beta (old_logp - ref_logp); dapo at ratio 1 gives loss -sum(A_t) / denominator and
+    gradient -A_t / denominator; no KL term in the loss, the logged KL is the k1."""
+    logp = torch.tensor([-1.0, -2.0, -0.5], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([-1.5, -1.0, -0.5], dtype=torch.float64)
+    adv = torch.tensor([1.0, 1.0, -0.5], dtype=torch.float64)
+    cfg = Config(beta=0.5, kl_estimator="advantage")
+    loss, sums = grpo_loss(logp, logp.detach(), adv, torch.tensor([0, 0, 1]), 4.0, cfg, ref_logp=ref)
+    # d = (0.5, -1.0, 0.0): A_t = (1 - 0.25, 1 + 0.5, -0.5) = (0.75, 1.5, -0.5)
+    assert torch.isclose(loss, torch.tensor(-(0.75 + 1.5 - 0.5) / 4.0, dtype=torch.float64))
+    assert torch.allclose(torch.autograd.grad(loss, logp)[0], torch.tensor([-0.75, -1.5, 0.5], dtype=torch.float64) / 4)
+    assert torch.isclose(sums["kl"], torch.tensor(-0.5, dtype=torch.float64))
+    assert torch.equal(kl_advantage(adv, logp.detach(), ref, 0.5)[1], torch.tensor([0.5, -1.0, 0.0], dtype=torch.float64))
+
+
+def test_kl_advantage_estimates_the_reverse_kl_in_value_and_gradient():
+    """Alone (A = 0), on-policy: E_pi over the sampled token of the loss is beta KL(pi || ref) and of its
+    gradient beta grad KL(pi || ref), enumerating every token."""
+    theta = torch.randn(V, generator=torch.Generator().manual_seed(0), dtype=torch.float64).requires_grad_()
+    ref = log_softmax(1)
+    logpi = torch.log_softmax(theta, -1)
+    cfg = Config(beta=2.0, kl_estimator="advantage")
+    value = 0.0
+    for p in range(V):
+        one = slice(p, p + 1)
+        loss, _ = grpo_loss(logpi[one], logpi[one].detach(), torch.zeros(1, dtype=torch.float64),
+                            torch.zeros(1, dtype=torch.long), 1.0, cfg, ref_logp=ref[one])
+        value = value + logpi[p].exp().detach() * loss
+    (grad,) = torch.autograd.grad(value, theta)
+    kl, kl_grad = exact_kl(theta, ref)
+    assert torch.allclose(value, 2 * kl, atol=1e-12) and torch.allclose(grad, 2 * kl_grad, atol=1e-12)
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, V])
+def test_topk_kl_over_the_teachers_head_is_unbiased(k):
+    """EMA-PG's top-k KL with the head the teacher's server reports, its own top k (not the student's):
+    through grpo_loss, E over the sampled token of the value and gradient are the exact reverse KL's."""
+    theta = torch.randn(V, generator=torch.Generator().manual_seed(0), dtype=torch.float64).requires_grad_()
+    ref = log_softmax(2)
+    logpi = torch.log_softmax(theta, -1)
+    q = ref.topk(k).indices
+    assert k in (0, V) or set(q.tolist()) != set(logpi.detach().topk(k).indices.tolist()), "heads alike test nothing"
+    cfg = Config(beta=1.0, kl_estimator="topk")
+    value = 0.0
+    for p in range(V):
+        one = slice(p, p + 1)
+        heads = (logpi[q][None], ref[q][None], torch.isin(torch.tensor([p]), q))
+        loss, _ = grpo_loss(logpi[one], logpi[one].detach(), torch.zeros(1, dtype=torch.float64),
+                            torch.zeros(1, dtype=torch.long), 1.0, cfg, ref_logp=ref[one], kl_heads=heads)
+        value = value + logpi[p].exp().detach() * loss
+    (grad,) = torch.autograd.grad(value, theta)
+    kl, kl_grad = exact_kl(theta, ref)
+    assert torch.allclose(value, kl, atol=1e-12) and torch.allclose(grad, kl_grad, atol=1e-12)
+
+
+@pytest.mark.parametrize("kl_estimator", ["k1", "k2", "k3", "k4", "topk", "advantage"])
+def test_a_teacher_equal_to_the_student_gives_a_kl_of_exactly_zero(kl_estimator):
+    """ref_logp equal to the student's logprobs token for token (and its head's): every estimator's value is
+    0.0 exactly at every token; k2, k3 and the advantage form (whose gradient is d grad log pi or zero at
+    d = 0) then leave the objective's gradient as it is without a KL (k1, k4 and the top-k KL have a
+    gradient of expectation 0, not 0 at each token)."""
+    logp = torch.tensor([-0.3, -2.0, -1.1, -4.0], requires_grad=True)
+    head = torch.log_softmax(torch.randn(4, V, generator=torch.Generator().manual_seed(0)), -1)[:, :3]
+    cfg = Config(beta=1.0, kl_estimator=kl_estimator)
+    adv, seqs = torch.tensor([1.0, 1.0, -1.0, -1.0]), torch.tensor([0, 0, 1, 1])
+    in_head = torch.tensor([True, False, True, False])
+    for i in range(4):  # one token at a time: zeros, not a sum that cancels
+        heads = (head[i:i + 1], head[i:i + 1].clone(), in_head[i:i + 1]) if kl_estimator == "topk" else None
+        one = slice(i, i + 1)
+        _, sums = grpo_loss(logp[one], logp[one].detach(), adv[one], seqs[one], 4.0, cfg,
+                            ref_logp=logp[one].detach().clone(), kl_heads=heads)
+        assert sums["kl"].item() == 0.0
+    if kl_estimator in ("k2", "k3", "advantage"):
+        loss, _ = grpo_loss(logp, logp.detach(), adv, seqs, 4.0, cfg, ref_logp=logp.detach().clone())
+        plain, _ = grpo_loss(logp, logp.detach(), adv, seqs, 4.0, Config())
+        assert torch.equal(loss, plain)
+        assert torch.equal(torch.autograd.grad(loss, logp)[0], torch.autograd.grad(plain, logp)[0])
+
+
+# --- the teacher's answers, aligned with the trainer's targets
+
+
+def answers_encoding(sample, k):
+    """What a vLLM server answers for each sequence of `sample` (prompt_logprobs), with each logprob
+    encoding the token it scores and its position: entry j of a sequence gives token t at position j
+    the logprob -(t + j / 1000), and its top k are the ids t + 1.. t + k (t itself among them when t is even)."""
+    out = []
+    for ids, _, _ in teacher.sequences(sample):
+        entries = [None]
+        for j, t in enumerate(ids[1:], 1):
+            head = [t] + [t + i for i in range(1, k)] if t % 2 == 0 else [t + i for i in range(1, k + 1)]
+            entries.append({str(i): {"logprob": -(i + j / 1000), "rank": 1} for i in (head if k else []) + [t]})
+        out.append(entries)
+    return out
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_the_teachers_scores_land_on_the_trainers_targets(k):
+    """Two samples of one prompt (packed with the prompt shared), environment tokens in the second, and an
+    agent's episode that restarts: through scores() and packing.collate, the teacher's logprob at each
+    loss token is the one vLLM gave that very target at that very position (an off-by-one would read
+    the neighbour's), and its head is the one of that position."""
+    prompt = [3, 5, 7, 9]
+    samples = [Sample(prompt, [11, 12, 13, 14], [0.0] * 4),
+               Sample(prompt, [11, 20, 21, 22, 15, 16], [0.0] * 6, mask=[1, 1, 0, 0, 1, 1]),
+               Sample([2, 4], [6, 30, 31, 32, 33], [0.0] * 5, mask=[1, 0, 0, 1, 1], restarts=(1,))]
+    for s in samples:
+        s.ref = teacher.scores(s, answers_encoding(s, k), k)
+    b = collate(samples, share=True)
+    targets = b["input_ids"][0, 1:][b["mask"][0]]
+    positions = b["position_ids"][0, 1:][b["mask"][0]]
+    # a restarted sequence's positions start again from 0, as vLLM's do for its own request
+    expected = -(targets.double() + positions.double() / 1000)
+    assert torch.equal(b["ref_logp"], expected.float())
+    if k:
+        assert b["ref_head_ids"].shape == (len(targets), k)
+        in_head = (b["ref_head_ids"] == targets[:, None]).any(-1)
+        assert torch.equal(in_head, targets % 2 == 0)  # the sampled token is in the head exactly when even
+        assert (b["ref_head_ids"] != targets[:, None]).all(-1).eq(targets % 2 == 1).all()
+        assert torch.equal(b["ref_head_logp"][:, 0], -(b["ref_head_ids"][:, 0].double() + positions / 1000).float())
+    else:
+        assert "ref_head_ids" not in b
+
+
+# --- refusals
+
+
+def test_config_refuses_what_a_teacher_cannot_do():
+    with pytest.raises(ValueError, match="needs beta > 0"):
+        Config(teacher_model_name_or_path="t")
+    with pytest.raises(ValueError, match="sample at temperature=1.0"):
+        Config(teacher_model_name_or_path="t", beta=1.0, temperature=0.7)
+    with pytest.raises(ValueError, match="neither moves nor offloads"):
+        Config(teacher_model_name_or_path="t", beta=1.0, ref_policy_update_freq=1)
+    with pytest.raises(ValueError, match="reward_advantage=False trains on the KL term alone"):
+        Config(reward_advantage=False, beta=1.0)
+    with pytest.raises(ValueError, match="active_sampling"):
+        Config(teacher_model_name_or_path="t", beta=1.0, reward_advantage=False, active_sampling=True)
+    Config(teacher_model_name_or_path="t", beta=1.0, reward_advantage=False, kl_estimator="advantage")
+
+
+def test_a_teacher_with_another_tokenizer_or_none_is_refused(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = Config(model_name_or_path=tiny_model_dir, teacher_model_name_or_path=str(tmp_path / "nowhere"), beta=1.0)
+    with pytest.raises(ValueError, match="is not a local model directory"):
+        teacher.check(cfg, tokenizer, cuda=False)
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model_dir, other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = list(vocab)[10:12]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two ids swapped: every other token the same
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    cfg = Config(model_name_or_path=tiny_model_dir, teacher_model_name_or_path=str(other), beta=1.0)
+    with pytest.raises(ValueError, match=r"has another tokenizer than model_name_or_path=.* \(4 token/id pairs differ\)"):
+        teacher.check(cfg, tokenizer, cuda=False)
+    teacher.check(Config(model_name_or_path=tiny_model_dir, teacher_model_name_or_path=tiny_model_dir, beta=1.0),
+                  tokenizer, cuda=False)
+
+
+@pytest.mark.subprocess
+def test_train_py_refuses_a_missing_teacher_in_one_line(tiny_model_dir, tmp_path):
+    out = run([sys.executable, "train.py", "--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path / "out"),
+               "--teacher_model_name_or_path", str(tmp_path / "nowhere"), "--beta", "1.0"])
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out.stderr[-2000:]
+    assert "teacher_model_name_or_path=" in out.stderr and "not a local model directory" in out.stderr
+
+
+# --- the teacher's server (real vLLM)
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    """The tiny model's architecture and tokenizer with other weights: a teacher that is not the student."""
+    import make_tiny_model
+
+    out = str(tmp_path_factory.mktemp("teacher"))
+    make_tiny_model.main(["--out", out, "--seed", "7"])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [0, 4])
+def test_the_teachers_server_agrees_with_the_teacher_in_the_trainer(teacher_dir, tmp_path, k):
+    """The alignment check, as the sync check does it for the policy: the teacher's logprobs of a sample's
+    policy tokens, from its server, against a forward of the teacher here on the same tokens; with k,
+    its top k against the forward's top k at each position."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = Config(model_name_or_path=teacher_dir, teacher_model_name_or_path=teacher_dir, beta=1.0,
+                 output_dir=str(tmp_path), kl_estimator="topk" if k else "k3", kl_topk=k, vllm_enforce_eager=True)
+    gen = torch.Generator().manual_seed(0)
+    samples = [Sample([1, 5, 9], torch.randint(3, 60, (12,), generator=gen).tolist(), [0.0] * 12,
+                      mask=[1] * 4 + [0] * 3 + [1] * 5),
+               Sample([1, 5, 9, 4], torch.randint(3, 60, (8,), generator=gen).tolist(), [0.0] * 8,
+                      mask=[1] * 3 + [0] * 2 + [1] * 3, restarts=(3,))]
+    ref = teacher.Teacher(cfg, 0)
+    try:
+        got = ref.ask(samples)
+    finally:
+        ref.close()
+    model = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32)
+    for s, scores in zip(samples, got):
+        want, heads = [], []
+        for ids, first, at in teacher.sequences(s):
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+            lp = trainer_logprobs(model, [ids])[0]
+            for j in range(len(ids) - at):
+                if s.mask[first + j]:
+                    want.append(lp[at + j - 1])
+                    heads.append(torch.log_softmax(logits[at + j - 1], -1).topk(k))
+        assert len(scores["ref_logp"]) == len(want) == sum(s.mask)
+        assert max(abs(a - b) for a, b in zip(scores["ref_logp"], want)) < 1e-4
+        if k:
+            for ids, lps, (top_lp, top_ids) in zip(scores["ref_head_ids"], scores["ref_head_logp"], heads):
+                assert sorted(ids) == sorted(top_ids.tolist())
+                assert torch.allclose(torch.tensor(lps), top_lp, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_distillation_from_a_teacher_equal_to_the_student_reads_a_kl_of_zero(tiny_model_dir, tmp_path):
+    """Two ranks, the student's own weights as the teacher, the top-k KL alone: at step 1 (the student still
+    its initial weights) the KL to the teacher is 0 to float32's rounding on every rank's tokens, and the
+    memory plan counts the teacher's server."""
+    args = ["--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path / "out"), "--num_training_steps", "2",
+            "--eval_freq", "0", "--seed", "5", *EAGER, "--teacher_model_name_or_path", tiny_model_dir, "--beta", "1.0",
+            "--kl_estimator", "topk", "--kl_topk", "4", "--reward_advantage", "false",
+            "--num_unique_prompts_rollout", "2", "--num_samples_per_prompt_rollout", "4", "--response_length", "16"]
+    out = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29671", "train.py",
+               *args])
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2] and all("kl" not in r for r in rows)
+    assert abs(rows[0]["teacher_kl"]) < 1e-6 and rows[0]["trained_tokens"] > 0
+    assert "teacher_weights" in out.stdout and os.path.exists(tmp_path / "out" / "teacher_vllm.log")
