@@ -375,6 +375,9 @@ class Config:
         if not self.reward_advantage and not (self.teacher_model_name_or_path and self.beta > 0):
             return ("reward_advantage=False trains on the KL term alone, which only a teacher makes a goal: set "
                     "teacher_model_name_or_path and beta > 0, or reward_advantage=True")
+        if not self.reward_advantage and self.kl_estimator == "k1":
+            return ("reward_advantage=False with kl_estimator='k1': k1's gradient is zero in expectation, so the KL term "
+                    "alone trains nothing; pick advantage, topk, k2 or k4 (k3 trains the forward KL(teacher || student))")
         if not self.reward_advantage and self.active_sampling:
             return "active_sampling=True refills groups without reward signal; with reward_advantage=False none is read"
         return self._check_teacher() if self.teacher_model_name_or_path else None

@@ -82,10 +82,12 @@ KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3, "k4": kl_k4}
 
 
 def kl_advantage(adv, old_logp, ref_logp, beta):
-    """kl_estimator="advantage": the sampled k1 of the policy that sampled, d = log pi_old - log ref, as a
-    per-token advantage, A_t = A - beta sg(d_t), through the objective like the reward's advantage (its
-    ratio, clipping and importance corrections; no KL term in the loss). On-policy its expected gradient
-    is beta E_pi[d grad log pi], the reverse KL's (k2's, here clipped as the objective clips). The form
+    """kl_estimator="advantage": the sampled k1 of pi_old (the weights before the step's updates), d = log
+    pi_old - log ref, as a per-token advantage, A_t = A - beta sg(d_t), through the objective like the reward's
+    advantage (its ratio, clipping and importance corrections; no KL term in the loss). On-policy its
+    expected gradient is beta E_pi[d grad log pi], the reverse KL's (k2's, here clipped as the objective
+    clips). d is not weighted toward another sampler (vLLM's older weights with async_steps), nor is the
+    logged KL. With gspo a sequence's tokens may then clip apart (their advantages differ in sign). The form
     of on-policy distillation in tinker's cookbook (KL to a teacher as the per-token reward), and of
     verl's KL in the reward (use_kl_in_reward). Returns (A_t, d), both (N,)."""
     d = (old_logp - ref_logp).detach()

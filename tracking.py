@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 SAMPLE_COLUMNS = ("step", "prompt", "completion", "reward")
 CONSOLE = ("step", "reward_mean", "eval_accuracy", "eval_tool_calls", "response_length", "tool_calls", "loss", "kl",
-           "clip_frac", "entropy", "grad_norm", "vllm_logp_diff_max", "time_step")
+           "teacher_kl", "clip_frac", "entropy", "grad_norm", "vllm_logp_diff_max", "time_step")
 
 
 def private_dir(prefix, base=None, clean=True):

@@ -72,7 +72,8 @@ def frozen_logprobs(cfg, policy, ref, micro, forward, reuse_old, device):
         for b in micro:
             frozen = FrozenLogprobs()
             if (not reuse_old and not cfg.use_vllm_logprobs) or topk_kl:
-                frozen.old_logp, _, _, frozen.head_ids = forward(policy, b, head_size=cfg.kl_topk if topk_kl else 0)
+                own = topk_kl and not cfg.teacher_model_name_or_path  # a teacher's head is its own (below)
+                frozen.old_logp, _, _, frozen.head_ids = forward(policy, b, head_size=cfg.kl_topk if own else 0)
             if cfg.use_vllm_logprobs:
                 frozen.old_logp = b["vllm_logp"]
             if not topk_kl:

@@ -28,6 +28,7 @@ import time
 
 import torch.distributed as dist
 
+import memory
 import vllm_client
 import vllm_server
 from faults import VLLMError
@@ -64,8 +65,6 @@ def server_plan(cfg, cuda):
     """{teacher_item: bytes} of the teacher's server, planned as the policy's (memory.model_server)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    import memory
 
     mc = AutoConfig.from_pretrained(cfg.teacher_model_name_or_path)
     with torch.device("meta"):
@@ -109,14 +108,19 @@ class Teacher(Reference):
     def __init__(self, cfg, rank):
         super().__init__(None)
         self.rank, self.timeout = rank, cfg.vllm_request_timeout
-        self.k = cfg.kl_topk if cfg.kl_estimator == "topk" else 0
+        self.topk = cfg.kl_estimator == "topk"
+        self.k = cfg.kl_topk if self.topk else 0
         self.server = self.client = None
         error = None
         if rank == 0:
             log = os.path.join(cfg.output_dir, "teacher_vllm.log")
             try:
-                self.server, url = vllm_server.launch_server(cfg.teacher_model_name_or_path, cfg, log,
-                                                             extra_args=("--max-logprobs", str(max(self.k, 1))))
+                # one token past the longest sample: its request asks for one (max_tokens=1)
+                longest = (cfg.vllm_max_model_len or cfg.max_prompt_length + cfg.response_length) + 1
+                self.server, url = vllm_server.launch_server(
+                    cfg.teacher_model_name_or_path, cfg, log,
+                    extra_args=("--max-logprobs", str(max(self.k, 1)), "--max-model-len", str(longest),
+                                "--max-num-batched-tokens", str(max(2048, longest, memory.server_sequences(cfg)))))
                 atexit.register(self.close)
                 self.client = vllm_client.VLLMClient([url], cfg.teacher_model_name_or_path, cfg.vllm_request_timeout,
                                                      cfg.vllm_max_retries, proc=self.server, log_path=log)
@@ -130,8 +134,11 @@ class Teacher(Reference):
         got = self.client.map("/v1/completions", [dict(model=self.client.model, prompt=ids, max_tokens=1,
                                                        temperature=1.0, prompt_logprobs=self.k) for _, ids in asked])
         answers = [[] for _ in samples]
-        for (i, _), resp in zip(asked, got):
-            answers[i].append(resp["choices"][0]["prompt_logprobs"])
+        for (i, ids), resp in zip(asked, got):
+            entries = resp["choices"][0]["prompt_logprobs"]
+            if len(entries) != len(ids):
+                raise ValueError(f"{len(entries)} prompt logprobs for a sequence of {len(ids)} tokens")
+            answers[i].append(entries)
         return [scores(s, a, self.k) for s, a in zip(samples, answers)]
 
     def prepare(self, samples):
@@ -143,6 +150,8 @@ class Teacher(Reference):
                 box = [self.ask(samples)]
             except VLLMError as e:
                 box = [f"the teacher's server: {e}"]
+            except (KeyError, IndexError, TypeError, ValueError) as e:  # an answer not of the form asked for
+                box = [f"the teacher's server answered what it was not asked ({type(e).__name__}: {e})"]
         if dist.is_initialized():
             dist.broadcast_object_list(box, src=0)
         if isinstance(box[0], str):
@@ -154,11 +163,12 @@ class Teacher(Reference):
     def logprobs(self, forward, b, head_ids=None):
         """The teacher's logp (N,) of b's tokens and, for the top-k KL, its logp (N, k) at its own top-k ids
         (N, k), which the policy's forward then reads (update.frozen_logprobs)."""
-        logp = b.get("ref_logp", b["vllm_logp"].new_zeros(0))
-        if not self.k:
+        logp = b.get("ref_logp", b["vllm_logp"].new_zeros(0))  # none in a micro-batch of padding alone
+        if not self.topk:
             return logp, None, None, None
-        ids = b.get("ref_head_ids", b["seq_ids"].new_zeros(0, self.k)).view(-1, self.k)
-        return logp, None, b.get("ref_head_logp", logp.new_zeros(0, self.k)).view(-1, self.k), ids
+        n = len(logp)  # kl_topk=0: an empty head (the sampled k4)
+        ids = b["ref_head_ids"].view(n, self.k) if self.k and n else b["seq_ids"].new_zeros(n, self.k)
+        return logp, None, b["ref_head_logp"].view(n, self.k) if self.k and n else logp.new_zeros(n, self.k), ids
 
     def close(self):
         vllm_server.stop_server(self.server)

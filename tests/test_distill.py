@@ -157,6 +157,44 @@ def test_the_teachers_scores_land_on_the_trainers_targets(k):
         assert "ref_head_ids" not in b
 
 
+def test_the_teachers_head_in_a_micro_batch_of_padding_alone_and_at_k_0():
+    """Teacher.logprobs on a micro-batch with no loss token (packing's filler) and with kl_topk=0 (the
+    sampled k4, an empty head): (N,) and (N, k) tensors that kl_topk takes, never None."""
+    from packing import PADDING
+
+    for k in (0, 3):
+        ref = teacher.Teacher(Config(teacher_model_name_or_path="t", beta=1.0, kl_estimator="topk", kl_topk=k), rank=1)
+        empty = collate([PADDING])
+        logp, _, head, ids = ref.logprobs(None, empty)
+        assert logp.shape == (0,) and head.shape == ids.shape == (0, k)
+        s = Sample([3, 5], [6, 7], [0.0, 0.0])
+        s.ref = teacher.scores(s, answers_encoding(s, k), k)
+        logp, _, head, ids = ref.logprobs(None, collate([s]))
+        assert logp.shape == (2,) and head.shape == ids.shape == (2, k)
+
+
+def test_an_answer_not_of_the_form_asked_for_stops_every_rank_as_a_server_failure():
+    """A server that answers with no prompt logprobs, or too few: VLLMError (every rank raises it, train.py
+    checkpoints and stops), never a KeyError or TypeError on rank 0 alone while the others wait."""
+    from faults import VLLMError
+
+    class Answers:  # what a broken server could send back
+        model = "t"
+
+        def __init__(self, entries):
+            self.entries = entries
+
+        def map(self, route, payloads):
+            return [{"choices": [{"prompt_logprobs": self.entries}]} for _ in payloads]
+
+    ref = teacher.Teacher(Config(teacher_model_name_or_path="t", beta=1.0), rank=1)
+    ref.rank = 0
+    for entries, why in ((None, "TypeError"), ([None, {}], "ValueError: 2 prompt logprobs for a sequence of 4")):
+        ref.client = Answers(entries)
+        with pytest.raises(VLLMError, match=f"answered what it was not asked \\({why}"):
+            ref.prepare([Sample([3, 5], [6, 7], [0.0, 0.0])])
+
+
 # --- refusals
 
 
@@ -169,6 +207,8 @@ def test_config_refuses_what_a_teacher_cannot_do():
         Config(teacher_model_name_or_path="t", beta=1.0, ref_policy_update_freq=1)
     with pytest.raises(ValueError, match="reward_advantage=False trains on the KL term alone"):
         Config(reward_advantage=False, beta=1.0)
+    with pytest.raises(ValueError, match="k1's gradient is zero in expectation"):
+        Config(teacher_model_name_or_path="t", beta=1.0, reward_advantage=False, kl_estimator="k1")
     with pytest.raises(ValueError, match="active_sampling"):
         Config(teacher_model_name_or_path="t", beta=1.0, reward_advantage=False, active_sampling=True)
     Config(teacher_model_name_or_path="t", beta=1.0, reward_advantage=False, kl_estimator="advantage")
@@ -224,13 +264,16 @@ def test_the_teachers_server_agrees_with_the_teacher_in_the_trainer(teacher_dir,
     its top k against the forward's top k at each position."""
     from transformers import AutoModelForCausalLM
 
-    cfg = Config(model_name_or_path=teacher_dir, teacher_model_name_or_path=teacher_dir, beta=1.0,
-                 output_dir=str(tmp_path), kl_estimator="topk" if k else "k3", kl_topk=k, vllm_enforce_eager=True)
+    cfg = Config(model_name_or_path=teacher_dir, teacher_model_name_or_path=teacher_dir, beta=1.0, max_prompt_length=8,
+                 response_length=12, output_dir=str(tmp_path), kl_estimator="topk" if k else "k3", kl_topk=k,
+                 vllm_enforce_eager=True)
     gen = torch.Generator().manual_seed(0)
     samples = [Sample([1, 5, 9], torch.randint(3, 60, (12,), generator=gen).tolist(), [0.0] * 12,
                       mask=[1] * 4 + [0] * 3 + [1] * 5),
                Sample([1, 5, 9, 4], torch.randint(3, 60, (8,), generator=gen).tolist(), [0.0] * 8,
-                      mask=[1] * 3 + [0] * 2 + [1] * 3, restarts=(3,))]
+                      mask=[1] * 3 + [0] * 2 + [1] * 3, restarts=(3,)),
+               # the longest a run makes: max_prompt_length + response_length tokens, and the request asks one more
+               Sample(list(range(3, 11)), torch.randint(3, 60, (12,), generator=gen).tolist(), [0.0] * 12)]
     ref = teacher.Teacher(cfg, 0)
     try:
         got = ref.ask(samples)

@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_operations_md_names_only_what_the_code_names():
-    code = "\n".join(open(f).read() for pattern in ("*.py", "envs/*.py", "lora/*.py", "agent_programs/*.py", "scripts/*",
+    code = "\n".join(open(f).read() for pattern in ("*.py", "envs/*.py", "lora/*.py", "agent_programs/*.py", "distill/*.py", "scripts/*",
                                                     "benchmarks/*.py")
                      for f in glob.glob(os.path.join(ROOT, pattern)) if os.path.isfile(f))
     with open(os.path.join(ROOT, "docs", "operations.md")) as f:
