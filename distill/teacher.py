@@ -107,7 +107,7 @@ class Teacher(Reference):
 
     def __init__(self, cfg, rank):
         super().__init__(None)
-        self.rank, self.timeout = rank, cfg.vllm_request_timeout
+        self.rank = rank
         self.topk = cfg.kl_estimator == "topk"
         self.k = cfg.kl_topk if self.topk else 0
         self.server = self.client = None
