@@ -62,14 +62,23 @@ def check(cfg, tokenizer, cuda):
 
 
 def server_plan(cfg, cuda):
-    """{teacher_item: bytes} of the teacher's server, planned as the policy's (memory.model_server)."""
+    """{teacher_item: bytes} of the teacher's server, planned as the policy's (memory.model_server), and the
+    prompt logits it holds beside them, which vLLM's own memory profile leaves out: a whole sequence's
+    logits over the vocabulary and their log-softmax, in float32 (vLLM computes them one request at a time)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     mc = AutoConfig.from_pretrained(cfg.teacher_model_name_or_path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(mc)
-    return {f"teacher_{k}": v for k, v in memory.model_server(cfg, mc, model, cuda).items()}
+    plan = {f"teacher_{k}": v for k, v in memory.model_server(cfg, mc, model, cuda).items()}
+    plan["teacher_prompt_logits"] = 2 * 4 * longest(cfg) * mc.vocab_size
+    return plan
+
+
+def longest(cfg):
+    """The teacher's context: one token past the longest sample, whose request asks for one (max_tokens=1)."""
+    return (cfg.vllm_max_model_len or cfg.max_prompt_length + cfg.response_length) + 1
 
 
 def sequences(s):
@@ -115,12 +124,10 @@ class Teacher(Reference):
         if rank == 0:
             log = os.path.join(cfg.output_dir, "teacher_vllm.log")
             try:
-                # one token past the longest sample: its request asks for one (max_tokens=1)
-                longest = (cfg.vllm_max_model_len or cfg.max_prompt_length + cfg.response_length) + 1
                 self.server, url = vllm_server.launch_server(
                     cfg.teacher_model_name_or_path, cfg, log,
-                    extra_args=("--max-logprobs", str(max(self.k, 1)), "--max-model-len", str(longest),
-                                "--max-num-batched-tokens", str(max(2048, longest, memory.server_sequences(cfg)))))
+                    extra_args=("--max-logprobs", str(max(self.k, 1)), "--max-model-len", str(longest(cfg)),
+                                "--max-num-batched-tokens", str(max(2048, longest(cfg), memory.server_sequences(cfg)))))
                 atexit.register(self.close)
                 self.client = vllm_client.VLLMClient([url], cfg.teacher_model_name_or_path, cfg.vllm_request_timeout,
                                                      cfg.vllm_max_retries, proc=self.server, log_path=log)

@@ -314,3 +314,27 @@ def test_distillation_from_a_teacher_equal_to_the_student_reads_a_kl_of_zero(tin
     assert [r["step"] for r in rows] == [1, 2] and all("kl" not in r for r in rows)
     assert abs(rows[0]["teacher_kl"]) < 1e-6 and rows[0]["trained_tokens"] > 0
     assert "teacher_weights" in out.stdout and os.path.exists(tmp_path / "out" / "teacher_vllm.log")
+
+
+def test_the_memory_plan_counts_the_teachers_server_and_its_prompt_logits(tiny_model_dir):
+    """The teacher's server planned as the policy's, plus a whole sequence's logits and log-softmax over the
+    vocabulary in float32 (vLLM's profile leaves them out): by hand for the tiny model (vocabulary 64)."""
+    import memory
+
+    cfg = Config(model_name_or_path=tiny_model_dir, teacher_model_name_or_path=tiny_model_dir, beta=1.0,
+                 max_prompt_length=100, response_length=27)
+    plan = teacher.server_plan(cfg, cuda=False)
+    assert plan["teacher_prompt_logits"] == 2 * 4 * (100 + 27 + 1) * 64
+    assert {"teacher_weights", "teacher_kv_cache", "teacher_runtime"} < plan.keys()
+    policy = memory.server_plan(Config(model_name_or_path=tiny_model_dir, beta=1.0, max_prompt_length=100,
+                                       response_length=27), *_meta(tiny_model_dir), cuda=False)
+    assert plan["teacher_weights"] == policy["weights"] and plan["teacher_kv_cache"] == policy["kv_cache"]
+
+
+def _meta(path):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    mc = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        return mc, AutoModelForCausalLM.from_config(mc)
