@@ -18,8 +18,9 @@ A trainer rank, FSDP2 over `shard` ranks, the parameters held in float32 (parall
   compute dtype; with activation checkpointing each layer keeps its input and one layer
   at a time the rest;
 - LM head: policy.token_logprobs' (256, V) float32 logits and their gradient;
-- weight sync: rank 0's whole float32 state dict in host memory (weight_sync.full_state_dict, the
-  tied head copied for the server), each step; on a GPU it is host memory, not the GPU's;
+- weight sync: rank 0's part of the serving copy in host memory (weight_sync.serving_parts: at
+  most PART_BYTES or the largest tensor), each step; with LoRA the whole float32 state dict (its
+  merge wants every weight at once); on a GPU it is host memory, not the GPU's;
 - runtime: on a CPU what the process holds before any weight loads (the libraries, the tokenizer,
   the prompts), read from /proc; on a GPU the CUDA context, about 0.5 GB beside the allocator.
 The server we launch: its weights in its dtype, the KV cache of the run's own sequences (the
@@ -31,6 +32,8 @@ import math
 import os
 
 import torch
+
+import weight_sync
 
 GB = 1e9
 # Measured with saved-tensor hooks on this code's forward (policy.sequence_logprobs, sdpa, float32 CPU),
@@ -95,9 +98,17 @@ def trainer_plan(cfg, mc, meta_model, world_size, cuda):
                 reference=4 * total // shard if separate_ref and not (cuda and cfg.offload_ref_policy) else 0,
                 activations=tokens * per_token,
                 lm_head=2 * CHUNK * mc.vocab_size * 4,
-                weight_sync=0 if cuda else 4 * (total + mc.vocab_size * mc.hidden_size * tied(mc)),
+                weight_sync=0 if cuda else sync_part(cfg, mc, meta_model),
                 runtime=CUDA_CONTEXT if cuda else resident_bytes(),
                 per_token=per_token)
+
+
+def sync_part(cfg, mc, meta_model):
+    """What rank 0 holds of the serving copy in a weight sync: one part (weight_sync.serving_parts),
+    or with LoRA the whole float32 state dict, the tied head copied for the server."""
+    whole = 4 * (sum(p.numel() for p in meta_model.parameters()) + mc.vocab_size * mc.hidden_size * tied(mc))
+    largest = 4 * max(p.numel() for p in meta_model.parameters())
+    return whole if cfg.lora_rank else min(whole, max(weight_sync.PART_BYTES, largest))
 
 
 def kv_cache_bytes(cfg, mc, cuda):
@@ -194,7 +205,7 @@ def check(cfg, trainer, server, local_ranks, cuda, device_bytes=None):
         need, what = rank_total(trainer), f"a trainer rank needs {rank_total(trainer) / GB:.1f} GB of its GPU's"
     else:
         limit = device_bytes or machine_bytes()
-        # the weight sync's state dict is rank 0's alone (weight_sync.full_state_dict)
+        # the weight sync's part is rank 0's alone (weight_sync.serving_parts)
         sync = trainer["weight_sync"]
         need = local_ranks * (rank_total(trainer) - sync) + sync + sum(server.values())
         what = f"{local_ranks} trainer rank(s) and the vLLM server need {need / GB:.1f} GB of this machine's"

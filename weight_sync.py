@@ -5,10 +5,11 @@ Two transports behind one call, `make_weight_sync(cfg, ...).sync(model)`, made o
 rank and called on every rank (the gathers are collectives). Each also gives a server we launch
 what it starts from (launch_state_dict), its flags (server_flags) and whether a sync comes first:
 
-- filesystem (default, CPU and GPU): gather the full state dict, rank 0 writes
-  safetensors to memory-backed /dev/shm (or weight_sync_dir, a directory every server can
-  read: servers on other nodes need a shared filesystem), asks each server to
-  `reload_weights` through /collective_rpc and resets its prefix cache.
+- filesystem (default, CPU and GPU): gather the weights part by part (serving_parts: about
+  PART_BYTES at a time), rank 0 writes each part as a safetensors file to memory-backed /dev/shm
+  (or weight_sync_dir, a directory every server can read: servers on other nodes need a shared
+  filesystem) with the index that names them, asks each server to `reload_weights` through
+  /collective_rpc and resets its prefix cache. Rank 0 never holds the whole model: one part.
 - nccl (GPU servers started with --weight-transfer-config '{"backend": "nccl"}'): vLLM's
   native weight-transfer API, in the server's dtype (vllm_server.server_dtype, handed in by the
   caller). Its NCCL calls are untested on the CPU machines this project is built on; its error
@@ -27,6 +28,7 @@ equal to the input embedding. It costs the server one vocab x hidden matrix.
 """
 
 import json
+import math
 import os
 import shutil
 import threading
@@ -35,6 +37,8 @@ import torch
 
 from faults import VLLMError
 from tracking import private_dir
+
+PART_BYTES = 2**27  # 128 MiB: rank 0 holds one part of the serving copy at a time (serving_parts)
 
 
 def full_state_dict(model):
@@ -61,17 +65,55 @@ def untie(state_dict):
     return sd
 
 
-def write_weights(state_dict, out_dir):
-    """Write the serving copy as one safetensors file; atomically replaces the last one.
-    Returns the bytes written."""
+def serving_parts(model, rank, budget=None, dtype=None, device=None):
+    """Every rank: the serving copy of the model's weights in parts of about `budget` bytes
+    (PART_BYTES; a larger tensor is a part of its own), each a {name: tensor} dict in CPU memory
+    (in `dtype` if given) on rank 0, nothing on the others. Each DTensor is gathered whole by a
+    collective (on `device` if given), in state-dict order, one at a time, so every rank runs it
+    to the end. lm_head.weight is a tensor of its own, as untie makes it."""
+    budget = PART_BYTES if budget is None else budget
+    sd = model.state_dict()
+    if "lm_head.weight" not in sd and "model.embed_tokens.weight" in sd:  # a tied head left out
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    part, size, seen = {}, 0, set()
+    for name, t in sd.items():
+        t = t.detach() if device is None else t.detach().to(device)
+        whole = t.full_tensor() if hasattr(t, "full_tensor") else t
+        if rank != 0:
+            del whole  # one full tensor at a time
+            continue
+        whole = whole.to(dtype or whole.dtype).cpu().contiguous()
+        if whole.data_ptr() in seen:  # the tied head undistributed: the same storage as the embedding
+            whole = whole.clone()
+        seen.add(whole.data_ptr())
+        n = whole.numel() * whole.element_size()
+        if part and size + n > budget:
+            yield part
+            part, size = {}, 0
+        part[name], size = whole, size + n
+    if part:
+        yield part
+
+
+def write_weights(parts, out_dir):
+    """Write the serving copy into out_dir: each part ({name: tensor}; a whole state dict is one
+    part, untied here) a safetensors file, then the index that names them, each file replacing
+    its last version atomically. Consumes `parts` (serving_parts streams them); returns the bytes written."""
     from safetensors.torch import save_file
 
-    sd = untie(state_dict)
     os.makedirs(out_dir, exist_ok=True)
-    tmp = os.path.join(out_dir, ".model.safetensors.tmp")
-    save_file(sd, tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
-    return sum(v.numel() * v.element_size() for v in sd.values())
+    weight_map, nbytes = {}, 0
+    for i, part in enumerate([untie(parts)] if isinstance(parts, dict) else parts):
+        name = f"model-{i + 1:05d}.safetensors"
+        save_file(part, os.path.join(out_dir, ".tmp"), metadata={"format": "pt"})
+        os.replace(os.path.join(out_dir, ".tmp"), os.path.join(out_dir, name))
+        weight_map.update(dict.fromkeys(part, name))
+        nbytes += sum(v.numel() * v.element_size() for v in part.values())
+        del part
+    with open(os.path.join(out_dir, ".tmp"), "w") as f:  # vLLM loads the files the index names, no others
+        json.dump({"metadata": {"total_size": nbytes}, "weight_map": weight_map}, f)
+    os.replace(os.path.join(out_dir, ".tmp"), os.path.join(out_dir, "model.safetensors.index.json"))
+    return nbytes
 
 
 def write_serving_dir(state_dict, hf_config, tokenizer, out_dir):
@@ -103,26 +145,35 @@ class FilesystemSync:
             # removes (in a shared directory only a run of the machine that made it could tell it was dead)
             self.dir = private_dir("flatgrpo-weights-", base, clean=not shared)
 
-    def serving_state_dict(self, model):
-        """What the servers get, on rank 0 (every rank must call it: a gather)."""
+    def launch_state_dict(self, model):
+        """What a server we launch starts from, on rank 0 (every rank must call it: a gather):
+        what a sync sends, whole."""
         sd = full_state_dict(model)
         return self.serving(sd) if self.serving and sd else sd
 
-    launch_state_dict = serving_state_dict  # a server we launch starts from what a sync sends
+    def parts(self, model):
+        """What a sync sends (every rank runs it to the end: gathers): serving_parts, or with
+        `serving` (LoRA's merge, which needs every weight at once) the whole state dict as one part."""
+        if self.serving is None:
+            yield from serving_parts(model, self.rank)
+        elif sd := full_state_dict(model):
+            yield self.serving(sd)
 
     def sync(self, model):
         """Returns the bytes written (rank 0) or 0. A failed reload raises VLLMError on every
         rank, so all can save a checkpoint first; unless it failed because a server we
         launched died: then the next rollout restarts it and pushes the weights again."""
-        sd = self.serving_state_dict(model)  # with LoRA (lora_weight_sync='merged'): the adapter folded in
+        parts = self.parts(model)
         nbytes, error = 0, None
         if self.rank == 0:
             try:
-                nbytes = write_weights(sd, self.dir)  # an OSError (a full /dev/shm) must reach every rank too
+                nbytes = write_weights(parts, self.dir)  # an OSError (a full /dev/shm) must reach every rank too
                 with self.client.updating():  # in-flight generations finish first; new ones wait
                     self.client.reload_weights(self.dir, timeout=self.timeout)
             except Exception as e:  # noqa: BLE001 -- whatever it was, every rank must hear of it
                 error = failure(self.client, e)
+        for _ in parts:  # every gather on every rank: the other ranks', and those a failed write left on rank 0
+            pass
         raise_on_every_rank(error)
         return nbytes
 
@@ -168,15 +219,9 @@ class NCCLSync:
 
     def gather(self, model):
         """Every rank: the serving copy's tensors, in the server's dtype and CPU memory, on rank 0
-        (empty on the others)."""
-        full = {}
-        for name, t in model.state_dict().items():  # the same order on every rank
-            # .to(device) first: offloaded (offload_params) shards are in CPU memory, NCCL gathers GPU tensors
-            whole = t.to(self.device).full_tensor() if hasattr(t, "full_tensor") else t
-            if self.rank == 0:
-                full[name] = whole.to(self.dtype).cpu()
-            del whole  # one full float32 tensor on the device at a time
-        return untie(full) if self.rank == 0 else {}
+        (empty on the others). On the device first: offloaded (offload_params) shards are in CPU
+        memory, and NCCL gathers GPU tensors."""
+        return next(serving_parts(model, self.rank, math.inf, self.dtype, self.device), {})
 
     def sync(self, model):
         """Returns the bytes sent (rank 0) or 0. A failed transfer (an HTTP error, a timeout, an

@@ -6,6 +6,7 @@
     python tests/dist_worker.py grads MODEL_DIR OUT [key=value ...]  # loss and full gradients of one micro-batch
     python tests/dist_worker.py filtered MODEL_DIR OUT [...] groups=0,2  # one batch of which only these groups survived
     python tests/dist_worker.py attention MODEL_DIR OUT sequence_parallel_size=2  # ulysses_attention against packed_sdpa
+    python tests/dist_worker.py parts MODEL_DIR OUT [key=value ...]  # the weight sync's parts, and a write failing midway
 
 key=value pairs override Config fields (fsdp_shard_size=2, activation_checkpointing=true, ...).
 """
@@ -173,6 +174,38 @@ elif mode == "attention":
         results[kv_heads] = dict(expected=expected, got=gathered)
     if rank == 0:
         torch.save(results, out)
+elif mode == "parts":
+    import os
+    import types
+
+    import safetensors.torch
+    import weight_sync
+    from faults import VLLMError
+
+    budget = weight_sync.PART_BYTES = 200_000  # bytes: the tiny model in several parts
+    whole = weight_sync.untie(full_state_dict(policy))
+    parts = list(weight_sync.serving_parts(policy, rank))
+    written = weight_sync.write_weights(iter(parts), out + ".dir") if rank == 0 else 0
+    files = sorted(os.listdir(out + ".dir")) if rank == 0 else []
+    calls, save_file = [], safetensors.torch.save_file
+
+    def fails_second(*args, **kwargs):  # a full /dev/shm at the second file
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return save_file(*args, **kwargs)
+    safetensors.torch.save_file = fails_second
+    sync = weight_sync.FilesystemSync(types.SimpleNamespace(proc=None), rank, out + ".out")
+    try:
+        sync.sync(policy)
+        error = None
+    except VLLMError as e:
+        error = str(e)
+    sync.close()
+    torch.save(dict(whole=whole, parts=parts, written=written, files=files, error=error, budget=budget,
+                    read={k: v for f in files if f.endswith(".safetensors")
+                          for k, v in safetensors.torch.load_file(os.path.join(out + ".dir", f)).items()}),
+               out + (f".{rank}" if rank else ""))
 elif mode == "ess":
     from update import ess
 

@@ -102,6 +102,15 @@ def full(ckpt):
     return torch.load(out, weights_only=False)
 
 
+def served_weights(model_dir):
+    """The weights a server reads from model_dir: every file its safetensors index names."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(model_dir, "model.safetensors.index.json")) as f:
+        files = set(json.load(f)["weight_map"].values())
+    return {k: v for name in sorted(files) for k, v in load_file(os.path.join(model_dir, name)).items()}
+
+
 def run_worker(mode, model_dir, out, nproc, port, *extra):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

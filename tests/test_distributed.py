@@ -217,3 +217,26 @@ def test_bf16_reference_uses_an_fp32_master_and_does_not_stall():
     for _ in range(300):
         naive.lerp_(policy.weight.detach(), 0.01)
     assert torch.equal(naive, torch.ones(4, 4, dtype=torch.bfloat16))  # without the master: stuck
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_the_weight_sync_sends_every_weight_a_part_at_a_time(tied_model_dir, tmp_path, nproc):
+    """weight_sync.serving_parts on FSDP2 shards with checkpointed layers (2 ranks) and on a plain
+    model (1 process, where the tied head is the embedding's storage): its parts are the whole
+    untied serving copy, each at most the budget or one tensor; the files written hold exactly that.
+    A write failing at its second file stops both ranks with the same error and hangs neither."""
+    got = run_worker("parts", tied_model_dir, tmp_path / "p.pt", nproc, 29760 + nproc,
+                     "activation_checkpointing=true", "backend_timeout=2", "weight_sync_timeout=60")
+    whole, parts = got["whole"], got["parts"]
+    assert len(parts) >= 3 and "lm_head.weight" in whole
+    largest = max(v.numel() * v.element_size() for v in whole.values())
+    assert all(sum(v.numel() * v.element_size() for v in p.values()) <= max(got["budget"], largest) for p in parts)
+    joined = {k: v for p in parts for k, v in p.items()}
+    assert sum(map(len, parts)) == len(joined) and joined.keys() == whole.keys() == got["read"].keys()
+    assert all(torch.equal(joined[k], v) and torch.equal(got["read"][k], v) for k, v in whole.items())
+    assert got["written"] == sum(v.numel() * v.element_size() for v in whole.values())
+    assert got["files"] == [f"model-{i + 1:05d}.safetensors" for i in range(len(parts))] + ["model.safetensors.index.json"]
+    errors = [got["error"]] + ([torch.load(tmp_path / "p.pt.1")["error"]] if nproc == 2 else [])
+    assert errors == [errors[0]] * nproc and "OSError" in errors[0] and "No space left" in errors[0]
+    if nproc == 2:
+        assert torch.load(tmp_path / "p.pt.1")["parts"] == []  # rank 1 gathers, rank 0 alone holds the parts

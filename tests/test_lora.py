@@ -18,7 +18,7 @@ from lora import sync as lora_sync
 from config import Config
 from policy import sequence_logprobs
 from update import dropout, make_optimizer
-from helpers import EAGER, command, flags, full, lora_model, metrics, run, serve, stable, start, wait_for_step
+from helpers import EAGER, command, flags, full, lora_model, metrics, run, serve, served_weights, stable, start, wait_for_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -188,7 +188,6 @@ def test_the_server_we_launch_starts_from_the_base_when_it_loads_the_adapter(tin
     """lora_weight_sync='adapter': the launched server's model directory holds the base weights, since
     every sync loads the adapter on top; merged weights there would put it in twice (W + 2 s B A, once
     lora_B has moved: after a resume). 'merged': the merged weights. The server is not started."""
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     import generator
@@ -208,7 +207,7 @@ def test_the_server_we_launch_starts_from_the_base_when_it_loads_the_adapter(tin
             tok = load_tokenizer(cfg)
             generator.Generator(cfg, model, tok, types.SimpleNamespace(position=0), None, 0, torch.device("cpu"),
                                 Completions(cfg, tok))
-        served = load_file(str(tmp_path / sync / "vllm_model" / "model.safetensors"))
+        served = served_weights(str(tmp_path / sync / "vllm_model"))
         want = base if sync == "adapter" else lora_sync.merge(model.state_dict(), cfg)
         assert served.keys() == want.keys(), sync
         changed = [k for k in want if not torch.equal(served[k], want[k])]

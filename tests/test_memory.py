@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import types
+import unittest.mock
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 import memory
+import weight_sync
 from config import Config
 from policy import sequence_logprobs
 from tests.helpers import train
@@ -89,6 +91,13 @@ def test_trainer_items_by_hand():
     several = dataclasses.replace(cfg, max_tokens_per_micro_batch=48, shared_prefix=False)
     plan = memory.trainer_plan(several, mc, meta_model(mc), 2, cuda=False)
     assert plan["gradients"] == 4 * total and plan["activations"] == 48 * plan["per_token"]
+    # the weight sync holds one part of the serving copy: the budget, or the largest tensor past it
+    with unittest.mock.patch.object(weight_sync, "PART_BYTES", 4 * layer // 2):
+        assert memory.trainer_plan(cfg, mc, meta_model(mc), 2, cuda=False)["weight_sync"] == 4 * layer // 2
+    with unittest.mock.patch.object(weight_sync, "PART_BYTES", 1000):
+        assert memory.trainer_plan(cfg, mc, meta_model(mc), 2, cuda=False)["weight_sync"] == 4 * 128 * 256  # an MLP matrix
+    lora = dataclasses.replace(cfg, lora_rank=8)  # LoRA's merge: the whole state dict
+    assert memory.sync_part(lora, mc, meta_model(mc)) == 4 * total
 
 
 def test_kv_cache_by_hand():

@@ -50,7 +50,7 @@ def test_reload_request_times_out_with_weight_sync_timeout(slow_server, tmp_path
     with pytest.raises(VLLMError, match=r"weight_sync_timeout=0.5s; raise it"):
         sync.sync(torch.nn.Linear(2, 2))  # without a process group: a world of one
     assert time.monotonic() - t0 < 30  # gave up after 0.5 s (plus a loaded machine), not after the server's 60 s
-    assert os.path.exists(os.path.join(sync.dir, "model.safetensors"))  # written where the servers were told to look
+    assert os.path.exists(os.path.join(sync.dir, "model.safetensors.index.json"))  # written where the servers were told to look
     sync.close()
 
 
