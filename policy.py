@@ -12,7 +12,8 @@ are scaled the same way; the heads it cannot follow are refused at start-up (che
 
 The attention kernel the forward runs is here too, registered with transformers on import:
 packed_sdpa (attn_implementation="packed_sdpa": sdpa on each sequence of a packed row, see
-packing.py; sequence_parallel.py runs it on a whole row split over ranks).
+packing.py; sequence_parallel.py runs it on a whole row split over ranks), and on a GPU, for a
+row with shared prompts, flex_row (one flex_attention call with the row's block mask).
 """
 
 import torch
@@ -245,7 +246,7 @@ def packed_sdpa(module, query, key, value, attention_mask, position_ids=None, sl
     transformers built for the row is not needed. A run whose positions continue a prompt
     (a shared prefix, packing.collate) attends to that prompt's first tokens and to itself,
     causally: the two-pass kernel, the prompt once and then each sample against its keys and
-    values. Any other input (padded rows with their mask, one sequence under the mask
+    values; on a GPU such a row is one flex_attention call instead (flex_row). Any other input (padded rows with their mask, one sequence under the mask
     transformers built, a decoding step against a KV cache) goes to transformers' sdpa as it is.
     query (1, heads, L, head_dim); returns (1, L, heads, head_dim) as the sdpa it stands for."""
     row = position_ids is not None and len(query) == 1 and key.shape[2] == query.shape[2]  # not a KV cache's step
@@ -253,6 +254,9 @@ def packed_sdpa(module, query, key, value, attention_mask, position_ids=None, sl
     # one sequence and no mask (sequence_parallel.ulysses_attention builds none) still needs its window here
     if len(spans) < 2 and (attention_mask is not None or not sliding_window or not spans):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if query.is_cuda and any(first for _, _, _, first, _ in spans) and not kwargs.get("softcap") \
+            and not kwargs.get("dropout"):  # shared prompts on a GPU: one kernel call for the row
+        return flex_row(query, key, value, position_ids, sliding_window, spans, kwargs.get("scaling")), None
     outs = []
     for lo, hi, root, first, mask in spans:
         keys, values = key[:, :, lo:hi], value[:, :, lo:hi]
@@ -261,6 +265,48 @@ def packed_sdpa(module, query, key, value, attention_mask, position_ids=None, sl
             values = torch.cat([value[:, :, root:root + first], values], 2)
         outs.append(sdpa_attention_forward(module, query[:, :, lo:hi], keys, values, mask, **kwargs)[0])
     return torch.cat(outs, dim=1), None
+
+
+def block_mask(position_ids, sliding_window, spans, device, compiled):
+    """flex_attention's BlockMask of a packed row: a token attends causally to its own run and,
+    in a run that continues a prompt, to that prompt's first tokens; within the sliding window
+    when there is one. The mask packed_sdpa's per-run masks make, over the whole row at once;
+    built block by block (`compiled`, on a GPU), with no (L, L) mask in memory."""
+    from torch.nn.attention.flex_attention import create_block_mask  # noqa: PLC0415 - the GPU path's
+
+    run, root, first, index = [], [], [], {}
+    for i, (lo, hi, r, f, _) in enumerate(spans):
+        index.setdefault(r, i)  # a run from position 0 is its own root; the continuations come after it
+        run += [i] * (hi - lo)
+        root += [index[r]] * (hi - lo)
+        first += [f] * (hi - lo)
+    run, root, first = (torch.tensor(x, device=device) for x in (run, root, first))
+    pos = position_ids[0].to(device)
+
+    def attends(b, h, q, k):
+        back = pos[q] - pos[k]
+        yes = ((run[k] == run[q]) & (back >= 0)) | ((run[k] == root[q]) & (pos[k] < first[q]))
+        return yes & (back < sliding_window) if sliding_window else yes
+    return create_block_mask(attends, None, None, len(pos), len(pos), device=device, _compile=compiled)
+
+
+_FLEX = []  # flex_attention compiled once, for every row length (dynamic shapes)
+
+
+def flex_row(query, key, value, position_ids, sliding_window, spans, scaling):
+    """A packed row with shared prompts in one flex_attention call (the GPU's path: packed_sdpa's
+    per-run calls are launch-bound there): query (1, heads, L, d) -> (1, L, heads, d). Eager
+    off a GPU (forward only: flex_attention has no backward on a CPU)."""
+    from torch.nn.attention.flex_attention import flex_attention  # noqa: PLC0415
+
+    key_ = ("flex", sliding_window)
+    if key_ not in _LAYOUT:  # once per forward, as the layout
+        _LAYOUT[key_] = block_mask(position_ids, sliding_window, spans, query.device, query.is_cuda)
+    if query.is_cuda and not _FLEX:
+        _FLEX.append(torch.compile(flex_attention, dynamic=True))
+    kernel = _FLEX[0] if query.is_cuda else flex_attention
+    out = kernel(query, key, value, block_mask=_LAYOUT[key_], scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous()
 
 
 def continuation_mask(first, n, sliding_window, device):

@@ -309,6 +309,56 @@ def test_shared_prompts_match_the_unshared_row(models, arch):
             assert torch.allclose(shared[k], v, atol=1e-5, rtol=0), k
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "mistral", "gemma3"])
+def test_the_one_call_kernel_of_a_gpu_gives_the_two_pass_forward(models, arch):
+    """policy.flex_row (shared prompts on a GPU: one flex_attention call per layer with the row's
+    block mask) against packed_sdpa's per-run calls, the rows of the test above: logp, entropy and
+    the top-3 to 1e-5, grouped KV heads, sliding windows and Gemma-3's scale included. Forward only:
+    flex_attention has no backward on a CPU; its GPU run is untested here."""
+    from transformers import AttentionInterface
+
+    def one_call(module, query, key, value, attention_mask, position_ids=None, sliding_window=None, **kwargs):
+        spans = policy.layout(position_ids, sliding_window, query.device)
+        return policy.flex_row(query, key, value, position_ids, sliding_window, spans, kwargs.get("scaling")), None
+    AttentionInterface.register("flex_row", one_call)
+    model = models[arch] if arch in models else windowed_model(arch)
+    samples = groups(3, 4, seed=7) + [replace(s, prompt_ids=[5]) for s in groups(1, 2, seed=8)] + [packing.PADDING]
+    b = packing.collate(samples, share=True)
+    got = {}
+    with torch.no_grad():
+        for kernel in ("packed_sdpa", "flex_row"):
+            model.config._attn_implementation = kernel
+            got[kernel] = policy.sequence_logprobs(model, b["input_ids"], b["mask"], 1.0,
+                                                   position_ids=b["position_ids"], head_size=3)
+    model.config._attn_implementation = "sdpa"
+    assert any(first for _, _, first in policy.runs(b["position_ids"]))
+    for two_pass, one in zip(got["packed_sdpa"], got["flex_row"]):
+        assert torch.allclose(one.float(), two_pass.float(), atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the one-call kernel is the GPU's; no GPU here")
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_on_a_gpu_shared_prompts_in_one_call_match_the_unshared_row(models, arch):
+    """On a GPU packed_sdpa runs a row with shared prompts as one compiled flex_attention call
+    per layer: logp, entropy, top-3 and every gradient against the unshared row's, float32."""
+    import copy
+
+    model = copy.deepcopy(models[arch] if arch in models else windowed_model(arch)).cuda()
+    model.config._attn_implementation = "packed_sdpa"
+    samples = groups(3, 4, seed=7) + [replace(s, prompt_ids=[5]) for s in groups(1, 2, seed=8)] + [packing.PADDING]
+    out = []
+    for share in (True, False):
+        b = {k: v.cuda() for k, v in packing.collate(samples, share).items() if torch.is_tensor(v)}
+        model.zero_grad()
+        logp, entropy, head_logp, _ = policy.sequence_logprobs(model, b["input_ids"], b["mask"], 1.0,
+                                                               position_ids=b["position_ids"], head_size=3)
+        ((logp * b["adv"]).sum() + head_logp.exp().sum()).backward()
+        out.append([logp.detach(), entropy.detach(), head_logp.detach()] + [p.grad.clone() for p in model.parameters()])
+    for shared, whole in zip(*out):
+        assert torch.allclose(shared, whole, atol=1e-4, rtol=0)
+
+
 def test_a_sample_cut_from_its_prompt_would_differ(models):
     """The test above can fail: the same rows with the continued runs attending to their own
     tokens only (no prompt) change the logprobs."""
