@@ -23,7 +23,10 @@ step runs two: old and reference) and one EMA update; --profile N prints the top
 operators of one step under torch.profiler.
 
 On CUDA the model runs in bf16 (MixedPrecisionPolicy, fp32 master weights and
-reductions) and MFU is printed: model FLOPs per step / step time / --peak_tflops.
+reductions) and MFU is printed: model FLOPs per step / step time / --peak_tflops. The peak
+(torch.cuda.max_memory_allocated) is printed beside the memory plan at the step's largest
+micro-batch (memory.at_tokens, less the CUDA context the allocator does not see);
+--memory_fraction F holds the process to that share of its GPU (a step that does not fit fails).
 Model FLOPs count every matrix product the step asks for, once: a forward pass costs
 2 x (non-embedding parameters) x (prompt + completion tokens) + 2 x vocab x hidden x
 (completion tokens, the only positions the LM head is applied to), a backward twice
@@ -68,6 +71,7 @@ def worker(args):
     import torch
     import torch.distributed as dist
 
+    import memory
     import train
     import update
     from config import Config
@@ -81,6 +85,7 @@ def worker(args):
                  vllm_logp_tolerance=1e9)  # random vLLM logprobs: no sync to check
     rank, world, device, mesh = train.setup_distributed(cfg)
     batch_plan(cfg, world)
+    trainer_plan = gpu_plan(cfg, args.model_dir, world, device, args.memory_fraction)
     torch.manual_seed(0)
     policy = train.load_model(cfg, device, mesh)
     ref = EMAReference(train.load_model(cfg, device, mesh), policy, cfg.alpha)
@@ -104,8 +109,11 @@ def worker(args):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step is done when the slowest rank is
         return t.tolist()
 
+    tokens = [0]  # the largest micro-batch a step ran: the plan's step figure
+
     def step():
-        update.train_on_batch(cfg, state, samples, rank, world, device)
+        m = update.train_on_batch(cfg, state, samples, rank, world, device)
+        tokens[0] = max(tokens[0], m["micro_batch_tokens"])
         ref.update()
 
     from dataclasses import replace
@@ -124,6 +132,8 @@ def worker(args):
     timed(step, args.warmup)
     steps = timed(step, args.steps)
     peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None
+    # the plan at that micro-batch, less what the allocator does not see (the CUDA context)
+    planned = (memory.at_tokens(trainer_plan, tokens[0]) - trainer_plan["runtime"]) / 2 ** 30 if trainer_plan else None
     timed(logprob_pass, 1)
     fwd = timed(logprob_pass, max(1, min(3, args.steps)))
     ema = timed(ref.update, max(1, min(3, args.steps)))
@@ -153,8 +163,27 @@ def worker(args):
                               step_median=statistics.median(steps), step_best=min(steps), steps=len(steps),
                               logprob_pass=statistics.median(fwd), ema=statistics.median(ema),
                               tokens=t_all, completion_tokens=t_comp, step_flops=fwd_flops * passes,
-                              forward_passes=passes, peak_gib=peak)), flush=True)
+                              forward_passes=passes, peak_gib=peak, plan_gib=planned)), flush=True)
     dist.destroy_process_group()
+
+
+def gpu_plan(cfg, model_dir, world, device, fraction):
+    """On a GPU: a rank's memory plan (memory.trainer_plan), and with --memory_fraction this process
+    held to that share of its GPU (torch.cuda.set_per_process_memory_fraction: a step that does not
+    fit fails). None on a CPU."""
+    if device.type != "cuda":
+        return None
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import memory
+
+    mc = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(mc)
+    if fraction:
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return memory.trainer_plan(cfg, mc, meta, world, cuda=True)
 
 
 def run_cell(args, name, model_dir, world, port):
@@ -166,6 +195,7 @@ def run_cell(args, name, model_dir, world, port):
     for k in ("steps", "warmup", "prompts", "samples", "new_tokens", "max_tokens", "num_mini_batches", "beta",
               "profile"):
         cmd += [f"--{k}", str(getattr(args, k))]
+    cmd += ["--memory_fraction", str(args.memory_fraction)] if args.memory_fraction else []
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -199,6 +229,8 @@ def main():
     p.add_argument("--threads_per_rank", type=int, default=None, help="CPU: default cores // world size")
     p.add_argument("--peak_tflops", type=float, default=989.0,
                    help="CUDA: dense bf16 peak for MFU (989 = H100 SXM datasheet, without sparsity)")
+    p.add_argument("--memory_fraction", type=float, default=None,
+                   help="CUDA: torch.cuda.set_per_process_memory_fraction for the trainer (e.g. what a colocated server leaves)")
     p.add_argument("--port", type=int, default=29670, help="torchrun master port; each cell takes the next")
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_name", default=None, help=argparse.SUPPRESS)
@@ -225,8 +257,9 @@ def main():
     rows = [r for r in rows if r]
     cuda = any(r["device"] != "cpu" for r in rows)
     print(f"\n| model | params | ranks | threads/rank | step s median | step s best | steps | x 1-rank step "
-          f"| no-grad logprob pass s | EMA update s |" + (" peak GiB | TFLOP/step | MFU |" if cuda else ""))
-    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if cuda else ""))
+          f"| no-grad logprob pass s | EMA update s |" +
+          (" peak GiB | plan GiB | peak / plan | TFLOP/step | MFU |" if cuda else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|---|---|" if cuda else ""))
     one = {r["model"]: r["step_median"] for r in rows if r["world"] == 1}
     for r in rows:
         rel = f"{r['step_median'] / one[r['model']]:.2f}" if r["model"] in one else "-"
@@ -234,7 +267,8 @@ def main():
                 f"| {r['step_best']:.3f} | {r['steps']} | {rel} | {r['logprob_pass']:.3f} | {r['ema']:.4f} |")
         if cuda:
             mfu = r["step_flops"] / r["step_median"] / (args.peak_tflops * 1e12 * r["world"])
-            line += f" {r['peak_gib']:.1f} | {r['step_flops'] / 1e12:.2f} | {100 * mfu:.1f}% |"
+            line += (f" {r['peak_gib']:.2f} | {r['plan_gib']:.2f} | {r['peak_gib'] / r['plan_gib']:.2f} "
+                     f"| {r['step_flops'] / 1e12:.2f} | {100 * mfu:.1f}% |")
         print(line)
     if rows:
         r = rows[0]
