@@ -214,29 +214,34 @@ def runs(position_ids):
     return list(zip(starts, starts[1:] + [len(pos)], pos[starts].tolist()))
 
 
-_LAYOUT = {}  # the position_ids a forward passes to every layer (the same tensor) -> {window: its runs and masks}
+_LAYOUT = {}  # the position_ids a forward passes to every layer (the same tensor) -> its runs, their masks
 
 
-def layout(position_ids, sliding_window, device):
-    """The runs of a packed row, each with the root it continues and its mask: [(lo, hi, root,
-    first, mask)], read once per forward (every layer gets the same position_ids
-    tensor; a layer with another window gets its own masks)."""
-    cached = _LAYOUT.get("ids")
-    if cached is not position_ids:
+def layout(position_ids):
+    """The runs of a packed row, each with the root it continues: [(lo, hi, root, first)], read
+    once per forward (every layer gets the same position_ids tensor)."""
+    if _LAYOUT.get("ids") is not position_ids:
         _LAYOUT.clear()
         _LAYOUT["ids"] = position_ids
-    if sliding_window not in _LAYOUT:
         spans, root, root_end = [], 0, 0
         for lo, hi, first in runs(position_ids):
             if first == 0:
                 root, root_end = lo, hi
             elif root_end - root < first:
                 raise ValueError(f"a packed run continues from position {first} without a prompt that long before it")
-            mask = (window_mask(hi - lo, sliding_window, device) if first == 0
-                    else continuation_mask(first, hi - lo, sliding_window, device))
-            spans.append((lo, hi, root, first, mask))
-        _LAYOUT[sliding_window] = spans
-    return _LAYOUT[sliding_window]
+            spans.append((lo, hi, root, first))
+        _LAYOUT["spans"] = spans
+    return _LAYOUT["spans"]
+
+
+def run_masks(spans, sliding_window, device):
+    """Each run's mask for the per-run kernel (window_mask, continuation_mask), once per forward
+    and window (a layer with another window gets its own)."""
+    if ("masks", sliding_window) not in _LAYOUT:
+        _LAYOUT["masks", sliding_window] = [
+            window_mask(hi - lo, sliding_window, device) if first == 0 else
+            continuation_mask(first, hi - lo, sliding_window, device) for lo, hi, _, first in spans]
+    return _LAYOUT["masks", sliding_window]
 
 
 def packed_sdpa(module, query, key, value, attention_mask, position_ids=None, sliding_window=None, **kwargs):
@@ -250,15 +255,16 @@ def packed_sdpa(module, query, key, value, attention_mask, position_ids=None, sl
     transformers built, a decoding step against a KV cache) goes to transformers' sdpa as it is.
     query (1, heads, L, head_dim); returns (1, L, heads, head_dim) as the sdpa it stands for."""
     row = position_ids is not None and len(query) == 1 and key.shape[2] == query.shape[2]  # not a KV cache's step
-    spans = layout(position_ids, sliding_window, query.device) if row else []
-    # one sequence and no mask (sequence_parallel.ulysses_attention builds none) still needs its window here
+    spans = layout(position_ids) if row else []
+    # one sequence and no mask (row_mask and sequence_parallel.ulysses_attention build none) still
+    # needs its window here
     if len(spans) < 2 and (attention_mask is not None or not sliding_window or not spans):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if query.is_cuda and any(first for _, _, _, first, _ in spans) and not kwargs.get("softcap") \
+    if query.is_cuda and any(first for _, _, _, first in spans) and not kwargs.get("softcap") \
             and not kwargs.get("dropout"):  # shared prompts on a GPU: one kernel call for the row
         return flex_row(query, key, value, position_ids, sliding_window, spans, kwargs.get("scaling")), None
     outs = []
-    for lo, hi, root, first, mask in spans:
+    for (lo, hi, root, first), mask in zip(spans, run_masks(spans, sliding_window, query.device)):
         keys, values = key[:, :, lo:hi], value[:, :, lo:hi]
         if first:  # the prompt's first `first` tokens, then this run's own
             keys = torch.cat([key[:, :, root:root + first], keys], 2)
@@ -275,7 +281,7 @@ def block_mask(position_ids, sliding_window, spans, device, compiled):
     from torch.nn.attention.flex_attention import create_block_mask  # noqa: PLC0415 - the GPU path's
 
     run, root, first, index = [], [], [], {}
-    for i, (lo, hi, r, f, _) in enumerate(spans):
+    for i, (lo, hi, r, f) in enumerate(spans):
         index.setdefault(r, i)  # a run from position 0 is its own root; the continuations come after it
         run += [i] * (hi - lo)
         root += [index[r]] * (hi - lo)
@@ -287,10 +293,11 @@ def block_mask(position_ids, sliding_window, spans, device, compiled):
         back = pos[q] - pos[k]
         yes = ((run[k] == run[q]) & (back >= 0)) | ((run[k] == root[q]) & (pos[k] < first[q]))
         return yes & (back < sliding_window) if sliding_window else yes
-    return create_block_mask(attends, None, None, len(pos), len(pos), device=device, _compile=compiled)
+    make = _FLEX["create_block_mask"] if compiled else create_block_mask
+    return make(attends, None, None, len(pos), len(pos), device=device)
 
 
-_FLEX = []  # flex_attention compiled once, for every row length (dynamic shapes)
+_FLEX = {}  # on a GPU, flex_attention and create_block_mask compiled once, for every row length (dynamic shapes)
 
 
 def flex_row(query, key, value, position_ids, sliding_window, spans, scaling):
@@ -299,12 +306,15 @@ def flex_row(query, key, value, position_ids, sliding_window, spans, scaling):
     off a GPU (forward only: flex_attention has no backward on a CPU)."""
     from torch.nn.attention.flex_attention import flex_attention  # noqa: PLC0415
 
-    key_ = ("flex", sliding_window)
-    if key_ not in _LAYOUT:  # once per forward, as the layout
-        _LAYOUT[key_] = block_mask(position_ids, sliding_window, spans, query.device, query.is_cuda)
     if query.is_cuda and not _FLEX:
-        _FLEX.append(torch.compile(flex_attention, dynamic=True))
-    kernel = _FLEX[0] if query.is_cuda else flex_attention
+        from torch.nn.attention.flex_attention import create_block_mask  # noqa: PLC0415
+
+        _FLEX.update(flex_attention=torch.compile(flex_attention, dynamic=True),
+                     create_block_mask=torch.compile(create_block_mask, dynamic=True))
+    key_ = ("flex", sliding_window)
+    if key_ not in _LAYOUT:  # once per forward and window, as the layout
+        _LAYOUT[key_] = block_mask(position_ids, sliding_window, spans, query.device, query.is_cuda)
+    kernel = _FLEX["flex_attention"] if query.is_cuda else flex_attention
     out = kernel(query, key, value, block_mask=_LAYOUT[key_], scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
     return out.transpose(1, 2).contiguous()
 
@@ -333,4 +343,13 @@ def window_mask(n, sliding_window, device):
 
 
 AttentionInterface.register("packed_sdpa", packed_sdpa)
-AttentionMaskInterface.register("packed_sdpa", sdpa_mask)  # padded rows keep their mask
+def row_mask(batch_size, q_length, kv_length, *args, attention_mask=None, **kwargs):
+    """The mask transformers builds for packed_sdpa: none for a packed row (one row, no padding
+    mask: packed_sdpa reads its runs from position_ids, and sdpa alone is causal), sdpa's for
+    padded rows and a KV cache's steps."""
+    if attention_mask is None and batch_size == 1 and q_length == kv_length:
+        return None
+    return sdpa_mask(batch_size, q_length, kv_length, *args, attention_mask=attention_mask, **kwargs)
+
+
+AttentionMaskInterface.register("packed_sdpa", row_mask)

@@ -9,7 +9,8 @@ what it starts from (launch_state_dict), its flags (server_flags) and whether a 
   PART_BYTES at a time), rank 0 writes each part as a safetensors file to memory-backed /dev/shm
   (or weight_sync_dir, a directory every server can read: servers on other nodes need a shared
   filesystem) with the index that names them, asks each server to `reload_weights` through
-  /collective_rpc and resets its prefix cache. Rank 0 never holds the whole model: one part.
+  /collective_rpc and resets its prefix cache. Rank 0 holds one part at a time (LoRA's merge and
+  the copy a launched server starts from take the whole state dict).
 - nccl (GPU servers started with --weight-transfer-config '{"backend": "nccl"}'): vLLM's
   native weight-transfer API, in the server's dtype (vllm_server.server_dtype, handed in by the
   caller). Its NCCL calls are untested on the CPU machines this project is built on; its error
@@ -23,8 +24,8 @@ LoRA's syncs (the adapter, or the merged weights) are lora/sync.py's, picked by 
 
 Tied embeddings: the CPU server's `reload_weights` does not refresh a tied LM head
 ("ParallelLMHead: Failed to load weights"), so the server always gets an untied copy:
-config.json says tie_word_embeddings=false and every weight file carries lm_head.weight
-equal to the input embedding. It costs the server one vocab x hidden matrix.
+config.json says tie_word_embeddings=false and the weights carry lm_head.weight equal to the
+input embedding. It costs the server one vocab x hidden matrix.
 """
 
 import json
@@ -75,7 +76,7 @@ def serving_parts(model, rank, budget=None, dtype=None, device=None):
     sd = model.state_dict()
     if "lm_head.weight" not in sd and "model.embed_tokens.weight" in sd:  # a tied head left out
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-    part, size, seen = {}, 0, set()
+    part, size = {}, 0
     for name, t in sd.items():
         t = t.detach() if device is None else t.detach().to(device)
         whole = t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -83,13 +84,12 @@ def serving_parts(model, rank, budget=None, dtype=None, device=None):
             del whole  # one full tensor at a time
             continue
         whole = whole.to(dtype or whole.dtype).cpu().contiguous()
-        if whole.data_ptr() in seen:  # the tied head undistributed: the same storage as the embedding
-            whole = whole.clone()
-        seen.add(whole.data_ptr())
         n = whole.numel() * whole.element_size()
         if part and size + n > budget:
             yield part
             part, size = {}, 0
+        if n and any(v.data_ptr() == whole.data_ptr() for v in part.values()):  # the tied head undistributed
+            whole = whole.clone()  # a file holds no storage twice
         part[name], size = whole, size + n
     if part:
         yield part
@@ -113,6 +113,9 @@ def write_weights(parts, out_dir):
     with open(os.path.join(out_dir, ".tmp"), "w") as f:  # vLLM loads the files the index names, no others
         json.dump({"metadata": {"total_size": nbytes}, "weight_map": weight_map}, f)
     os.replace(os.path.join(out_dir, ".tmp"), os.path.join(out_dir, "model.safetensors.index.json"))
+    for stale in set(os.listdir(out_dir)) - set(weight_map.values()):  # an earlier layout's (transformers
+        if stale.endswith(".safetensors"):  # would read a model.safetensors before the index)
+            os.remove(os.path.join(out_dir, stale))
     return nbytes
 
 
@@ -128,14 +131,16 @@ def write_serving_dir(state_dict, hf_config, tokenizer, out_dir):
 
 
 class FilesystemSync:
-    """Gather on every rank, then rank 0 writes safetensors and asks each server to reload.
-    `serving` turns the gathered state dict into what the servers get (LoRA's merge, lora/sync.py)."""
+    """Every rank gathers, part by part, while rank 0 writes each part as a safetensors file; then
+    rank 0 asks each server to reload. `serving` turns the gathered state dict into what the servers
+    get (LoRA's merge, lora/sync.py): it takes the whole state dict at once."""
 
     server_flags = ()  # a server we launch needs none for it (lora.sync.AdapterSync's: LoRA on)
     sync_at_start = False  # a server we launch needs no sync before it serves (AdapterSync's does)
 
-    def __init__(self, client, rank, output_dir, timeout=None, base=None, serving=None):
+    def __init__(self, client, rank, output_dir, timeout=None, base=None, serving=None, device=None):
         self.client, self.rank, self.dir, self.timeout, self.serving = client, rank, None, timeout, serving
+        self.device = device  # where shards are gathered: offloaded (offload_params) ones too, over NCCL
         if rank == 0:  # memory-backed /dev/shm when there is one, unless the servers need a shared directory
             shared = base is not None  # weight_sync_dir: other machines' runs may write there too
             if base is None:
@@ -155,15 +160,23 @@ class FilesystemSync:
         """What a sync sends (every rank runs it to the end: gathers): serving_parts, or with
         `serving` (LoRA's merge, which needs every weight at once) the whole state dict as one part."""
         if self.serving is None:
-            yield from serving_parts(model, self.rank)
+            yield from serving_parts(model, self.rank, device=self.device)
         elif sd := full_state_dict(model):
-            yield self.serving(sd)
+            yield untie(self.serving(sd))
 
     def sync(self, model):
         """Returns the bytes written (rank 0) or 0. A failed reload raises VLLMError on every
         rank, so all can save a checkpoint first; unless it failed because a server we
         launched died: then the next rollout restarts it and pushes the weights again."""
-        parts = self.parts(model)
+        gather_failed = []
+
+        def parts():  # a gather that fails is not the servers' failure: it raises here, as on the other ranks
+            try:
+                yield from self.parts(model)
+            except BaseException as e:
+                gather_failed.append(e)
+                raise
+        parts = parts()
         nbytes, error = 0, None
         if self.rank == 0:
             try:
@@ -171,6 +184,8 @@ class FilesystemSync:
                 with self.client.updating():  # in-flight generations finish first; new ones wait
                     self.client.reload_weights(self.dir, timeout=self.timeout)
             except Exception as e:  # noqa: BLE001 -- whatever it was, every rank must hear of it
+                if gather_failed:
+                    raise
                 error = failure(self.client, e)
         for _ in parts:  # every gather on every rank: the other ranks', and those a failed write left on rank 0
             pass
@@ -305,7 +320,7 @@ def make_weight_sync(cfg, client, rank, device, dtype):
     if cfg.weight_sync_transport == "nccl":
         return NCCLSync(client, rank, cfg.weight_sync_master_address, cfg.weight_sync_master_port, device,
                         cfg.weight_sync_timeout, getattr(torch, dtype))
-    return FilesystemSync(client, rank, cfg.output_dir, cfg.weight_sync_timeout, cfg.weight_sync_dir)
+    return FilesystemSync(client, rank, cfg.output_dir, cfg.weight_sync_timeout, cfg.weight_sync_dir, device=device)
 
 
 def within(seconds, fn, what, device=None):

@@ -82,9 +82,8 @@ def bench(name, port, repeats, workdir):
         writes, reloads = [], []
         for i in range(repeats + 1):  # i == 0 is the warm-up (first-touch page faults, first reload)
             perturb(model, seed=i)
-            sd = weight_sync.full_state_dict(model)  # on CPU without FSDP: detached views, no copy
-            t0 = time.perf_counter()
-            nbytes = weight_sync.write_weights(sd, sync_dir)
+            t0 = time.perf_counter()  # the sync's own path: parts of the serving copy, a file each
+            nbytes = weight_sync.write_weights(weight_sync.serving_parts(model, 0), sync_dir)
             t1 = time.perf_counter()
             client.reload_weights(sync_dir)
             t2 = time.perf_counter()

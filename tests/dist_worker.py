@@ -185,6 +185,9 @@ elif mode == "parts":
     budget = weight_sync.PART_BYTES = 200_000  # bytes: the tiny model in several parts
     whole = weight_sync.untie(full_state_dict(policy))
     parts = list(weight_sync.serving_parts(policy, rank))
+    if rank == 0:  # an earlier layout's file, which transformers would read before the index
+        os.makedirs(out + ".dir")
+        safetensors.torch.save_file({"stale": torch.zeros(1)}, os.path.join(out + ".dir", "model.safetensors"))
     written = weight_sync.write_weights(iter(parts), out + ".dir") if rank == 0 else 0
     files = sorted(os.listdir(out + ".dir")) if rank == 0 else []
     calls, save_file = [], safetensors.torch.save_file
@@ -202,7 +205,22 @@ elif mode == "parts":
     except VLLMError as e:
         error = str(e)
     sync.close()
+    gather_error = None
+    if world_size == 1:  # a gather that fails is the trainer's own error, not the servers' (VLLMError)
+        safetensors.torch.save_file = save_file
+
+        def breaks(*args, **kwargs):
+            yield parts[0]
+            raise RuntimeError("the gather broke")
+        weight_sync.serving_parts = breaks
+        sync = weight_sync.FilesystemSync(types.SimpleNamespace(proc=None), rank, out + ".out")
+        try:
+            sync.sync(policy)
+        except Exception as e:  # noqa: BLE001
+            gather_error = f"{type(e).__name__}: {e}"
+        sync.close()
     torch.save(dict(whole=whole, parts=parts, written=written, files=files, error=error, budget=budget,
+                    gather_error=gather_error,
                     read={k: v for f in files if f.endswith(".safetensors")
                           for k, v in safetensors.torch.load_file(os.path.join(out + ".dir", f)).items()}),
                out + (f".{rank}" if rank else ""))

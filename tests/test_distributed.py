@@ -224,7 +224,8 @@ def test_the_weight_sync_sends_every_weight_a_part_at_a_time(tied_model_dir, tmp
     """weight_sync.serving_parts on FSDP2 shards with checkpointed layers (2 ranks) and on a plain
     model (1 process, where the tied head is the embedding's storage): its parts are the whole
     untied serving copy, each at most the budget or one tensor; the files written hold exactly that.
-    A write failing at its second file stops both ranks with the same error and hangs neither."""
+    A write failing at its second file stops both ranks with the same error and hangs neither; a
+    gather that fails raises its own error."""
     got = run_worker("parts", tied_model_dir, tmp_path / "p.pt", nproc, 29760 + nproc,
                      "activation_checkpointing=true", "backend_timeout=2", "weight_sync_timeout=60")
     whole, parts = got["whole"], got["parts"]
@@ -240,3 +241,5 @@ def test_the_weight_sync_sends_every_weight_a_part_at_a_time(tied_model_dir, tmp
     assert errors == [errors[0]] * nproc and "OSError" in errors[0] and "No space left" in errors[0]
     if nproc == 2:
         assert torch.load(tmp_path / "p.pt.1")["parts"] == []  # rank 1 gathers, rank 0 alone holds the parts
+    else:  # a gather that fails raises itself, not as the servers' VLLMError
+        assert got["gather_error"] == "RuntimeError: the gather broke"

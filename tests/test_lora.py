@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import vllm_server
+import weight_sync
 from lora import adapters
 from lora import sync as lora_sync
 from config import Config
@@ -111,6 +112,18 @@ def test_merge_and_the_adapter_directory_give_the_adapters_forward(tiny_model_di
         assert (want - merged(input_ids=IDS).logits).abs().max() < 1e-5
         assert torch.equal(peft(input_ids=IDS).logits, want)
         assert (want - AutoModelForCausalLM.from_pretrained(tiny_model_dir)(input_ids=IDS).logits).abs().max() > 1e-3
+
+
+def test_a_merged_sync_of_a_tied_model_writes_an_untied_copy(tied_model_dir, tmp_path):
+    """lora_weight_sync='merged' on a tied model in a world of one (the head is the embedding's
+    storage): the files hold the merged weights, lm_head.weight equal to the embedding, apart."""
+    cfg, model = lora_model(tied_model_dir, lora_weight_sync="merged")
+    sync = lora_sync.make_weight_sync(cfg, types.SimpleNamespace(proc=None), 0)
+    sync.dir = str(tmp_path)
+    weight_sync.write_weights(sync.parts(model), sync.dir)
+    served, want = served_weights(sync.dir), lora_sync.merge(model.state_dict(), cfg)
+    assert served.keys() == want.keys() and all(torch.equal(served[k], want[k]) for k in want)
+    assert torch.equal(served["lm_head.weight"], served["model.embed_tokens.weight"])
 
 
 def test_lora_dropout_acts_only_inside_the_gradient_forward(tiny_model_dir):

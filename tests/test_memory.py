@@ -91,13 +91,12 @@ def test_trainer_items_by_hand():
     several = dataclasses.replace(cfg, max_tokens_per_micro_batch=48, shared_prefix=False)
     plan = memory.trainer_plan(several, mc, meta_model(mc), 2, cuda=False)
     assert plan["gradients"] == 4 * total and plan["activations"] == 48 * plan["per_token"]
-    # the weight sync holds one part of the serving copy: the budget, or the largest tensor past it
-    with unittest.mock.patch.object(weight_sync, "PART_BYTES", 4 * layer // 2):
-        assert memory.trainer_plan(cfg, mc, meta_model(mc), 2, cuda=False)["weight_sync"] == 4 * layer // 2
+    # the weight sync holds one part of the serving copy and the next tensor (the largest: an MLP matrix)
     with unittest.mock.patch.object(weight_sync, "PART_BYTES", 1000):
-        assert memory.trainer_plan(cfg, mc, meta_model(mc), 2, cuda=False)["weight_sync"] == 4 * 128 * 256  # an MLP matrix
-    lora = dataclasses.replace(cfg, lora_rank=8)  # LoRA's merge: the whole state dict
+        assert memory.trainer_plan(cfg, mc, meta_model(mc), 2, cuda=False)["weight_sync"] == 1000 + 4 * 128 * 256
+    lora = dataclasses.replace(cfg, lora_rank=8, lora_weight_sync="merged")  # LoRA's merge: the whole state dict
     assert memory.sync_part(lora, mc, meta_model(mc)) == 4 * total
+    assert memory.sync_part(dataclasses.replace(lora, lora_weight_sync="adapter"), mc, meta_model(mc)) == 0
 
 
 def test_kv_cache_by_hand():
