@@ -29,10 +29,10 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # switch; a third process otherwise, 0.8 GB more), each rank recomputes its decoder layers in backward
 # (activation checkpointing: the same numbers), and one reward worker scores (a math reward takes
 # milliseconds). The server's KV cache is the memory plan's, for the batch's 32 sequences. glibc
-# gives every block of 128 KiB or more back to the system when it is freed (its dynamic threshold
+# gives every block of 1 MiB or more back to the system when it is freed (its dynamic threshold
 # would keep tensors of up to 32 MiB on the heap, which grows): 1.1 GB less a rank, the same numbers.
 export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0}
-export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-131072}
+export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-1048576}
 memory=(--activation_checkpointing true --reward_workers 1)
 out=${OUT:-output/demo}
 task=(--dataset math --reward_fn rewards:math_reward_last_number)
