@@ -19,8 +19,8 @@ A trainer rank, FSDP2 over `shard` ranks, the parameters held in float32 (parall
   at a time the rest;
 - LM head: policy.token_logprobs' (256, V) float32 logits and their gradient;
 - weight sync: rank 0's part of the serving copy in host memory (weight_sync.serving_parts: at
-  most PART_BYTES and the next tensor), each step; with LoRA's merge the whole float32 state dict
-  (it wants every weight at once); on a GPU it is host memory, not the GPU's;
+  most PART_BYTES, or one larger tensor, and the next tensor), each step; with LoRA's merge the
+  whole float32 state dict and its merged copy; on a GPU it is host memory, not the GPU's;
 - runtime: on a CPU what the process holds before any weight loads (the libraries, the tokenizer,
   the prompts), read from /proc; on a GPU the CUDA context, about 0.5 GB beside the allocator.
 The server we launch: its weights in its dtype, the KV cache of the run's own sequences (the
@@ -104,14 +104,15 @@ def trainer_plan(cfg, mc, meta_model, world_size, cuda):
 
 
 def sync_part(cfg, mc, meta_model):
-    """What rank 0 holds of the serving copy in a weight sync: a part (weight_sync.serving_parts)
-    and the next tensor gathered; with LoRA's merge the whole float32 state dict, the tied head
-    copied for the server; with its adapter sync as good as nothing (the adapter alone)."""
+    """What rank 0 holds of the serving copy in a weight sync: a part (weight_sync.serving_parts: the
+    budget, or one larger tensor) and the next tensor gathered; with LoRA's merge the whole float32
+    state dict and the merged copy of (nearly) every weight, the tied head copied for the server;
+    with its adapter sync as good as nothing (the adapter alone)."""
     whole = 4 * (sum(p.numel() for p in meta_model.parameters()) + mc.vocab_size * mc.hidden_size * tied(mc))
     largest = 4 * max(p.numel() for p in meta_model.parameters())
     if cfg.lora_rank:
-        return whole if cfg.lora_weight_sync == "merged" else 0
-    return min(whole, weight_sync.PART_BYTES + largest)
+        return 2 * whole if cfg.lora_weight_sync == "merged" else 0
+    return min(whole, max(weight_sync.PART_BYTES, largest) + largest)
 
 
 def kv_cache_bytes(cfg, mc, cuda):

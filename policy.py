@@ -222,7 +222,6 @@ def layout(position_ids):
     once per forward (every layer gets the same position_ids tensor)."""
     if _LAYOUT.get("ids") is not position_ids:
         _LAYOUT.clear()
-        _LAYOUT["ids"] = position_ids
         spans, root, root_end = [], 0, 0
         for lo, hi, first in runs(position_ids):
             if first == 0:
@@ -230,7 +229,7 @@ def layout(position_ids):
             elif root_end - root < first:
                 raise ValueError(f"a packed run continues from position {first} without a prompt that long before it")
             spans.append((lo, hi, root, first))
-        _LAYOUT["spans"] = spans
+        _LAYOUT.update(ids=position_ids, spans=spans)
     return _LAYOUT["spans"]
 
 
@@ -251,13 +250,13 @@ def packed_sdpa(module, query, key, value, attention_mask, position_ids=None, sl
     transformers built for the row is not needed. A run whose positions continue a prompt
     (a shared prefix, packing.collate) attends to that prompt's first tokens and to itself,
     causally: the two-pass kernel, the prompt once and then each sample against its keys and
-    values; on a GPU such a row is one flex_attention call instead (flex_row). Any other input (padded rows with their mask, one sequence under the mask
-    transformers built, a decoding step against a KV cache) goes to transformers' sdpa as it is.
+    values; on a GPU such a row is one flex_attention call instead (flex_row). Any other input
+    (padded rows with their mask, one sequence under the mask transformers built, a decoding
+    step against a KV cache) goes to transformers' sdpa as it is.
     query (1, heads, L, head_dim); returns (1, L, heads, head_dim) as the sdpa it stands for."""
     row = position_ids is not None and len(query) == 1 and key.shape[2] == query.shape[2]  # not a KV cache's step
     spans = layout(position_ids) if row else []
-    # one sequence and no mask (row_mask and sequence_parallel.ulysses_attention build none) still
-    # needs its window here
+    # one sequence and no mask (sequence_parallel.ulysses_attention builds none) still needs its window here
     if len(spans) < 2 and (attention_mask is not None or not sliding_window or not spans):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if query.is_cuda and any(first for _, _, _, first in spans) and not kwargs.get("softcap") \
@@ -277,7 +276,8 @@ def block_mask(position_ids, sliding_window, spans, device, compiled):
     """flex_attention's BlockMask of a packed row: a token attends causally to its own run and,
     in a run that continues a prompt, to that prompt's first tokens; within the sliding window
     when there is one. The mask packed_sdpa's per-run masks make, over the whole row at once;
-    built block by block (`compiled`, on a GPU), with no (L, L) mask in memory."""
+    built block by block (`compiled`, on a GPU), with no (L, L) mask of its own (transformers
+    still builds its boolean row mask once a forward, which packed_sdpa does not read)."""
     from torch.nn.attention.flex_attention import create_block_mask  # noqa: PLC0415 - the GPU path's
 
     run, root, first, index = [], [], [], {}
@@ -343,13 +343,4 @@ def window_mask(n, sliding_window, device):
 
 
 AttentionInterface.register("packed_sdpa", packed_sdpa)
-def row_mask(batch_size, q_length, kv_length, *args, attention_mask=None, **kwargs):
-    """The mask transformers builds for packed_sdpa: none for a packed row (one row, no padding
-    mask: packed_sdpa reads its runs from position_ids, and sdpa alone is causal), sdpa's for
-    padded rows and a KV cache's steps."""
-    if attention_mask is None and batch_size == 1 and q_length == kv_length:
-        return None
-    return sdpa_mask(batch_size, q_length, kv_length, *args, attention_mask=attention_mask, **kwargs)
-
-
-AttentionMaskInterface.register("packed_sdpa", row_mask)
+AttentionMaskInterface.register("packed_sdpa", sdpa_mask)  # padded rows keep their mask

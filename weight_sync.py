@@ -31,6 +31,7 @@ input embedding. It costs the server one vocab x hidden matrix.
 import json
 import math
 import os
+import re
 import shutil
 import threading
 
@@ -76,7 +77,7 @@ def serving_parts(model, rank, budget=None, dtype=None, device=None):
     sd = model.state_dict()
     if "lm_head.weight" not in sd and "model.embed_tokens.weight" in sd:  # a tied head left out
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-    part, size = {}, 0
+    part, size, stored = {}, 0, set()
     for name, t in sd.items():
         t = t.detach() if device is None else t.detach().to(device)
         whole = t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -87,10 +88,11 @@ def serving_parts(model, rank, budget=None, dtype=None, device=None):
         n = whole.numel() * whole.element_size()
         if part and size + n > budget:
             yield part
-            part, size = {}, 0
-        if n and any(v.data_ptr() == whole.data_ptr() for v in part.values()):  # the tied head undistributed
-            whole = whole.clone()  # a file holds no storage twice
+            part, size, stored = {}, 0, set()
+        if n and whole.data_ptr() in stored:  # the tied head undistributed: a file holds no storage twice
+            whole = whole.clone()
         part[name], size = whole, size + n
+        stored.add(whole.data_ptr())
     if part:
         yield part
 
@@ -114,7 +116,7 @@ def write_weights(parts, out_dir):
         json.dump({"metadata": {"total_size": nbytes}, "weight_map": weight_map}, f)
     os.replace(os.path.join(out_dir, ".tmp"), os.path.join(out_dir, "model.safetensors.index.json"))
     for stale in set(os.listdir(out_dir)) - set(weight_map.values()):  # an earlier layout's (transformers
-        if stale.endswith(".safetensors"):  # would read a model.safetensors before the index)
+        if re.fullmatch(r"model(-\d{5})?\.safetensors", stale):  # would read a model.safetensors first)
             os.remove(os.path.join(out_dir, stale))
     return nbytes
 
@@ -156,12 +158,20 @@ class FilesystemSync:
         sd = full_state_dict(model)
         return self.serving(sd) if self.serving and sd else sd
 
-    def parts(self, model):
+    def parts(self, model, gather_failed):
         """What a sync sends (every rank runs it to the end: gathers): serving_parts, or with
-        `serving` (LoRA's merge, which needs every weight at once) the whole state dict as one part."""
-        if self.serving is None:
-            yield from serving_parts(model, self.rank, device=self.device)
-        elif sd := full_state_dict(model):
+        `serving` (LoRA's merge, which needs every weight at once) the whole state dict as one
+        part. A gather that fails (not the merge or a write: rank 0's alone) is marked in
+        `gather_failed`: it is the trainer's own error, raised as it is."""
+        try:
+            if self.serving is None:
+                yield from serving_parts(model, self.rank, device=self.device)
+                return
+            sd = full_state_dict(model)
+        except Exception:
+            gather_failed.append(True)
+            raise
+        if sd:
             yield untie(self.serving(sd))
 
     def sync(self, model):
@@ -169,14 +179,7 @@ class FilesystemSync:
         rank, so all can save a checkpoint first; unless it failed because a server we
         launched died: then the next rollout restarts it and pushes the weights again."""
         gather_failed = []
-
-        def parts():  # a gather that fails is not the servers' failure: it raises here, as on the other ranks
-            try:
-                yield from self.parts(model)
-            except BaseException as e:
-                gather_failed.append(e)
-                raise
-        parts = parts()
+        parts = self.parts(model, gather_failed)
         nbytes, error = 0, None
         if self.rank == 0:
             try:

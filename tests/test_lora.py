@@ -120,7 +120,7 @@ def test_a_merged_sync_of_a_tied_model_writes_an_untied_copy(tied_model_dir, tmp
     cfg, model = lora_model(tied_model_dir, lora_weight_sync="merged")
     sync = lora_sync.make_weight_sync(cfg, types.SimpleNamespace(proc=None), 0)
     sync.dir = str(tmp_path)
-    weight_sync.write_weights(sync.parts(model), sync.dir)
+    weight_sync.write_weights(sync.parts(model, []), sync.dir)
     served, want = served_weights(sync.dir), lora_sync.merge(model.state_dict(), cfg)
     assert served.keys() == want.keys() and all(torch.equal(served[k], want[k]) for k in want)
     assert torch.equal(served["lm_head.weight"], served["model.embed_tokens.weight"])
