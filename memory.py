@@ -33,9 +33,8 @@ import os
 
 import torch
 
-import weight_sync
-
 GB = 1e9
+PART_BYTES = 2**27  # 128 MiB: rank 0 holds one part of the serving copy at a time (weight_sync.serving_parts)
 # Measured with saved-tensor hooks on this code's forward (policy.sequence_logprobs, sdpa, float32 CPU),
 # Llama layers at six shapes and Qwen2 layers at four, every figure exact: a token and decoder layer keeps
 # 6 h + 2 q + 4 i + 2 kv + heads + 2 values (h hidden, q = heads x head_dim, i the MLP's width, kv the
@@ -112,7 +111,7 @@ def sync_part(cfg, mc, meta_model):
     largest = 4 * max(p.numel() for p in meta_model.parameters())
     if cfg.lora_rank:
         return 2 * whole if cfg.lora_weight_sync == "merged" else 0
-    return min(whole, max(weight_sync.PART_BYTES, largest) + largest)
+    return min(whole, max(PART_BYTES, largest) + largest)
 
 
 def kv_cache_bytes(cfg, mc, cuda):
@@ -137,12 +136,25 @@ def server_sequences(cfg):
 
 
 def server_plan(cfg, mc, meta_model, cuda):
-    """{item: bytes} of the servers we launch: the policy's (none with vllm_server_urls: yours) and a teacher's."""
+    """{item: bytes} of the servers we launch: the policy's (none with vllm_server_urls: yours) and a
+    teacher's (distill/), planned as the policy's on its own config, with the prompt logits it holds
+    beside them, which vLLM's memory profile leaves out: a whole sequence's logits over the vocabulary
+    and their log-softmax in float32 (vLLM computes them one request at a time)."""
     plan = {} if cfg.vllm_server_urls else model_server(cfg, mc, meta_model, cuda)
     if cfg.teacher_model_name_or_path:
-        from distill import teacher  # noqa: PLC0415 - the optional concept's door
-        plan.update(teacher.server_plan(cfg, cuda))
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        tc = AutoConfig.from_pretrained(cfg.teacher_model_name_or_path)
+        with torch.device("meta"):
+            teacher = AutoModelForCausalLM.from_config(tc)
+        plan |= {f"teacher_{k}": v for k, v in model_server(cfg, tc, teacher, cuda).items()}
+        plan["teacher_prompt_logits"] = 2 * 4 * teacher_context(cfg) * tc.vocab_size
     return plan
+
+
+def teacher_context(cfg):
+    """A teacher's context: one token past the longest sample, whose request asks for one (max_tokens=1)."""
+    return (cfg.vllm_max_model_len or cfg.max_prompt_length + cfg.response_length) + 1
 
 
 def model_server(cfg, mc, meta_model, cuda):

@@ -22,11 +22,6 @@ import math
 import os
 
 
-# modules a user's file may import that moved into the optional folders: named in the error, not served
-MOVED = {"tool_calls": "envs.tool_calls", "chat": "envs.chat", "gateway": "agent_programs.gateway",
-         "agent_trace": "agent_programs.trace", "lora_sync": "lora.sync"}
-
-
 def load_object(path, flag="reward_fn", kind="function"):
     """`module:name` (importable) or `path/to/file.py:name`; errors name the flag it came from."""
     module_name, sep, name = path.rpartition(":")
@@ -42,9 +37,6 @@ def load_object(path, flag="reward_fn", kind="function"):
         else:
             module = importlib.import_module(module_name)
     except ImportError as e:
-        if getattr(e, "name", None) in MOVED:  # a file written for an older layout
-            raise ValueError(f"{flag}={path!r}: {module_name!r} imports {e.name}, which is now {MOVED[e.name]}: "
-                             f"import it from there") from None
         raise ValueError(f"{flag}={path!r}: cannot import {module_name!r} ({e}); check the module path") from None
     except Exception as e:  # noqa: BLE001 - a SyntaxError, or whatever the file raises when it runs
         where = f" (line {e.lineno})" if isinstance(e, SyntaxError) and e.lineno else ""

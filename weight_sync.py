@@ -37,10 +37,9 @@ import threading
 
 import torch
 
+import memory
 from faults import VLLMError
 from tracking import private_dir
-
-PART_BYTES = 2**27  # 128 MiB: rank 0 holds one part of the serving copy at a time (serving_parts)
 
 
 def full_state_dict(model):
@@ -69,11 +68,11 @@ def untie(state_dict):
 
 def serving_parts(model, rank, budget=None, dtype=None, device=None):
     """Every rank: the serving copy of the model's weights in parts of about `budget` bytes
-    (PART_BYTES; a larger tensor is a part of its own), each a {name: tensor} dict in CPU memory
+    (memory.PART_BYTES; a larger tensor is a part of its own), each a {name: tensor} dict in CPU memory
     (in `dtype` if given) on rank 0, nothing on the others. Each DTensor is gathered whole by a
     collective (on `device` if given), in state-dict order, one at a time, so every rank runs it
     to the end. lm_head.weight is a tensor of its own, as untie makes it."""
-    budget = PART_BYTES if budget is None else budget
+    budget = memory.PART_BYTES if budget is None else budget
     sd = model.state_dict()
     if "lm_head.weight" not in sd and "model.embed_tokens.weight" in sd:  # a tied head left out
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]

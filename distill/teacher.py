@@ -32,7 +32,6 @@ import memory
 import vllm_client
 import vllm_server
 from faults import VLLMError
-from reference import Reference
 from weight_sync import raise_on_every_rank
 
 
@@ -59,26 +58,6 @@ def check(cfg, tokenizer, cuda):
         raise ValueError(f"teacher_model_name_or_path={path!r} has another tokenizer than model_name_or_path="
                          f"{cfg.model_name_or_path!r} ({differ} token/id pairs differ): the KL compares the logprobs "
                          "of the same token ids; pick a teacher of the student's family")
-
-
-def server_plan(cfg, cuda):
-    """{teacher_item: bytes} of the teacher's server, planned as the policy's (memory.model_server), and the
-    prompt logits it holds beside them, which vLLM's own memory profile leaves out: a whole sequence's
-    logits over the vocabulary and their log-softmax, in float32 (vLLM computes them one request at a time)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    mc = AutoConfig.from_pretrained(cfg.teacher_model_name_or_path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(mc)
-    plan = {f"teacher_{k}": v for k, v in memory.model_server(cfg, mc, model, cuda).items()}
-    plan["teacher_prompt_logits"] = 2 * 4 * longest(cfg) * mc.vocab_size
-    return plan
-
-
-def longest(cfg):
-    """The teacher's context: one token past the longest sample, whose request asks for one (max_tokens=1)."""
-    return (cfg.vllm_max_model_len or cfg.max_prompt_length + cfg.response_length) + 1
 
 
 def sequences(s):
@@ -110,12 +89,13 @@ def scores(s, answers, k):
     return out if k else dict(ref_logp=out["ref_logp"])
 
 
-class Teacher(Reference):
-    """A reference that does not move and holds no weights in the trainer: its logprobs come with the
-    micro-batch (prepare puts them on the samples, packing carries them)."""
+class Teacher:
+    """A reference (reference.py's seam) that does not move and holds no weights in the trainer: its
+    logprobs come with the micro-batch (prepare puts them on the samples, packing carries them)."""
+
+    ref_params = ()  # nothing moves, and a checkpoint holds nothing of it
 
     def __init__(self, cfg, rank):
-        super().__init__(None)
         self.rank = rank
         self.topk = cfg.kl_estimator == "topk"
         self.k = cfg.kl_topk if self.topk else 0
@@ -124,10 +104,11 @@ class Teacher(Reference):
         if rank == 0:
             log = os.path.join(cfg.output_dir, "teacher_vllm.log")
             try:
+                context = memory.teacher_context(cfg)
                 self.server, url = vllm_server.launch_server(
                     cfg.teacher_model_name_or_path, cfg, log,
-                    extra_args=("--max-logprobs", str(max(self.k, 1)), "--max-model-len", str(longest(cfg)),
-                                "--max-num-batched-tokens", str(max(2048, longest(cfg), memory.server_sequences(cfg)))))
+                    extra_args=("--max-logprobs", str(max(self.k, 1)), "--max-model-len", str(context),
+                                "--max-num-batched-tokens", str(max(2048, context, memory.server_sequences(cfg)))))
                 atexit.register(self.close)
                 self.client = vllm_client.VLLMClient([url], cfg.teacher_model_name_or_path, cfg.vllm_request_timeout,
                                                      cfg.vllm_max_retries, proc=self.server, log_path=log)
@@ -176,6 +157,15 @@ class Teacher(Reference):
         n = len(logp)  # kl_topk=0: an empty head (the sampled k4)
         ids = b["ref_head_ids"].view(n, self.k) if self.k and n else b["seq_ids"].new_zeros(n, self.k)
         return logp, None, b["ref_head_logp"].view(n, self.k) if self.k and n else logp.new_zeros(n, self.k), ids
+
+    def step(self, step):
+        pass
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
 
     def close(self):
         vllm_server.stop_server(self.server)

@@ -179,10 +179,11 @@ elif mode == "parts":
     import types
 
     import safetensors.torch
+    import memory
     import weight_sync
     from faults import VLLMError
 
-    budget = weight_sync.PART_BYTES = 200_000  # bytes: the tiny model in several parts
+    budget = memory.PART_BYTES = 200_000  # bytes: the tiny model in several parts
     whole = weight_sync.untie(full_state_dict(policy))
     parts = list(weight_sync.serving_parts(policy, rank))
     if rank == 0:  # an earlier layout's file, which transformers would read before the index

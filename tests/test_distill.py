@@ -323,7 +323,7 @@ def test_the_memory_plan_counts_the_teachers_server_and_its_prompt_logits(tiny_m
 
     cfg = Config(model_name_or_path=tiny_model_dir, teacher_model_name_or_path=tiny_model_dir, beta=1.0,
                  max_prompt_length=100, response_length=27)
-    plan = teacher.server_plan(cfg, cuda=False)
+    plan = memory.server_plan(cfg, *_meta(tiny_model_dir), cuda=False)
     assert plan["teacher_prompt_logits"] == 2 * 4 * (100 + 27 + 1) * 64
     assert {"teacher_weights", "teacher_kv_cache", "teacher_runtime"} < plan.keys()
     policy = memory.server_plan(Config(model_name_or_path=tiny_model_dir, beta=1.0, max_prompt_length=100,

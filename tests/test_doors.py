@@ -31,7 +31,7 @@ DOORS = {
                           "update.py:train_on_batch"},
     "environments": {"train.py:choose_player"},
     "agents": {"train.py:choose_player"},
-    "distill": {"reference.py:make_reference", "train.py:check_model", "memory.py:server_plan"},
+    "distill": {"reference.py:make_reference", "train.py:check_model"},
 }
 DOCSTRINGS = {"lora": "lora/__init__.py", "sequence_parallel": "sequence_parallel.py",
               "environments": "envs/__init__.py", "agents": "agent_programs/__init__.py",
@@ -74,6 +74,34 @@ def test_the_core_imports_a_concept_only_at_its_doors(concept):
     assert imports_of(concept) == DOORS[concept]
     doc = ast.get_docstring(ast.parse(open(os.path.join(ROOT, DOCSTRINGS[concept])).read()))
     assert all(door.split(":")[1] in doc for door in DOORS[concept]), doc
+
+
+def import_graph():
+    """{unit: the units it imports}, read from the code (lazy imports too): a unit is a root .py file or
+    a folder of the trainer (an optional concept)."""
+    units = {os.path.basename(p)[:-3]: [p] for p in glob.glob(os.path.join(ROOT, "*.py"))}
+    units |= {f: glob.glob(os.path.join(ROOT, f, "*.py")) for files in CONCEPTS.values() for f in files
+              if "/" not in f and not f.endswith(".py")}
+    graph = {u: set() for u in units}
+    for unit, paths in units.items():
+        for n in (n for p in paths for n in ast.walk(ast.parse(open(p).read()))):
+            modules = [a.name for a in n.names] if isinstance(n, ast.Import) else \
+                [n.module] if isinstance(n, ast.ImportFrom) and n.level == 0 else []
+            graph[unit] |= {m.split(".")[0] for m in modules if m.split(".")[0] in units} - {unit}
+    return graph
+
+
+def test_imports_point_one_way_in_at_most_six_floors():
+    """No circle among the trainer's files and folders, and at most six floors: a file stands one floor
+    above the highest it imports (those that import nothing of ours are floor 1; train.py is the top)."""
+    graph, floor = import_graph(), {}
+
+    def floor_of(unit, path=()):
+        assert unit not in path, f"a circle of imports: {' -> '.join(path[path.index(unit):] + (unit,))}"
+        if unit not in floor:
+            floor[unit] = 1 + max((floor_of(v, path + (unit,)) for v in graph[unit]), default=0)
+        return floor[unit]
+    assert max(floor_of(u) for u in graph) == floor_of("train") <= 6, floor
 
 
 def copy_without(tmp_path, deleted):

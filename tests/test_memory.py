@@ -92,9 +92,9 @@ def test_trainer_items_by_hand():
     plan = memory.trainer_plan(several, mc, meta_model(mc), 2, cuda=False)
     assert plan["gradients"] == 4 * total and plan["activations"] == 48 * plan["per_token"]
     # the weight sync holds one part of the serving copy and the next tensor (the largest: an MLP matrix)
-    with unittest.mock.patch.object(weight_sync, "PART_BYTES", 1000):  # a part is one tensor past the budget
+    with unittest.mock.patch.object(memory, "PART_BYTES", 1000):  # a part is one tensor past the budget
         assert memory.trainer_plan(cfg, mc, meta_model(mc), 2, cuda=False)["weight_sync"] == 2 * 4 * 128 * 256
-    with unittest.mock.patch.object(weight_sync, "PART_BYTES", 300_000):
+    with unittest.mock.patch.object(memory, "PART_BYTES", 300_000):
         assert memory.trainer_plan(cfg, mc, meta_model(mc), 2, cuda=False)["weight_sync"] == 300_000 + 4 * 128 * 256
     lora = dataclasses.replace(cfg, lora_rank=8, lora_weight_sync="merged")  # LoRA's merge: the whole state dict
     assert memory.sync_part(lora, mc, meta_model(mc)) == 2 * 4 * total

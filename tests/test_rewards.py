@@ -207,9 +207,9 @@ def test_reward_weights_are_refused_in_one_line_when_they_do_not_fit(tmp_path):
         Config(reward_weights=[1.0])
     with pytest.raises(ValueError, match="names no function"):
         Config(reward_fn=" , ")
-    (tmp_path / "old.py").write_text("from tool_calls import ToolError\n\ndef f(prompt, completion, example):\n"
-                                     "    return 0.0\n")  # written for the layout before envs/ took tool_calls
-    with pytest.raises(ValueError, match="imports tool_calls, which is now envs.tool_calls: import it from there"):
+    (tmp_path / "old.py").write_text("from no_such_module import x\n\ndef f(prompt, completion, example):\n"
+                                     "    return 0.0\n")
+    with pytest.raises(ValueError, match="cannot import .*old.py.*No module named 'no_such_module'.*check the module"):
         user_code.load_reward_fns(f"{tmp_path}/old.py:f")
     with pytest.raises(ValueError, match=r"reward_fn file '.*nowhere.py' does not exist"):
         user_code.load_reward_fns(f"{tmp_path}/a.py:length,{tmp_path}/nowhere.py:f")
