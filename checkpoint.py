@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from config import Config
 from options import default
+from weight_sync import full_state_dict
 
 COMPLETE = re.compile(r"^step_(\d{8})$")
 
@@ -183,19 +184,27 @@ def remove_partials(root):
                 shutil.rmtree(os.path.join(root, n), ignore_errors=True)
 
 
-def export(full_sd, hf_config, tokenizer, out_dir):
-    """A Hugging Face model directory from a full state dict (rank 0), replaced atomically."""
+def export(cfg, policy, tokenizer, rank, name):
+    """A Hugging Face directory of the full policy in output_dir/name, replaced atomically (gathered on every
+    rank, written by rank 0); with LoRA the adapter merged in, and PEFT's adapter directory in
+    output_dir/name_adapter."""
     from safetensors.torch import save_file
 
-    sd = {k: v.contiguous() for k, v in full_sd.items()}
-    if getattr(hf_config, "tie_word_embeddings", False):
+    full = full_state_dict(policy)
+    if rank != 0:
+        return
+    if cfg.lora_rank:
+        from lora import sync as lora_sync  # noqa: PLC0415 - the optional concept's door
+        full = lora_sync.export(full, cfg, os.path.join(cfg.output_dir, f"{name}_adapter"))
+    sd = {k: v.contiguous() for k, v in full.items()}
+    if getattr(policy.config, "tie_word_embeddings", False):
         sd.pop("lm_head.weight", None)  # stored once; from_pretrained ties it back
-    tmp = out_dir.rstrip("/") + ".partial"
+    out_dir = os.path.join(cfg.output_dir, name)
+    tmp = out_dir + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-    hf_config.save_pretrained(tmp)
+    policy.config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.rename(tmp, out_dir)
-    return out_dir

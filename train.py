@@ -57,9 +57,8 @@ from packing import batch_plan
 from parallel import close_distributed, load_model, mesh_shape, setup_distributed
 from policy import check_model_config, check_vocabulary
 from reference import make_reference
-from update import TrainState, make_optimizer, train_on_batch
+from update import TrainState, check_health, make_optimizer, train_on_batch
 from vllm_server import check_launch, colocated
-from weight_sync import full_state_dict
 from worker_pool import RewardPool
 
 
@@ -222,26 +221,6 @@ def train_step(cfg, state, samples, plan, gen, world_size, device):
     return m
 
 
-def check_health(cfg, step, skipped_in_a_row):
-    """Stop the run when updates keep being skipped (a failed weight sync stops it in update.py,
-    before the step trains)."""
-    if skipped_in_a_row >= cfg.max_consecutive_skipped_steps:
-        raise RuntimeError(f"step {step}: {skipped_in_a_row} steps in a row had a non-finite loss or "
-                           f"gradient norm (max_consecutive_skipped_steps): the run diverged; lower "
-                           f"learning_rate or resume from an earlier checkpoint")
-
-
-def export(cfg, policy, tokenizer, rank, name):
-    """A Hugging Face directory of the full policy in output_dir/name (gathered on every rank, written by
-    rank 0); with LoRA the adapter merged in, and PEFT's adapter directory in output_dir/name_adapter."""
-    full = full_state_dict(policy)
-    if rank == 0:
-        if cfg.lora_rank:
-            from lora import sync as lora_sync  # noqa: PLC0415 - the optional concept's door
-            full = lora_sync.export(full, cfg, os.path.join(cfg.output_dir, f"{name}_adapter"))
-        checkpoint.export(full, policy.config, tokenizer, os.path.join(cfg.output_dir, name))
-
-
 @contextlib.contextmanager
 def timed(m, key):
     """m[key] = the seconds the block took."""
@@ -274,7 +253,7 @@ def save(cfg, state, step, position, tokenizer, rank, stopping):
     if saved:
         checkpoint.save(cfg.checkpoint_state_dir, step, state, position, cfg, cfg.keep_last_n_checkpoints)
     if last or (cfg.save_freq > 0 and step % cfg.save_freq == 0):
-        export(cfg, state.policy, tokenizer, rank, "final" if last else f"step_{step}")
+        checkpoint.export(cfg, state.policy, tokenizer, rank, "final" if last else f"step_{step}")
     return saved
 
 

@@ -282,3 +282,12 @@ def mini_batch_backward(cfg, policy, mbs, frozens, forward, denom, world_size, m
                 metrics.add_vllm_diff((trainer - b["vllm_logp"]).abs()[b["fresh"].to(logp.device)])
             losses.append(loss.detach())
     return torch.stack(losses).sum()
+
+
+def check_health(cfg, step, skipped_in_a_row):
+    """Stop the run when updates keep being skipped (a failed weight sync stops it in update.py,
+    before the step trains)."""
+    if skipped_in_a_row >= cfg.max_consecutive_skipped_steps:
+        raise RuntimeError(f"step {step}: {skipped_in_a_row} steps in a row had a non-finite loss or "
+                           f"gradient norm (max_consecutive_skipped_steps): the run diverged; lower "
+                           f"learning_rate or resume from an earlier checkpoint")

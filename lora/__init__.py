@@ -8,7 +8,7 @@ imports neither file):
 - reference.py:make_reference  the base (adapters.WithAdapter(policy, None)) or the EMA adapter
 - train.py:check_model         adapters.check, on the meta model, before anything starts
 - train.py:announce            adapters.describe, the start-up line
-- train.py:export              sync.export: PEFT's adapter directory, and the adapter merged in
+- checkpoint.py:export         sync.export: PEFT's adapter directory, and the adapter merged in
 - generator.py:make_sync       sync.make_weight_sync: the adapter's sync (its server_flags go to the
                                server we launch) or the merged weights'
 and, for a server you run, scripts/serve.py:main (sync.server_flags). config.py holds the lora_*

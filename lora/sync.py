@@ -1,7 +1,7 @@
 """LoRA's adapter out of the trainer: into the vLLM servers, and into the exports.
 
     sync = make_weight_sync(cfg, client, rank)   # generator.make_sync, with lora_rank > 0
-    export(full, cfg, adapter_dir)               # train.export: the adapter directory, the merged weights
+    export(full, cfg, adapter_dir)               # checkpoint.export: the adapter directory, the merged weights
 
 The servers get the adapter itself (lora_weight_sync='adapter', AdapterSync: PEFT's adapter
 directory, which vLLM's /v1/load_lora_adapter reads; the server runs with --enable-lora and one
@@ -10,7 +10,7 @@ adapter folded in (lora_weight_sync='merged': weight_sync.FilesystemSync with me
 trainer's base weights are never merged into: a merge is done on the gathered copy.
 
 Its doors (lora/__init__.py lists all of LoRA's): generator.py:make_sync (make_weight_sync, whose sync
-carries the server's flags), train.py:export (export), and the command line of a server you run,
+carries the server's flags), checkpoint.py:export (export), and the command line of a server you run,
 scripts/serve.py:main (server_flags).
 """
 

@@ -76,14 +76,14 @@ def test_export_loads_in_transformers_unchanged(tied, tiny_model_dir, tied_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import checkpoint
-    from weight_sync import full_state_dict
+    from config import Config
 
     src = tied_model_dir if tied else tiny_model_dir
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.01 * torch.randn_like(p))
-    checkpoint.export(full_state_dict(model), model.config, AutoTokenizer.from_pretrained(src), str(tmp_path / "m"))
+    checkpoint.export(Config(output_dir=str(tmp_path)), model, AutoTokenizer.from_pretrained(src), 0, "m")
     again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"), dtype=torch.float32)
     ids = torch.tensor([[5, 9, 17, 30, 41, 2]])
     assert torch.equal(model(ids).logits, again(ids).logits)

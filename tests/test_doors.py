@@ -26,7 +26,7 @@ CONCEPTS = {
 # Where the core imports each concept: file and function, each a lazy import under the concept's flag.
 DOORS = {
     "lora": {"parallel.py:load_model", "reference.py:make_reference", "train.py:check_model", "train.py:announce",
-             "train.py:export", "generator.py:make_sync"},
+             "checkpoint.py:export", "generator.py:make_sync"},
     "sequence_parallel": {"parallel.py:setup_distributed", "parallel.py:load_model", "train.py:check_model",
                           "update.py:train_on_batch"},
     "environments": {"train.py:choose_player"},
