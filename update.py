@@ -8,6 +8,7 @@
         check_sync             first mini-batch: trainer vs vLLM logprobs, before any update (SyncError)
       optimizer_step           clip, then step unless the loss or gradient is non-finite somewhere
     StepMetrics                per-token sums of this rank, reduced over ranks once (the sync check apart)
+    check_health(cfg, step, n)   train.py: n updates in a row skipped stops the run (max_consecutive_skipped_steps)
 
 A step is one rollout batch (train.py's loop); an update is one optimizer step (num_mini_batches x
 num_epochs of them per step). TrainState is what training changes: the policy, its reference,
@@ -285,8 +286,8 @@ def mini_batch_backward(cfg, policy, mbs, frozens, forward, denom, world_size, m
 
 
 def check_health(cfg, step, skipped_in_a_row):
-    """Stop the run when updates keep being skipped (a failed weight sync stops it in update.py,
-    before the step trains)."""
+    """train.py, after each step that trained: stop the run when updates keep being skipped (the skip rule:
+    train_on_batch). A sync that did not take stops it sooner, in train_on_batch, before the step trains."""
     if skipped_in_a_row >= cfg.max_consecutive_skipped_steps:
         raise RuntimeError(f"step {step}: {skipped_in_a_row} steps in a row had a non-finite loss or "
                            f"gradient norm (max_consecutive_skipped_steps): the run diverged; lower "
