@@ -62,7 +62,7 @@ def test_stale_samples_are_labelled_and_dropped_by_whole_groups():
 @pytest.mark.slow
 def test_two_ranks_learn_with_generation_one_step_ahead(tiny_model_dir, tmp_path):
     out = train(["--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path), "--num_training_steps", "40",
-                 "--eval_freq", "0", "--seed", "3", "--vllm_port", "8043", "--async_steps", "1",
+                 "--eval_freq", "0", "--seed", "3", "--async_steps", "1",
                  "--truncated_importance_sampling_ratio_cap", "2.0"], nproc=2, timeout=1200)
     assert out.returncode == 0, out.stderr[-4000:]
     steps = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]

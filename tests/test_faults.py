@@ -148,7 +148,7 @@ def flatten(tree, prefix=""):
 
 @pytest.mark.slow
 def test_a_server_we_launched_is_restarted_when_it_dies(tiny_model_dir, tmp_path):
-    args = flags(tiny_model_dir, tmp_path, 6, "--checkpoint_state_freq", "100", "--vllm_port", "8052")
+    args = flags(tiny_model_dir, tmp_path, 6, "--checkpoint_state_freq", "100")
     proc = start(command("train.py", 1) + args)
     wait_for_step(proc, tmp_path, 2)
     served = str(tmp_path / "out" / "vllm_model")
@@ -166,7 +166,7 @@ def test_a_server_we_launched_is_restarted_when_it_dies(tiny_model_dir, tmp_path
 
 @pytest.mark.slow
 def test_a_rank_that_dies_takes_the_job_and_our_server_down(tiny_model_dir, tmp_path):
-    args = flags(tiny_model_dir, tmp_path, 1000, "--checkpoint_state_freq", "500", "--vllm_port", "8053")
+    args = flags(tiny_model_dir, tmp_path, 1000, "--checkpoint_state_freq", "500")
     proc = start(command("train.py", 2, 29644) + args)
     wait_for_step(proc, tmp_path, 2)
     group = server_pid(str(tmp_path / "out" / "vllm_model"))

@@ -277,8 +277,7 @@ def test_resume_with_the_server_we_launch_loads_the_adapter_once(tiny_model_dir,
     server starts from the base and loads the adapter once (a merged start would serve W + 2 s B A and
     the first step's sync check would stop the run): the check holds at every step, and the run equals
     the uninterrupted one, metrics and adapters bit for bit."""
-    lora_flags = ["--lora_rank", "8", "--learning_rate", "1e-2", "--checkpoint_state_freq", "100", "--vllm_port",
-                  "8055"]
+    lora_flags = ["--lora_rank", "8", "--learning_rate", "1e-2", "--checkpoint_state_freq", "100"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     out = run(command("train.py", 1) + flags(tiny_model_dir, whole, 6, *lora_flags))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -325,7 +324,7 @@ def test_a_server_we_launch_takes_the_adapter_or_the_merged_weights(extra, tiny_
     check holds at every step, the run learns nothing wrong, and its exports load."""
     out = run([sys.executable, os.path.join(ROOT, "train.py"), "--model_name_or_path", tiny_model_dir, "--output_dir",
                str(tmp_path / "out"), "--num_training_steps", "4", "--eval_freq", "0", "--beta", "0.1",
-               "--lora_rank", "8", "--learning_rate", "1e-2", "--vllm_port", "8054", *EAGER, *extra])
+               "--lora_rank", "8", "--learning_rate", "1e-2", *EAGER, *extra])
     assert out.returncode == 0, out.stderr[-3000:]
     rows = metrics(tmp_path)
     assert len(rows) == 4 and all(r["vllm_logp_diff_max"] < 1e-4 for r in rows), rows

@@ -32,7 +32,7 @@ def test_smollm2_trains_on_math_with_2_ranks_and_vllm_in_sync(smollm2, tmp_path)
                  "--num_unique_prompts_rollout", "4", "--num_samples_per_prompt_rollout", "4",
                  "--max_prompt_length", "128", "--response_length", "64",
                  "--learning_rate", "2e-5", "--temperature", "0.8", "--filter_zero_std_samples", "false",
-                 "--log_samples_freq", "1", "--vllm_port", "8044"], nproc=2, timeout=1800)
+                 "--log_samples_freq", "1"], nproc=2, timeout=1800)
     assert out.returncode == 0, out.stderr[-4000:]
     steps = [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
     assert [r["step"] for r in steps] == [1, 2]
@@ -54,9 +54,9 @@ def test_smollm2_trains_on_math_with_2_ranks_and_vllm_in_sync(smollm2, tmp_path)
 @pytest.mark.slow
 @pytest.mark.parametrize("tool", [
     ["--environment", "envs.calculator:calculator", "--math_operations", "+-*", "--max_prompt_length", "160",
-     "--response_length", "64", "--vllm_port", "8045"],
+     "--response_length", "64"],
     ["--environment", "envs.calculator:calculator_tool", "--tool_call_parser", "hermes", "--max_prompt_length", "256",
-     "--response_length", "96", "--vllm_port", "8046"]], ids=["calc-tags", "hermes-calls"])
+     "--response_length", "96"]], ids=["calc-tags", "hermes-calls"])
 def test_smollm2_calls_the_calculator_over_several_turns_with_vllm_in_sync(smollm2, tmp_path, tool):
     """Multi-turn episodes on the real model and server, the calculator called with <calc> tags or
     natively (hermes <tool_call> JSON read by vLLM's parser): some calls are answered, and the
@@ -83,10 +83,10 @@ def test_smollm2_calls_the_calculator_over_several_turns_with_vllm_in_sync(smoll
 @pytest.mark.slow
 @pytest.mark.parametrize("agent, budget", [
     ("examples/smolagents_agent.py:solve", ["--max_prompt_length", "1536", "--response_length", "4096",
-                                            "--max_tokens_per_micro_batch", "5632", "--num_unique_prompts_rollout", "1",
-                                            "--vllm_port", "8047"]),  # 1 prompt: its episodes' sequences are ~2,000 tokens
+                                            "--max_tokens_per_micro_batch", "5632",  # 1 prompt: its episodes'
+                                            "--num_unique_prompts_rollout", "1"]),  # sequences are ~2,000 tokens
     ("examples/langgraph_agent.py:solve", ["--max_prompt_length", "384", "--response_length", "512",
-                                           "--num_unique_prompts_rollout", "2", "--vllm_port", "8048"])],
+                                           "--num_unique_prompts_rollout", "2"])],
     ids=["smolagents", "langgraph"])
 def test_smollm2_trains_as_an_agent_framework_runs_it(smollm2, tmp_path, agent, budget):
     """An agent written with a framework, unmodified (examples/): smolagents' ToolCallingAgent and

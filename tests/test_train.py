@@ -34,7 +34,7 @@ def test_two_cpu_ranks_learn_the_copy_task(tiny_model_dir, tmp_path):
     """The README's demo in small: a random 0.3 M model, a vLLM CPU server, 2 gloo ranks."""
     out_dir = tmp_path / "run"
     out = train(["--model_name_or_path", tiny_model_dir, "--output_dir", str(out_dir), "--num_training_steps", "80",
-                 "--eval_freq", "30", "--seed", "3", "--vllm_port", "8041"], nproc=2, timeout=1200)
+                 "--eval_freq", "30", "--seed", "3"], nproc=2, timeout=1200)
     assert out.returncode == 0, out.stderr[-4000:]
     rows = [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
     steps = [r for r in rows if "reward_mean" in r]
@@ -56,7 +56,7 @@ def test_sigterm_stops_the_server_we_started(tiny_model_dir, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), "--model_name_or_path", tiny_model_dir,
                              "--output_dir", str(out_dir), "--num_training_steps", "1000", "--eval_freq", "0",
-                             "--vllm_port", "8042", *EAGER], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                             *EAGER], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     metrics = out_dir / "metrics.jsonl"
     deadline = time.monotonic() + 600
