@@ -11,7 +11,8 @@
 The kinds: a fixed copy of the initial policy (Reference), an EMA of the policy (EMAReference),
 with LoRA the base (the policy's module, adapters off) or an EMA adapter, and a teacher of another
 model served by vLLM (distill/teacher.py: on-policy distillation). A new kind is a
-class here with those methods, and a line in make_reference.
+class with those methods and ref_params (here, or in its own folder as the teacher is), and a line
+in make_reference.
 
 The EMA:
 

@@ -8,7 +8,7 @@
         check_sync             first mini-batch: trainer vs vLLM logprobs, before any update (SyncError)
       optimizer_step           clip, then step unless the loss or gradient is non-finite somewhere
     StepMetrics                per-token sums of this rank, reduced over ranks once (the sync check apart)
-    check_health(cfg, step, n)   train.py: n updates in a row skipped stops the run (max_consecutive_skipped_steps)
+    check_health               train.py, each step: updates skipped in a row stop the run (max_consecutive_skipped_steps)
 
 A step is one rollout batch (train.py's loop); an update is one optimizer step (num_mini_batches x
 num_epochs of them per step). TrainState is what training changes: the policy, its reference,

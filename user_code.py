@@ -36,8 +36,9 @@ def load_object(path, flag="reward_fn", kind="function"):
             spec.loader.exec_module(module)
         else:
             module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"{flag}={path!r}: cannot import {module_name!r} ({e}); check the module path") from None
+    except ImportError as e:  # a file's own import, or the module named
+        fix = "fix the file's imports or install what it needs" if module_name.endswith(".py") else "check the module path"
+        raise ValueError(f"{flag}={path!r}: cannot import {module_name!r} ({e}); {fix}") from None
     except Exception as e:  # noqa: BLE001 - a SyntaxError, or whatever the file raises when it runs
         where = f" (line {e.lineno})" if isinstance(e, SyntaxError) and e.lineno else ""
         raise ValueError(f"{flag}={path!r}: {module_name!r} does not load: {type(e).__name__}{where}: "

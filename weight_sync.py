@@ -6,7 +6,7 @@ rank and called on every rank (the gathers are collectives). Each also gives a s
 what it starts from (launch_state_dict), its flags (server_flags) and whether a sync comes first:
 
 - filesystem (default, CPU and GPU): gather the weights part by part (serving_parts: about
-  PART_BYTES at a time), rank 0 writes each part as a safetensors file to memory-backed /dev/shm
+  memory.PART_BYTES at a time), rank 0 writes each part as a safetensors file to memory-backed /dev/shm
   (or weight_sync_dir, a directory every server can read: servers on other nodes need a shared
   filesystem) with the index that names them, asks each server to `reload_weights` through
   /collective_rpc and resets its prefix cache. Rank 0 holds one part at a time (LoRA's merge and

@@ -179,6 +179,7 @@ elif mode == "parts":
     import types
 
     import safetensors.torch
+
     import memory
     import weight_sync
     from faults import VLLMError

@@ -4,6 +4,8 @@
     torchrun ... tests/fault_worker.py kill_in_checkpoint=4 [flags]    # rank 1 SIGKILLs itself while writing checkpoint 4
     python tests/fault_worker.py lost_sync=3 [flags]     # the server answers the reload after step 3 but keeps its weights
     torchrun ... tests/fault_worker.py kill_at_step=5 [flags]     # every rank SIGKILLs itself as step 5 begins
+    torchrun ... tests/fault_worker.py kill_after_update=6 [flags]   # every rank SIGKILLs itself in step 6, updated
+                                                                   # but neither synced, checkpointed nor logged
 """
 
 import os
@@ -63,6 +65,17 @@ if __name__ == "__main__":  # the reward pool's workers import this script again
             return real_batch(self, step, policy)
 
         Generator.batch = batch
+    elif kind == "kill_after_update":  # a SIGKILL in the middle of a step: the weights moved, nothing else did
+        real_step, calls = train.train_step, [0]
+
+        def train_step(*a, **k):
+            out = real_step(*a, **k)
+            calls[0] += 1  # once a step, updates or none: a fresh run's step number
+            if calls[0] in steps:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return out
+
+        train.train_step = train_step
     else:
         raise SystemExit(f"unknown fault {kind!r}")
 

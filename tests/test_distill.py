@@ -195,6 +195,19 @@ def test_an_answer_not_of_the_form_asked_for_stops_every_rank_as_a_server_failur
             ref.prepare([Sample([3, 5], [6, 7], [0.0, 0.0])])
 
 
+def test_the_teacher_offers_the_whole_seam_of_a_reference():
+    """What checkpoint.py, update.py and train.py call on any reference: a teacher moves nothing, and a
+    checkpoint holds nothing of it (its server is restarted from the same files)."""
+    from reference import Reference
+
+    ref = teacher.Teacher(Config(teacher_model_name_or_path="t", beta=1.0), rank=1)
+    seam = {n for n in dir(Reference) if not n.startswith("_")} - {"update"}  # update: step's, when due
+    assert seam <= set(dir(ref)), seam - set(dir(ref))
+    assert ref.ref_params == () and ref.state_dict() == {}
+    ref.step(1)
+    ref.load_state_dict({})
+
+
 # --- refusals
 
 

@@ -93,7 +93,9 @@ def import_graph():
 
 def test_imports_point_one_way_in_at_most_six_floors():
     """No circle among the trainer's files and folders, and at most six floors: a file stands one floor
-    above the highest it imports (those that import nothing of ours are floor 1; train.py is the top)."""
+    above the highest it imports (those that import nothing of ours are floor 1; train.py is the top).
+    Read from import statements: a folder is one unit (its files' imports among themselves not seen),
+    and a module named in a string (worker_pool's forkserver preloads envs.calls) draws no arrow."""
     graph, floor = import_graph(), {}
 
     def floor_of(unit, path=()):

@@ -13,7 +13,6 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 import memory
-import weight_sync
 from config import Config
 from policy import sequence_logprobs
 from tests.helpers import train

@@ -209,7 +209,7 @@ def test_reward_weights_are_refused_in_one_line_when_they_do_not_fit(tmp_path):
         Config(reward_fn=" , ")
     (tmp_path / "old.py").write_text("from no_such_module import x\n\ndef f(prompt, completion, example):\n"
                                      "    return 0.0\n")
-    with pytest.raises(ValueError, match="cannot import .*old.py.*No module named 'no_such_module'.*check the module"):
+    with pytest.raises(ValueError, match="cannot import .*old.py.*'no_such_module'.*fix the file's imports"):
         user_code.load_reward_fns(f"{tmp_path}/old.py:f")
     with pytest.raises(ValueError, match=r"reward_fn file '.*nowhere.py' does not exist"):
         user_code.load_reward_fns(f"{tmp_path}/a.py:length,{tmp_path}/nowhere.py:f")
