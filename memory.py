@@ -164,7 +164,23 @@ def model_server(cfg, mc, meta_model, cuda):
     weights = sum(p.numel() for p in meta_model.parameters()) + mc.vocab_size * mc.hidden_size * tied(mc)
     return dict(weights=weights * (2 if cuda else 4), kv_cache=kv,  # the served copy's head untied
                 runtime=0 if cuda else CPU_SERVER_RUNTIME_TWO_PROCESSES
-                if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else CPU_SERVER_RUNTIME)
+                if engine_runs_model(cfg, os.environ) else CPU_SERVER_RUNTIME)
+
+
+def server_cores(cfg):
+    """(the cores this process may use, those a CPU server we launch computes on): all of them in the
+    synchronous loop, the last half with async_steps, the last vllm_cpu_threads when set
+    (vllm_server.cpu_placement binds them)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    n = min(len(cores), cfg.vllm_cpu_threads or (len(cores) if cfg.async_steps == 0 else max(1, len(cores) // 2)))
+    return cores, cores[-n:]
+
+
+def engine_runs_model(cfg, environ):
+    """Whether a CPU server we launch runs the model in its engine's process (VLLM_ENABLE_V1_MULTIPROCESSING
+    =0, one process fewer): when it computes on every core, unless `environ` sets the variable."""
+    cores, bound = server_cores(cfg)
+    return environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if len(bound) == len(cores) else "1") == "0"
 
 
 def tied(mc):

@@ -264,14 +264,18 @@ def cpu_placement(cfg, environ):
     2-core machine the model runs on one. In the synchronous loop the training ranks only wait
     while the server generates, so the server takes every core the process may use, and none is
     reserved; with async_steps > 0 they compute at the same time and the server gets the last
-    half of the cores (vllm_cpu_threads overrides both). The binding variables are defaults: a
-    VLLM_CPU_OMP_THREADS_BIND or VLLM_CPU_NUM_OF_RESERVED_CPU already set is kept."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    n = min(len(cores), cfg.vllm_cpu_threads or (len(cores) if cfg.async_steps == 0 else max(1, len(cores) // 2)))
-    bound = cores[-n:]
-    return dict(OMP_NUM_THREADS=str(n),  # not the trainer's: demo.sh gives each training rank one thread
+    half of the cores (vllm_cpu_threads overrides both). A server on every core runs the model in
+    its engine's process (VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's one-process executor, no worker
+    process to start and poll; ready 7 s sooner, tokens/s the same or better: BENCHMARKS.md, "The
+    model in the engine's process"); one on some of the cores keeps vLLM's worker process, whose
+    threads vLLM binds to them (its one-process executor binds nothing). These are defaults: a
+    VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_NUM_OF_RESERVED_CPU or VLLM_ENABLE_V1_MULTIPROCESSING
+    already set is kept."""
+    bound = memory.server_cores(cfg)[1]
+    return dict(OMP_NUM_THREADS=str(len(bound)),  # not the trainer's: demo.sh gives each training rank one thread
                 VLLM_CPU_OMP_THREADS_BIND=environ.get("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, bound))),
-                VLLM_CPU_NUM_OF_RESERVED_CPU=environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"))
+                VLLM_CPU_NUM_OF_RESERVED_CPU=environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"),
+                VLLM_ENABLE_V1_MULTIPROCESSING="0" if memory.engine_runs_model(cfg, environ) else "1")
 
 
 def stop_server(proc, timeout=30):

@@ -51,32 +51,34 @@ def tcmalloc():
 
 
 # name -> (environment of the server, extra server arguments). None in the environment: unset.
+# WORKER: the model in a worker process of its own (vLLM's multiprocessing executor), as vLLM starts a
+# CPU server by default; ENGINE: in the engine's process (its one-process executor). With
+# VLLM_ENABLE_V1_MULTIPROCESSING=1 vLLM's CPU platform replaces "--distributed-executor-backend uni" by
+# the multiprocessing executor (vllm/platforms/cpu.py), so the model runs in its engine's process only
+# with that variable at 0.
+WORKER, ENGINE = dict(VLLM_ENABLE_V1_MULTIPROCESSING="1"), dict(VLLM_ENABLE_V1_MULTIPROCESSING="0")
+BOUND = dict(OMP_NUM_THREADS=str(CORES), VLLM_CPU_OMP_THREADS_BIND=ALL, VLLM_CPU_NUM_OF_RESERVED_CPU="0")
 SETTINGS = {
     # vLLM's automatic binding: on x86 it reserves one core for the scheduler process, so on 2
     # cores the model runs on one.
-    "one_core": (dict(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND=None, VLLM_CPU_NUM_OF_RESERVED_CPU=None,
+    "one_core": (dict(WORKER, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND=None, VLLM_CPU_NUM_OF_RESERVED_CPU=None,
                       LD_PRELOAD=None), []),
-    "all_cores": (dict(OMP_NUM_THREADS=str(CORES), VLLM_CPU_OMP_THREADS_BIND=ALL, VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-                       LD_PRELOAD=None), []),
-    "all_cores_iomp": (dict(OMP_NUM_THREADS=str(CORES), VLLM_CPU_OMP_THREADS_BIND=ALL, VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-                            LD_PRELOAD="IOMP"), []),
-    "all_cores_iomp_tcmalloc": (dict(OMP_NUM_THREADS=str(CORES), VLLM_CPU_OMP_THREADS_BIND=ALL,
-                                     VLLM_CPU_NUM_OF_RESERVED_CPU="0", LD_PRELOAD="TCMALLOC:IOMP"), []),
-    # the model in the engine process itself: no worker process, no shared-memory queue whose
-    # reader spins (sched_yield) while the worker computes
-    "uni_executor": (dict(OMP_NUM_THREADS=str(CORES), VLLM_CPU_OMP_THREADS_BIND=ALL, VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-                          LD_PRELOAD=None), ["--distributed-executor-backend", "uni"]),
-    "uni_executor_iomp": (dict(OMP_NUM_THREADS=str(CORES), VLLM_CPU_OMP_THREADS_BIND=ALL,
-                               VLLM_CPU_NUM_OF_RESERVED_CPU="0", LD_PRELOAD="IOMP"),
-                          ["--distributed-executor-backend", "uni"]),
-    "uni_executor_iomp_bound": (dict(OMP_NUM_THREADS=str(CORES), LD_PRELOAD="IOMP", VLLM_CPU_OMP_THREADS_BIND=None, KMP_BLOCKTIME="5", KMP_TPAUSE="0",
-                                     KMP_AFFINITY=f"granularity=fine,explicit,proclist=[{ALL}]"),
-                                ["--distributed-executor-backend", "uni"]),
+    "all_cores": (dict(WORKER, **BOUND, LD_PRELOAD=None), []),
+    "all_cores_iomp": (dict(WORKER, **BOUND, LD_PRELOAD="IOMP"), []),
+    "all_cores_iomp_tcmalloc": (dict(WORKER, **BOUND, LD_PRELOAD="TCMALLOC:IOMP"), []),
     # the engine's wait on the worker polled by vLLM's compiled spin loop instead of sched_yield
-    "all_cores_iomp_spinloop": (dict(OMP_NUM_THREADS=str(CORES), VLLM_CPU_OMP_THREADS_BIND=ALL,
-                                     VLLM_CPU_NUM_OF_RESERVED_CPU="0", LD_PRELOAD="IOMP", VLLM_USE_SPINLOOP_EXT="1"), []),
-    # what train.py launches (vllm_server.cpu_placement)
+    "all_cores_iomp_spinloop": (dict(WORKER, **BOUND, LD_PRELOAD="IOMP", VLLM_USE_SPINLOOP_EXT="1"), []),
+    # the model in the engine's process: no worker process to start, no shared-memory queue whose
+    # reader spins (sched_yield) while the worker computes
+    "engine_process": (dict(ENGINE, **BOUND, LD_PRELOAD=None), ["--distributed-executor-backend", "uni"]),
+    "engine_process_iomp_bound": (dict(ENGINE, OMP_NUM_THREADS=str(CORES), LD_PRELOAD="IOMP", VLLM_CPU_OMP_THREADS_BIND=None,
+                                       KMP_BLOCKTIME="5", KMP_TPAUSE="0",
+                                       KMP_AFFINITY=f"granularity=fine,explicit,proclist=[{ALL}]"),
+                                  ["--distributed-executor-backend", "uni"]),
+    # what train.py launches (vllm_server.cpu_placement: all cores, the model in the engine's process)
     "trainer": (None, None),
+    # the same with the model in a worker process, as train.py launched it before 2026-11-29
+    "trainer_worker_process": (WORKER, []),
 }
 
 
@@ -137,8 +139,10 @@ def run_setting(name, cfg, served, payloads, repeats, log_dir):
         env = resolve(env)
         if env is None:
             return dict(setting=name, skipped="preload library not installed")
+    started = time.perf_counter()
     proc, url = vllm_server.launch_server(served, cfg, os.path.join(log_dir, f"{name}.log"), env=env,
                                       extra_args=args or ())
+    start_s = time.perf_counter() - started
     try:
         client = vllm_client.VLLMClient([url], served, timeout=600)
         client.map("/v1/completions", payloads)  # warm-up
@@ -150,7 +154,7 @@ def run_setting(name, cfg, served, payloads, repeats, log_dir):
             times.append(time.perf_counter() - t)
             cpu = {k: v - before.get(k, 0.0) for k, v in cpu_seconds(proc.pid).items()}
             tokens = sum(len(c["token_ids"]) for o in outs for c in o["choices"])
-        return dict(setting=name, seconds=times, tokens=tokens, cpu_seconds=cpu)
+        return dict(setting=name, start_s=start_s, seconds=times, tokens=tokens, cpu_seconds=cpu)
     finally:
         vllm_server.stop_server(proc)
 
@@ -179,7 +183,7 @@ def main(argv=None):
     del model
 
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(100, tok.vocab_size, (args.prompt_tokens,), generator=g).tolist() for _ in range(args.prompts)]
+    prompts = [torch.randint(min(100, tok.vocab_size // 2), tok.vocab_size, (args.prompt_tokens,), generator=g).tolist() for _ in range(args.prompts)]
     cfg = Config(model_name_or_path=args.model, max_prompt_length=args.prompt_tokens, response_length=args.new_tokens,
                  vllm_port=args.port)
     payloads = [dict(model=served, prompt=ids, n=args.samples, max_tokens=args.new_tokens, temperature=0.7,
@@ -209,7 +213,7 @@ def main(argv=None):
             print(f"{name:26s} skipped: {r['skipped']}", flush=True)
             continue
         best = min(r["seconds"])
-        print(f"{name:26s} " + ", ".join(f"{s:.1f} s" for s in r["seconds"]) +
+        print(f"{name:26s} ready in {r['start_s']:.1f} s; " + ", ".join(f"{s:.1f} s" for s in r["seconds"]) +
               f"  -> {r['tokens'] / best:.0f} tokens/s, {compute_s / best:.2f} of the compute bound; CPU s in the "
               "last: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["cpu_seconds"].items())), flush=True)
     print(json.dumps(dict(cpu=cpu_name(), gflops=gflops, copy_gbps=gbps, compute_bound_s=compute_s,

@@ -65,8 +65,20 @@ def check_logprobs(client, sample):
     assert all(lp == 0.0 for m, lp in zip(s.mask, s.logprobs) if not m)
 
 
+# the server of the gateway test below, and "the user's" of the agent command's runs (they push their weights first)
+SERVED = Config(agent="tests/agent.py:solve", max_turns=4, max_prompt_length=384, response_length=128,
+                vllm_startup_timeout=400, vllm_request_timeout=60, vllm_max_retries=1, vllm_enforce_eager=True)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    _, client = serve(tiny_model_dir, str(tmp_path_factory.mktemp("server")), PORT, SERVED)
+    yield client
+    vllm_server.stop_server(client.proc)
+
+
 @pytest.mark.slow
-def test_gateway_samples_are_what_the_server_sampled(tiny_model_dir, tmp_path):
+def test_gateway_samples_are_what_the_server_sampled(server, tiny_model_dir):
     """One vLLM server, the gateway in this process: three plain OpenAI-client agents at once (three
     calls each, every call extending the last) and the Agents SDK's calculator agent. Each episode's
     sample is one sequence (no restart) of its first prompt, its sampled turns (mask 1) with the new
@@ -79,10 +91,8 @@ def test_gateway_samples_are_what_the_server_sampled(tiny_model_dir, tmp_path):
 
     # the Agents SDK's prompt (its instructions are the calculator's system message) is ~300 characters
     # agent= (never loaded here) makes the episodes multi-turn: max_turns calls each
-    cfg = Config(agent="tests/agent.py:solve", max_turns=4, max_prompt_length=384, response_length=128,
-                 vllm_startup_timeout=400, vllm_request_timeout=60, vllm_max_retries=1, vllm_enforce_eager=True)
+    cfg, client = SERVED, server
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    _, client = serve(tiny_model_dir, str(tmp_path), PORT, cfg)
     plain = gateway.Gateway(tok, cfg)
     sdk = gateway.Gateway(tok, cfg, parser=tool_calls.Parser("hermes", tok, None))
     try:
@@ -134,7 +144,6 @@ def test_gateway_samples_are_what_the_server_sampled(tiny_model_dir, tmp_path):
     finally:
         for g in (plain, sdk):
             g.shutdown()
-        vllm_server.stop_server(client.proc)
 
 
 AGENT_RUN = ["--dataset", "calc", "--agent", "examples/calculator_agent.py:solve", "--tool_call_parser", "hermes",
@@ -222,7 +231,7 @@ CMD_RUN = ["--max_prompt_length", "128", "--response_length", "16", "--num_uniqu
 
 
 @pytest.mark.slow
-def test_an_agent_command_trains_and_faults_are_counted(tiny_model_dir, tmp_path):
+def test_an_agent_command_trains_and_faults_are_counted(server, tiny_model_dir, tmp_path):
     """A command that hangs, fails or crashes on some episodes: those are counted (agent_timeouts,
     agent_errors, agent_crashes) and their groups leave the batch; the run goes on, the others scored
     by the number the command printed last. A command that fails on every episode stops the run at
@@ -230,7 +239,8 @@ def test_an_agent_command_trains_and_faults_are_counted(tiny_model_dir, tmp_path
     (tmp_path / "agent.py").write_text(FAULTY)
     good = tmp_path / "good"
     out = run(command("train.py", 1) + flags(tiny_model_dir, good, 2, *CMD_RUN, "--unscored_stop", "1.0",
-                                             "--agent_cmd", f"{sys.executable} {tmp_path / 'agent.py'}"))
+                                             "--agent_cmd", f"{sys.executable} {tmp_path / 'agent.py'}",
+                                             url=server.urls[0]))
     assert out.returncode == 0, out.stderr[-4000:]
     assert "'s return (None: copy_reward)" in out.stdout, out.stdout[-3000:]
     rows = metrics(good)
@@ -250,7 +260,7 @@ def test_an_agent_command_trains_and_faults_are_counted(tiny_model_dir, tmp_path
     (tmp_path / "fails.py").write_text("import sys\nsys.stdin.read()\nsys.exit('the tool server is down')\n")
     bad = tmp_path / "bad"
     out = run(command("train.py", 1) + flags(tiny_model_dir, bad, 2, *CMD_RUN, "--agent_cmd",
-                                             f"{sys.executable} {tmp_path / 'fails.py'}"))
+                                             f"{sys.executable} {tmp_path / 'fails.py'}", url=server.urls[0]))
     assert out.returncode == 1, out.stderr[-3000:]
     lines = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1 and re.fullmatch(

@@ -9,7 +9,9 @@ import sys
 import pytest
 
 import rewards
-from helpers import recompute, ROOT, train
+import vllm_server
+from config import Config
+from helpers import free_port, recompute, ROOT, serve, train
 
 MODEL = os.path.join(ROOT, "models", "smollm2-135m-instruct")
 
@@ -22,6 +24,19 @@ def smollm2():
     if r.returncode:
         pytest.skip(f"SmolLM2 could not be prepared: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
     return MODEL
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2, tmp_path_factory):
+    """One server "the user runs" for the multi-turn and agent runs below (each pushes its weights into
+    it first): launched as train.py launches it, on the untied serving copy, long enough for the
+    longest run (smolagents': 1,536 + 4,096 tokens), 1 GB of KV cache (21,700 tokens; the runs ask at
+    most 5,632 at once) and no cap on sequences. The math run launches its own."""
+    cfg = Config(model_name_or_path=smollm2, max_prompt_length=1536, response_length=4096, vllm_kv_cache_space_gb=1,
+                 max_tokens_per_micro_batch=5632, vllm_enforce_eager=True, vllm_startup_timeout=900)
+    client = serve(smollm2, str(tmp_path_factory.mktemp("smollm2_server")), free_port(), cfg=cfg)[1]  # not the model
+    yield client.urls[0]
+    vllm_server.stop_server(client.proc)
 
 
 @pytest.mark.slow
@@ -57,7 +72,7 @@ def test_smollm2_trains_on_math_with_2_ranks_and_vllm_in_sync(smollm2, tmp_path)
      "--response_length", "64"],
     ["--environment", "envs.calculator:calculator_tool", "--tool_call_parser", "hermes", "--max_prompt_length", "256",
      "--response_length", "96"]], ids=["calc-tags", "hermes-calls"])
-def test_smollm2_calls_the_calculator_over_several_turns_with_vllm_in_sync(smollm2, tmp_path, tool):
+def test_smollm2_calls_the_calculator_over_several_turns_with_vllm_in_sync(smollm2, smollm2_server, tmp_path, tool):
     """Multi-turn episodes on the real model and server, the calculator called with <calc> tags or
     natively (hermes <tool_call> JSON read by vLLM's parser): some calls are answered, and the
     trainer matches vLLM on the policy's tokens of whole episodes after every sync."""
@@ -66,7 +81,7 @@ def test_smollm2_calls_the_calculator_over_several_turns_with_vllm_in_sync(smoll
                  "--math_digits", "3", "--num_training_steps", "2", "--eval_freq", "0",
                  "--num_unique_prompts_rollout", "4", "--num_samples_per_prompt_rollout", "4", "--max_turns", "3",
                  "--learning_rate", "2e-5", "--temperature", "0.7", "--filter_zero_std_samples", "false",
-                 "--log_samples_freq", "1"], nproc=2, timeout=1800)
+                 "--log_samples_freq", "1", "--vllm_server_urls", smollm2_server], nproc=2, timeout=1800)
     assert out.returncode == 0, out.stderr[-4000:]
     steps = [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
     assert [r["step"] for r in steps] == [1, 2]
@@ -88,7 +103,7 @@ def test_smollm2_calls_the_calculator_over_several_turns_with_vllm_in_sync(smoll
     ("examples/langgraph_agent.py:solve", ["--max_prompt_length", "384", "--response_length", "512",
                                            "--num_unique_prompts_rollout", "2"])],
     ids=["smolagents", "langgraph"])
-def test_smollm2_trains_as_an_agent_framework_runs_it(smollm2, tmp_path, agent, budget):
+def test_smollm2_trains_as_an_agent_framework_runs_it(smollm2, smollm2_server, tmp_path, agent, budget):
     """An agent written with a framework, unmodified (examples/): smolagents' ToolCallingAgent and
     LangGraph's ReAct graph play the calculator task through the gateway; their steps train, and the
     trainer matches vLLM on every token vLLM sampled for them. The model rarely answers right at first:
@@ -101,8 +116,8 @@ def test_smollm2_trains_as_an_agent_framework_runs_it(smollm2, tmp_path, agent, 
                  "--reward_fn", f"{tmp_path}/r.py:reward",
                  "--num_training_steps", "2", "--eval_freq", "0", "--num_samples_per_prompt_rollout", "2",
                  "--max_turns", "3", "--learning_rate", "2e-5",
-                 "--temperature", "0.7", "--filter_zero_std_samples", "false", "--agent_timeout", "600"],
-                timeout=1800)
+                 "--temperature", "0.7", "--filter_zero_std_samples", "false", "--agent_timeout", "600",
+                 "--vllm_server_urls", smollm2_server], timeout=1800)
     assert out.returncode == 0, out.stderr[-4000:]
     steps = [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
     assert [r["step"] for r in steps] == [1, 2]

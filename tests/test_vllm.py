@@ -1,6 +1,7 @@
 """Rollouts against a real vLLM CPU server: generation, weight sync, failures."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -256,12 +257,14 @@ def test_server_that_cannot_start_quotes_its_log(tmp_path):
 
 @pytest.mark.slow
 def test_launched_server_computes_on_every_core(untied):
-    """vLLM logs the cores its worker is bound to; with automatic binding it was one of two."""
+    """The model runs in the engine's process (no worker process) on as many torch threads as the
+    process has cores; vLLM's automatic binding had given its worker one core of two."""
     _, client = untied
     with open(client.log_path) as f:
         log = f.read()
-    cores = sorted(os.sched_getaffinity(0))
-    assert f"core ids={cores}" in log and "reserved_cpus=[]" in log
+    n = len(os.sched_getaffinity(0))
+    assert re.search(rf"\(EngineCore pid=\d+\).*OMP_NUM_THREADS={n} is set; leaving Torch threads at {n}\b", log), log
+    assert "(Worker pid=" not in log and "VllmWorker" not in log
 
 
 @pytest.mark.slow
@@ -308,10 +311,17 @@ def test_cpu_server_takes_every_core_unless_generation_overlaps_training(monkeyp
     vllm_cpu_threads overrides both; a binding the user exported is kept."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     place = lambda env={}, **kw: vllm_server.cpu_placement(Config(**kw), env)  # noqa: E731
-    assert place() == dict(OMP_NUM_THREADS="4", VLLM_CPU_OMP_THREADS_BIND="0,1,2,3", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    assert place() == dict(OMP_NUM_THREADS="4", VLLM_CPU_OMP_THREADS_BIND="0,1,2,3", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+                           VLLM_ENABLE_V1_MULTIPROCESSING="0")  # the model in the engine's process
     async_cfg = dict(async_steps=1, use_vllm_logprobs=True)
     assert place(**async_cfg)["VLLM_CPU_OMP_THREADS_BIND"] == "2,3" and place(**async_cfg)["OMP_NUM_THREADS"] == "2"
+    assert place(**async_cfg)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"  # vLLM's worker process, bound to 2 and 3
     assert place(vllm_cpu_threads=1)["VLLM_CPU_OMP_THREADS_BIND"] == "3"
     assert place(vllm_cpu_threads=9)["OMP_NUM_THREADS"] == "4"  # no more threads than cores
     assert place({"VLLM_CPU_OMP_THREADS_BIND": "1-2"})["VLLM_CPU_OMP_THREADS_BIND"] == "1-2"
+    assert place({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    import memory  # the memory plan counts the processes the placement starts (one fewer: 2.0 GB, not 2.7)
+
+    for kw in ({}, async_cfg, dict(vllm_cpu_threads=1), dict(vllm_cpu_threads=4)):
+        assert (place(**kw)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0") == memory.engine_runs_model(Config(**kw), {}), kw
 
