@@ -178,9 +178,12 @@ def server_cores(cfg):
 
 def engine_runs_model(cfg, environ):
     """Whether a CPU server we launch runs the model in its engine's process (VLLM_ENABLE_V1_MULTIPROCESSING
-    =0, one process fewer): when it computes on every core, unless `environ` sets the variable."""
+    =0, one process fewer): when it computes on every core and `environ` asks for no binding of vLLM's
+    (VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_NUM_OF_RESERVED_CPU: only vLLM's worker process is bound), unless
+    `environ` sets the variable itself."""
     cores, bound = server_cores(cfg)
-    return environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if len(bound) == len(cores) else "1") == "0"
+    binds = "VLLM_CPU_OMP_THREADS_BIND" in environ or "VLLM_CPU_NUM_OF_RESERVED_CPU" in environ
+    return environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if binds or len(bound) < len(cores) else "0") == "0"
 
 
 def tied(mc):

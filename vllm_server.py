@@ -268,7 +268,8 @@ def cpu_placement(cfg, environ):
     its engine's process (VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's one-process executor, no worker
     process to start and poll; ready 7 s sooner, tokens/s the same or better: BENCHMARKS.md, "The
     model in the engine's process"); one on some of the cores keeps vLLM's worker process, whose
-    threads vLLM binds to them (its one-process executor binds nothing). These are defaults: a
+    threads vLLM binds to them (its one-process executor binds nothing), and so does one whose
+    binding the user exported (memory.engine_runs_model). These are defaults: a
     VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_NUM_OF_RESERVED_CPU or VLLM_ENABLE_V1_MULTIPROCESSING
     already set is kept."""
     bound = memory.server_cores(cfg)[1]

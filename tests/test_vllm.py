@@ -307,8 +307,9 @@ def test_killed_server_gives_clear_error(untied):  # last: it kills the module's
 
 
 def test_cpu_server_takes_every_core_unless_generation_overlaps_training(monkeypatch):
-    """Synchronous: every core bound, none reserved for vLLM's scheduler; async: the last half;
-    vllm_cpu_threads overrides both; a binding the user exported is kept."""
+    """Synchronous: every core, none reserved for vLLM's scheduler, the model in the engine's process;
+    async: the last half, bound, in vLLM's worker process; vllm_cpu_threads overrides both; a binding
+    the user exported is kept, and with it the worker process that applies it."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     place = lambda env={}, **kw: vllm_server.cpu_placement(Config(**kw), env)  # noqa: E731
     assert place() == dict(OMP_NUM_THREADS="4", VLLM_CPU_OMP_THREADS_BIND="0,1,2,3", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
@@ -318,10 +319,16 @@ def test_cpu_server_takes_every_core_unless_generation_overlaps_training(monkeyp
     assert place(**async_cfg)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"  # vLLM's worker process, bound to 2 and 3
     assert place(vllm_cpu_threads=1)["VLLM_CPU_OMP_THREADS_BIND"] == "3"
     assert place(vllm_cpu_threads=9)["OMP_NUM_THREADS"] == "4"  # no more threads than cores
-    assert place({"VLLM_CPU_OMP_THREADS_BIND": "1-2"})["VLLM_CPU_OMP_THREADS_BIND"] == "1-2"
+    # a binding the user exported is vLLM's worker process's to apply: the model stays in one
+    user_bound = place({"VLLM_CPU_OMP_THREADS_BIND": "1-2"})
+    assert user_bound["VLLM_CPU_OMP_THREADS_BIND"] == "1-2" and user_bound["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    assert place({"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"})["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
     assert place({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    assert place({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, **async_cfg)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     import memory  # the memory plan counts the processes the placement starts (one fewer: 2.0 GB, not 2.7)
 
     for kw in ({}, async_cfg, dict(vllm_cpu_threads=1), dict(vllm_cpu_threads=4)):
-        assert (place(**kw)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0") == memory.engine_runs_model(Config(**kw), {}), kw
+        for env in ({}, {"VLLM_CPU_OMP_THREADS_BIND": "1-2"}):
+            assert (place(env, **kw)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0") == \
+                memory.engine_runs_model(Config(**kw), env), (kw, env)
 
