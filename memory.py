@@ -25,7 +25,8 @@ A trainer rank, FSDP2 over `shard` ranks, the parameters held in float32 (parall
   the prompts), read from /proc; on a GPU the CUDA context, about 0.5 GB beside the allocator.
 The server we launch: its weights in its dtype, the KV cache of the run's own sequences (the
 batch's sequences at max_prompt_length + response_length, in whole blocks), and on a CPU its
-processes' runtime (CPU_SERVER_RUNTIME, measured). A teacher's server (distill/) is planned the same
+processes' runtime (measured: CPU_SERVER_RUNTIME, or CPU_SERVER_RUNTIME_TWO_PROCESSES when the model
+runs in the engine's process, engine_runs_model). A teacher's server (distill/) is planned the same
 way on the teacher's config, with the prompt logits it holds beside them (server_plan).
 """
 
