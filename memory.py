@@ -179,12 +179,13 @@ def server_cores(cfg):
 
 def engine_runs_model(cfg, environ):
     """Whether a CPU server we launch runs the model in its engine's process (VLLM_ENABLE_V1_MULTIPROCESSING
-    =0, one process fewer): when it computes on every core and `environ` asks for no binding of vLLM's
-    (VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_NUM_OF_RESERVED_CPU: only vLLM's worker process is bound), unless
-    `environ` sets the variable itself."""
+    =0, one process fewer): as `environ` sets that variable (vLLM reads it as an integer), else when the
+    server computes on every core and `environ` binds no cores itself (VLLM_CPU_OMP_THREADS_BIND: only
+    vLLM's worker process is bound)."""
+    if (value := environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")) is not None:
+        return value.strip().lstrip("+-").isdigit() and int(value) == 0
     cores, bound = server_cores(cfg)
-    binds = "VLLM_CPU_OMP_THREADS_BIND" in environ or "VLLM_CPU_NUM_OF_RESERVED_CPU" in environ
-    return environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if binds or len(bound) < len(cores) else "0") == "0"
+    return len(bound) == len(cores) and "VLLM_CPU_OMP_THREADS_BIND" not in environ
 
 
 def tied(mc):

@@ -269,14 +269,15 @@ def cpu_placement(cfg, environ):
     process to start and poll; ready 7 s sooner, tokens/s the same or better: BENCHMARKS.md, "The
     model in the engine's process"); one on some of the cores keeps vLLM's worker process, whose
     threads vLLM binds to them (its one-process executor binds nothing), and so does one whose
-    binding the user exported (memory.engine_runs_model). These are defaults: a
+    VLLM_CPU_OMP_THREADS_BIND the user exported (memory.engine_runs_model). These are defaults: a
     VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_NUM_OF_RESERVED_CPU or VLLM_ENABLE_V1_MULTIPROCESSING
     already set is kept."""
     bound = memory.server_cores(cfg)[1]
     return dict(OMP_NUM_THREADS=str(len(bound)),  # not the trainer's: demo.sh gives each training rank one thread
                 VLLM_CPU_OMP_THREADS_BIND=environ.get("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, bound))),
                 VLLM_CPU_NUM_OF_RESERVED_CPU=environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"),
-                VLLM_ENABLE_V1_MULTIPROCESSING="0" if memory.engine_runs_model(cfg, environ) else "1")
+                VLLM_ENABLE_V1_MULTIPROCESSING=environ.get("VLLM_ENABLE_V1_MULTIPROCESSING",
+                                                           "0" if memory.engine_runs_model(cfg, environ) else "1"))
 
 
 def stop_server(proc, timeout=30):

@@ -105,7 +105,8 @@ def timed(fn):
 
 def cpu_seconds(pid):
     """CPU seconds (user + system) so far of the server and each of its processes, by name:
-    the API server, the engine core (the scheduler) and the worker that runs the model."""
+    the API server, the engine core (the scheduler; the model too with ENGINE) and, with WORKER,
+    the worker that runs the model."""
     import psutil
 
     out = {}

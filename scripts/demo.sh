@@ -25,13 +25,13 @@ if [[ " $* " == *" --ema "* && "${1:-} ${2:-}" != "--tools --ema" ]]; then
 fi
 bash scripts/install.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-# Memory (BENCHMARKS.md, "Memory plan"): vLLM's engine runs its model in its own process (vLLM's
-# switch; a third process otherwise, 0.8 GB more), each rank recomputes its decoder layers in backward
-# (activation checkpointing: the same numbers), and one reward worker scores (a math reward takes
-# milliseconds). The server's KV cache is the memory plan's, for the batch's 32 sequences. glibc
+# Memory (BENCHMARKS.md, "Memory plan"): vLLM's engine runs its model in its own process (what
+# train.py launches for a CPU server on every core; a third process otherwise, 0.8 GB more), each
+# rank recomputes its decoder layers in backward (activation checkpointing: the same numbers), and
+# one reward worker scores (a math reward takes milliseconds). The server's KV cache is the memory
+# plan's, for the batch's 32 sequences. glibc
 # gives every block of 1 MiB or more back to the system when it is freed (its dynamic threshold
 # would keep tensors of up to 32 MiB on the heap, which grows): 1.1 GB less a rank, the same numbers.
-export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0}
 export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-1048576}
 memory=(--activation_checkpointing true --reward_workers 1)
 out=${OUT:-output/demo}

@@ -100,6 +100,26 @@ def test_trainer_items_by_hand():
     assert memory.sync_part(dataclasses.replace(lora, lora_weight_sync="adapter"), mc, meta_model(mc)) == 0
 
 
+def test_the_plan_counts_the_server_processes_its_placement_starts(monkeypatch):
+    """A CPU server on every core runs its model in the engine's process: two processes' runtime; one on
+    half the cores (async), one whose cores the user bound, or with vLLM's variable set to 1: three."""
+    import vllm_server
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU"):
+        monkeypatch.delenv(name, raising=False)
+    mc = model_config(128, 256, 2, 1, 64)
+    sync, ahead = Config(), Config(async_steps=1, use_vllm_logprobs=True)
+    cases = [(sync, {}, "0"), (ahead, {}, "1"), (sync, {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}, "1"),
+             (sync, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, "1"), (ahead, {"VLLM_ENABLE_V1_MULTIPROCESSING": "00"}, "00"),
+             (sync, {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}, "0")]  # no binding of its own: the list is ours
+    for cfg, env, launched in cases:
+        with unittest.mock.patch.dict(os.environ, env):
+            assert vllm_server.cpu_placement(cfg, os.environ)["VLLM_ENABLE_V1_MULTIPROCESSING"] == launched, env
+            runtime = memory.model_server(cfg, mc, meta_model(mc), cuda=False)["runtime"]
+        assert runtime == (memory.CPU_SERVER_RUNTIME_TWO_PROCESSES if int(launched) == 0 else memory.CPU_SERVER_RUNTIME)
+
+
 def test_kv_cache_by_hand():
     """2 x 4 sequences of 32 + 40 tokens in blocks of 32 (CPU): 3 blocks each, and the block vLLM keeps
     back; K and V of 2 layers, 64 wide. An evaluation of more prompts, or beside generation ahead, more."""

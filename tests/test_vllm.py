@@ -263,7 +263,8 @@ def test_launched_server_computes_on_every_core(untied):
     with open(client.log_path) as f:
         log = f.read()
     n = len(os.sched_getaffinity(0))
-    assert re.search(rf"\(EngineCore pid=\d+\).*OMP_NUM_THREADS={n} is set; leaving Torch threads at {n}\b", log), log
+    if n > 1:  # vLLM says so only of more than one thread
+        assert re.search(rf"\(EngineCore pid=\d+\).*OMP_NUM_THREADS={n} is set; leaving Torch threads at {n}\b", log)
     assert "(Worker pid=" not in log and "VllmWorker" not in log
 
 
@@ -322,13 +323,9 @@ def test_cpu_server_takes_every_core_unless_generation_overlaps_training(monkeyp
     # a binding the user exported is vLLM's worker process's to apply: the model stays in one
     user_bound = place({"VLLM_CPU_OMP_THREADS_BIND": "1-2"})
     assert user_bound["VLLM_CPU_OMP_THREADS_BIND"] == "1-2" and user_bound["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
-    assert place({"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"})["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
     assert place({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
     assert place({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, **async_cfg)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-    import memory  # the memory plan counts the processes the placement starts (one fewer: 2.0 GB, not 2.7)
-
-    for kw in ({}, async_cfg, dict(vllm_cpu_threads=1), dict(vllm_cpu_threads=4)):
-        for env in ({}, {"VLLM_CPU_OMP_THREADS_BIND": "1-2"}):
-            assert (place(env, **kw)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0") == \
-                memory.engine_runs_model(Config(**kw), env), (kw, env)
+    assert place(vllm_cpu_threads=1)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    assert place(vllm_cpu_threads=4)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # every core
+    # (the memory plan's count of the server's processes: test_memory.py)
 
