@@ -8,6 +8,12 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
+# The two pytest processes (below) share the cores, so a server of one computes on cores the other's
+# processes want. OpenMP threads that spin at each barrier while a sibling is descheduled then wait a
+# whole time slice per barrier: the tiny model's server beside one busy process generated 137-194
+# tokens/s, and 6,997 with passive waiting (benchmarks/bench_generation.py, BENCHMARKS.md). Every
+# process the tests start inherits this; it changes when threads sleep, not what they compute.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(scope="session")
