@@ -175,7 +175,8 @@ class Config:
                                       "+ clip_higher", low=0)
     beta: float = option(0.0, "KL coefficient toward the reference; 0 = no KL term", low=0)
     kl_estimator: Literal["k1", "k2", "k3", "k4", "topk", "advantage"] = option("k3",
-        "k1, k2, k3, k4 or topk (a loss term), or advantage (the sampled k1 taken from each token's advantage)")
+        "k1, k2, k3, k4 or topk (a loss term), or advantage (the sampled k1 taken from each token's advantage); the KL "
+        "each one's gradient follows: docs/algorithm.md (a teacher refuses k1 and k3)")
     kl_topk: int = option(0, "topk: tokens of the sampling policy (a teacher's) summed exactly per position (0 = "
                              "sampled k4)", low=0)
     teacher_model_name_or_path: Optional[str] = option(None, "on-policy distillation (distill/): a teacher with the "
@@ -375,9 +376,6 @@ class Config:
         if not self.reward_advantage and not (self.teacher_model_name_or_path and self.beta > 0):
             return ("reward_advantage=False trains on the KL term alone, which only a teacher makes a goal: set "
                     "teacher_model_name_or_path and beta > 0, or reward_advantage=True")
-        if not self.reward_advantage and self.kl_estimator == "k1":
-            return ("reward_advantage=False with kl_estimator='k1': k1's gradient is zero in expectation, so the KL term "
-                    "alone trains nothing; pick advantage, topk, k2 or k4 (k3 trains the forward KL(teacher || student))")
         if not self.reward_advantage and self.active_sampling:
             return "active_sampling=True refills groups without reward signal; with reward_advantage=False none is read"
         return self._check_teacher() if self.teacher_model_name_or_path else None
@@ -385,6 +383,12 @@ class Config:
     def _check_teacher(self):
         if not self.uses_reference:
             return "teacher_model_name_or_path needs beta > 0 (and load_ref_policy=True): the KL to it is its one use"
+        why = {"k1": "k1's gradient is zero in expectation: the teacher would pull nothing",
+               "k3": "k3's gradient is the forward KL(teacher || student), not on-policy distillation's reverse "
+                     "KL(student || teacher)"}  # what each estimator's gradient follows: docs/algorithm.md
+        if self.kl_estimator in why:
+            return (f"teacher_model_name_or_path with kl_estimator={self.kl_estimator!r}: {why[self.kl_estimator]}; "
+                    "pick advantage (the usual start), topk, k2 or k4")
         if self.temperature != 1.0:
             return (f"teacher_model_name_or_path with temperature={self.temperature}: vLLM scores the student's tokens "
                     "at temperature 1 (prompt logprobs skip its sampler); sample at temperature=1.0")

@@ -10,7 +10,10 @@ of FAULTS, named by the metric that counts it, and every file that meets one ask
 
 A failure nobody can pin on the policy is ours: a timeout or a worker's death may follow from what
 the policy wrote, but may as well be a loaded machine or the OOM killer, and a group dropped costs
-samples where a wrong reward costs the run. An environment tells the policy of its mistakes with
+samples where a wrong reward costs the run. Where the kernel can tell, it decides: a sandboxed cell
+at its wall clock is the policy's when it had the CPU (it computed, slept, or waited on processes
+of its own), ours when it spent over half its wall clock waiting on the run queue for a CPU
+(/proc/PID/schedstat; envs/sandbox.py, Result.ours). An environment tells the policy of its mistakes with
 envs.tool_calls.ToolError, and of its own with envs.tool_calls.Unavailable. The same rows hold for a shared
 environment and a per-episode one, in a worker or in the trainer (tool_workers=0: no timeout, no
 crash). docs/operations.md ("Whose failure is it") is this table as users read it.
@@ -21,10 +24,12 @@ POLICY, OURS = "policy", "ours"
 FAULTS = {  # the metric that counts it: (whose, what it is)
     # an --environment's calls (envs/calls.py, envs/environment.py, worker_pool.CallPool)
     "tool_bad_calls": (POLICY, "the environment raised ToolError, a tool function raised, or the parser could not "
-                               "read the policy's call"),
+                               "read the policy's call; the policy's code failed or reached a limit in the sandbox"),
     "tool_errors": (OURS, "the environment's step raised an exception other than ToolError, or returned something "
-                           "that is not a list of messages"),
+                           "that is not a list of messages; a per-episode instance's close() raised"),
     "tool_unavailable": (OURS, "the tool could not run (envs.tool_calls.Unavailable: a sandbox that cannot start)"),
+    "tool_starved": (OURS, "the policy's code reached the sandbox's wall clock after waiting for a CPU (the run "
+                           "queue) for more than half of it: a loaded machine (envs.tool_calls.Starved)"),
     "tool_resets": (OURS, "a per-episode environment's constructor or reset(row) raised"),
     "tool_timeouts": (OURS, "a call ran past tool_timeout: its worker was killed"),
     "tool_crashes": (OURS, "a call's worker died (a signal, or an exit)"),

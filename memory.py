@@ -204,7 +204,8 @@ def resident_bytes():
 
 def machine_bytes():
     """This machine's physical memory: what the run may hold at most. Not what is free, which other jobs
-    move from moment to moment: the same run must not be refused on one start and pass on the next."""
+    move from moment to moment: the same run must not be refused on one start and pass on the next.
+    Not a container's limit either (its cgroup's memory.max), which this does not read yet (docs/running.md)."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 

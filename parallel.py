@@ -108,8 +108,10 @@ def close_distributed():
     dist.barrier()
     dist.destroy_process_group()
     # DTensor's caches keep device meshes alive past the run, and a mesh holds its groups.
+    # (type(), not isinstance: DeviceMesh's metaclass reads each object's __class__, and the deprecated
+    # torch.distributed.reduce_op answers that with a FutureWarning printed after the run's last line)
     for obj in gc.get_objects():
-        if isinstance(obj, DeviceMesh) and hasattr(obj, "_pg_registry"):  # older torch keeps no groups on the mesh
+        if issubclass(type(obj), DeviceMesh) and hasattr(obj, "_pg_registry"):  # older torch keeps no groups on it
             obj._pg_registry.clear()
     gc.collect()  # FSDP2 modules sit in reference cycles: free them, and the group with them
 

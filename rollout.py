@@ -144,15 +144,18 @@ def sample_groups(cfg, client, rows, seed, step, pool, tokenizer, player, show=F
 
 
 def show_episode(step, e, tokenizer):
-    """One logged episode: the prompt, the whole episode after it with the environment's tokens
-    marked [env: ...], and its reward."""
+    """One logged episode: the prompt; the completion, the text the reward was given (its last turn,
+    without the end-of-sequence token that ended it: episodes.completion_text), so that a logged
+    reward can be recomputed from the log; the episode, every token after the prompt as trained, the
+    environment's marked [env: ...] and end tokens included; and its reward."""
     parts, s = [], e.sample
     for i, m in enumerate(s.mask):
         if not parts or parts[-1][0] != m:
             parts.append((m, []))
         parts[-1][1].append(s.token_ids[i])
     text = "".join(tokenizer.decode(ids) if m else f"[env: {tokenizer.decode(ids)}]" for m, ids in parts)
-    return dict(step=step, prompt=e.row["prompt_text"], completion=text, reward=None if e.failure else s.reward)
+    return dict(step=step, prompt=e.row["prompt_text"], completion=e.completion, episode=text,
+                reward=None if e.failure else s.reward)
 
 
 def rollout_batch(cfg, client, sampler, step, pool, tokenizer, player):

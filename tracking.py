@@ -21,7 +21,7 @@ from dataclasses import asdict
 
 from tqdm import tqdm
 
-SAMPLE_COLUMNS = ("step", "prompt", "completion", "reward")
+SAMPLE_COLUMNS = ("step", "prompt", "completion", "episode", "reward")  # rollout.show_episode says what each is
 CONSOLE = ("step", "reward_mean", "eval_accuracy", "eval_tool_calls", "response_length", "tool_calls", "loss", "kl",
            "teacher_kl", "clip_frac", "entropy", "grad_norm", "vllm_logp_diff_max", "time_step")
 
@@ -146,7 +146,7 @@ def open_tracker(cfg):
             if isinstance(v, (int, float)):
                 writer.add_scalar(k, v, step)
         for s in m.get("samples", []):
-            writer.add_text("samples", f"reward {shown(s['reward'])}\n\n{s['prompt']}\n\n{s['completion']}", step)
+            writer.add_text("samples", f"reward {shown(s['reward'])}\n\n{s['prompt']}\n\n{s['episode']}", step)
     return log_tensorboard
 
 
@@ -184,7 +184,8 @@ class MetricsLog:
                                 if k in CONSOLE))
 
     def write_samples(self, samples):
-        """Append (step, prompt, completion, reward) rows to samples.jsonl, print them, send them to the tracker."""
+        """Append (step, prompt, completion, episode, reward) rows to samples.jsonl, print them (the
+        episode), send them to the tracker."""
         if not samples:
             return
         if self.samples_file is None:
@@ -192,7 +193,7 @@ class MetricsLog:
         for s in samples:
             self.samples_file.write(json.dumps({c: s[c] for c in SAMPLE_COLUMNS}) + "\n")
             tqdm.write(f"  sample reward={shown(s['reward'])} | {one_line(s['prompt'], 90, end=True)} | "
-                       f"{one_line(s['completion'], 200)}")
+                       f"{one_line(s['episode'], 200)}")
         self.samples_file.flush()
         if self.tracker:
             self.tracker({"samples": samples}, samples[0]["step"])

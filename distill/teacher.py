@@ -5,9 +5,14 @@
     ref.logprobs(forward, b, ...)     # the teacher's logp of micro-batch b's tokens (and its top k), from b
 
 The student samples; the teacher scores every token it wrote; the KL term (loss.py) pulls the
-student toward the teacher on the student's own samples (the reverse KL, mode-seeking). vLLM scores
-a prompt's tokens (prompt_logprobs): entry j is log p(token j | tokens before j), entry 0 is None,
-and with prompt_logprobs=k the k most likely tokens at j come with it. A sample goes as one prompt
+student toward the teacher on the student's own samples. With kl_estimator advantage, topk, k2 or k4
+its expected gradient is that of the reverse KL(student || teacher) at each position (mode-seeking;
+the prefix's probability is not differentiated: the discount of zero of Thinking Machines' "On-Policy
+Distillation"); k3's would be the forward KL(teacher || student)'s and k1's zero, so Config refuses
+both beside a teacher (docs/algorithm.md derives each; tests/test_kl_directions.py enumerates them).
+
+vLLM scores a prompt's tokens (prompt_logprobs): entry j is log p(token j | tokens before j), entry 0
+is None, and with prompt_logprobs=k the k most likely tokens at j come with it. A sample goes as one prompt
 (its prompt and every token after it; each sequence of an agent's episode apart) with max_tokens=1,
 so sampled token i is entry len(prompt) + i, the alignment of the trainer's own next-token targets.
 The environment's tokens are scored and dropped with the mask.
@@ -19,7 +24,8 @@ For the top-k KL (kl_estimator="topk") the exact head is the teacher's k most li
 position. EMA-PG's estimator is unbiased for any head chosen before the token at that position is
 sampled (the tail term covers the rest), and the teacher's top k is such a head; it is also the
 only one a server that reports its own top k can give, where a reference in the trainer reports
-its logprobs at any ids (there the head is the sampling policy's k).
+its logprobs at any ids (there the head is the sampling policy's k). The student's forward reads its
+logprobs at the teacher's ids, so check refuses a teacher with more embedding rows than the student.
 """
 
 import atexit
@@ -32,13 +38,15 @@ import memory
 import vllm_client
 import vllm_server
 from faults import VLLMError
+from model_files import load_model_config
 from weight_sync import raise_on_every_rank
 
 
 def check(cfg, tokenizer, cuda):
-    """Before anything starts: the teacher's files, and the student's tokenizer (the KL compares the two
-    models' logprobs of the same token ids). ValueError naming the fix."""
-    from transformers import AutoTokenizer
+    """Before anything starts: the teacher's files, the student's tokenizer (the KL compares the two
+    models' logprobs of the same token ids) and, for the top-k KL, the embedding rows its head's ids
+    index in the student. ValueError naming the fix."""
+    from transformers import AutoConfig, AutoTokenizer
 
     path = cfg.teacher_model_name_or_path
     if not os.path.isfile(os.path.join(path, "config.json")):
@@ -58,6 +66,16 @@ def check(cfg, tokenizer, cuda):
         raise ValueError(f"teacher_model_name_or_path={path!r} has another tokenizer than model_name_or_path="
                          f"{cfg.model_name_or_path!r} ({differ} token/id pairs differ): the KL compares the logprobs "
                          "of the same token ids; pick a teacher of the student's family")
+    # One tokenizer, not one embedding: Qwen2.5-7B has 152,064 rows, 0.5B 151,936 (padding past the tokens).
+    # The teacher's top k are ids its server ranks over its own rows, and the student's forward gathers its
+    # logprobs at them (update.frozen_logprobs): an id past the student's rows would index out of range.
+    if cfg.kl_estimator != "topk" or not cfg.kl_topk:
+        return
+    teacher_rows, student_rows = AutoConfig.from_pretrained(path).vocab_size, load_model_config(cfg).vocab_size
+    if teacher_rows > student_rows:
+        raise ValueError(f"teacher_model_name_or_path={path!r} has {teacher_rows} embedding rows, the student "
+                         f"{student_rows}: its top k can name an id the student lacks; use kl_estimator='advantage' "
+                         "(or k2, k4: they read the sampled token's logprob alone), or a teacher of the student's rows")
 
 
 def sequences(s):

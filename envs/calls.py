@@ -8,7 +8,7 @@ worker_pool.py (its forkserver preloads this module, so that a replacement worke
 
 from envs import tool_calls
 from user_code import load_object, to_float
-from envs.tool_calls import ToolError, Unavailable
+from envs.tool_calls import Starved, ToolError, Unavailable
 
 KEYS = ("role", "content", "name", "tool_call_id", "tool_calls")  # what a message keeps
 
@@ -44,7 +44,7 @@ class Calls:
     the worker pinned to the episode, and kept there until "finish" or "close". Each failure is
     named by its row of faults.FAULTS, and whose it is decided there:
     - what="step" returns (messages, kind, why): kind None, "tool_bad_calls" (the policy's mistake:
-      the messages tell it), or one of ours with no messages ("tool_errors", "tool_unavailable",
+      the messages tell it), or one of ours with no messages ("tool_errors", "tool_unavailable", "tool_starved",
       "tool_resets", "tool_lost": the instance died with an earlier worker);
     - what="finish" returns (the episode's reward or None without a reward method, kind, why): the
       reward is computed, then the instance closed; a close that raises is "tool_errors", and a
@@ -121,6 +121,8 @@ def step(env, row, messages):
         return check_messages(env.step(row, messages)), None, None
     except ToolError as e:
         return [{"role": "tool", "content": f"error: {e}"}], "tool_bad_calls", None
+    except Starved as e:
+        return [], "tool_starved", f"the tool was kept from a CPU: {e}"
     except Unavailable as e:
         return [], "tool_unavailable", f"the tool could not run: {e}"
     except Exception as e:  # noqa: BLE001 - the environment's own code failed: raise ToolError for the policy's mistakes

@@ -10,14 +10,14 @@ import re
 
 from envs import sandbox
 from envs.sandbox import START_TIME, Interpreter, Limits
-from envs.tool_calls import ToolError, Unavailable
+from envs.tool_calls import Starved, ToolError, Unavailable
 
 
 class PythonTool:
     """The policy writes <python>code</python>; the code runs in the episode's Interpreter and
     what it printed comes back as a tool message. A turn without code ends the episode. The code's
-    exception or a limit is the policy's mistake: told as "error: ..." and counted (tool_bad_calls).
-    A sandbox that cannot start is ours: the run checks it at start-up (check, where the calls run),
+    exception or a limit is the policy's mistake: told as "error: ..." and counted (tool_bad_calls),
+    but for the wall clock reached on a loaded machine (tool_starved). A sandbox that cannot start is ours: the run checks it at start-up (check, where the calls run),
     and should it fail later the episode ends unscored (tool_unavailable), never told to the policy."""
 
     stop = ["</python>"]
@@ -53,6 +53,8 @@ class PythonTool:
         except RuntimeError as e:  # the sandbox did not start (Interpreter.start): ours, not the code's
             raise Unavailable(str(e)) from None
         output = (result.stdout + result.stderr).strip()
+        if result.ours(self.limits):  # the wall clock on a loaded machine: not the code's (faults.py)
+            raise Starved(f"{result.error}, {result.waited:.1f} s of it waiting for a CPU")
         if result.error:
             raise ToolError(f"{result.error}\n{output}".strip())
         return [{"role": "tool", "content": output}]

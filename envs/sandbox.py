@@ -16,36 +16,47 @@ it as root); envs/sandbox_process.py builds its command line. What holds, and by
   read-only (/dev/null and the other devices are written all the same). Nothing of the checkout,
   the datasets, the output directory, /etc, the home or the host's /tmp and /dev/shm.
 - Namespaces: a network of its own loopback only (nothing outside it, the host's loopback
-  neither), a pid namespace with its own /proc (bwrap's reaper is its pid 1), ipc, uts. As root:
+  neither), a pid namespace with its own /proc whose pid 1 is the interpreter itself (bwrap
+  --as-pid-1: no reaper of bwrap's beside it, so no process of the sandbox stands outside the
+  limits below; /proc/1/mem is the code's own), ipc, uts. As root:
   no user namespace, and the code runs as a uid of its own (setpriv: no groups, no new
   privileges); not root: a user namespace in which the code is uid 1000 and can make no other
   (bwrap 0.8's --disable-userns, and the seccomp filter below).
 - Kernel: a seccomp filter (bwrap --seccomp; x86_64 and aarch64, none elsewhere) refuses ptrace,
-  process_vm_readv/writev and pidfd_getfd (not root, bwrap's pid 1 has the code's uid; its memory
-  stays readable at /proc/1/mem, and holds nothing of the trainer's), add_key, request_key and
-  keyctl, and a user namespace (unshare or clone with CLONE_NEWUSER; clone3 answers ENOSYS, and
-  glibc then uses clone); on x86_64, every x32 call too, and a 32-bit call (int 0x80) kills its process.
+  process_vm_readv/writev and pidfd_getfd, add_key, request_key and keyctl; memory no rlimit
+  counts (memfd_create, memfd_secret, and SysV shmget, semget and msgget: POSIX shared memory is
+  files in /dev/shm, of Limits.disk); clearing or changing the parent-death signal
+  (prctl(PR_SET_PDEATHSIG) to anything but SIGKILL); a user namespace (unshare or clone with
+  CLONE_NEWUSER; clone3 answers ENOSYS, and glibc then uses clone); on x86_64, every x32 call too,
+  and a 32-bit call (int 0x80) kills its process.
   The sandbox joins a session keyring of its own: the trainer's keys are not within its reach.
 - Life: bwrap dies with the process that started it (--die-with-parent; the tool worker, or its
-  thread that started it), and with bwrap its pid 1 and so every process of the sandbox. At the
-  wall clock, and when a reply does not check, we SIGKILL its pid 1: the whole tree goes. After
-  each cell the interpreter SIGKILLs every other process of the namespace: nothing a cell
-  started runs on after it.
+  thread that started it), and with bwrap the interpreter (its parent-death signal, which setpriv
+  keeps as root and the filter keeps the code from clearing), and with the interpreter, pid 1,
+  every process of the sandbox. At the wall clock, and when a reply does not check, we SIGKILL
+  pid 1: the whole tree goes. After each cell the interpreter SIGKILLs every other process of the
+  namespace, and we stop it (SIGSTOP) until the next cell: nothing a cell started, a thread of
+  the interpreter's included, runs or takes a CPU between cells.
 - Limits. Per sandbox: processes and threads (RLIMIT_NPROC counts per uid, and the uid, or user
   namespace, is the sandbox's own), disk (Limits.disk in /tmp and as much in /dev/shm), wall
   clock; as root where a memory cgroup can be made, memory (Limits.memory for all its processes
-  together). Per process: CPU seconds (RLIMIT_CPU from each cell's start: SIGXCPU), memory
-  (RLIMIT_AS: MemoryError; the only memory limit where there is no cgroup: as many processes
-  as the limit allows may each use as much), open files. Per file: size (RLIMIT_FSIZE, stdout
-  and stderr too). Threads a cell starts in the interpreter itself run on after it, under its
-  CPU limit, until the wall clock of a later cell or close().
+  together). Per process: CPU seconds (RLIMIT_CPU from each cell's start: SIGXCPU; its hard
+  value Limits.cpu_total, the interpreter's whole life, finite: a cell cannot lift it, and one
+  that ignores SIGXCPU is killed there or at the wall clock), memory (RLIMIT_AS: MemoryError;
+  the only memory limit where there is no cgroup: as many processes as the limit allows may
+  each use as much, and memory outside any mapping is refused above), open files. Per file: size
+  (RLIMIT_FSIZE, stdout and stderr too). What is left unbounded by a number of ours is bounded by
+  these: pipes' and sockets' buffers (by open files and processes).
+- Whose a wall clock is: Result.waited is how long the cell's thread waited on the run queue for
+  a CPU; more than half the wall clock is a loaded machine's doing (Result.ours, faults.py's
+  tool_starved), else the code's.
 - Replies: each cell is sent with a random nonce, and the reply must carry it; a reply that does
   not (a cell that wrote on the reply pipe) kills the sandbox and answers the cell as an error.
   Code in the cell can still find the nonce by introspection (frames, the gc): this keeps a
   model's mistakes from corrupting the protocol, not a determined attacker. Same for the rest:
   the kernel is shared, and the seccomp filter refuses only the calls above.
 - Environment: PATH, HOME, TMPDIR, LANG and thread counts; none of the trainer's variables, in
-  the code's process or in bwrap's (whose pid 1 the code can read, not root: /proc/1/environ).
+  the code's process or in bwrap's.
 Fails closed: without bwrap, or where it cannot make namespaces, the first cell raises one line
 naming the fix (probe() runs one cell, once at the run's start where the calls run: PythonTool.check). SANDBOX_ISOLATION=none
 (or Limits(isolation="none")) opts into running the code unisolated, with a warning: rlimits (no
@@ -82,7 +93,8 @@ START_TIME = 4.0  # seconds the sandboxed interpreter may take to start (it take
 
 @dataclasses.dataclass
 class Limits:
-    cpu: int = 5  # CPU seconds per cell, per process (all its threads)
+    cpu: int = 5  # CPU seconds per cell, per process (all its threads): SIGXCPU, the interpreter restarts
+    cpu_total: int = 60  # CPU seconds of the interpreter's whole life, every cell's: a hard limit (SIGKILL)
     wall: float = 10.0  # seconds per cell, by the clock, for the whole sandbox
     memory: int = 1 << 30  # bytes of address space per process; as root with a memory cgroup, also of all together
     disk: int = 64 << 20  # bytes in /tmp, and as many in /dev/shm (tmpfs, in memory)
@@ -105,6 +117,13 @@ class Result:
     error: str | None = None  # what went wrong, in words; None when the cell ran through
     limit: str | None = None  # the limit that fired: cpu, wall, memory, disk, file size, processes, open files
     exit: int | None = None  # the interpreter's exit status (-N: signal N) when it ended; the next cell starts afresh
+    waited: float = 0.0  # seconds the cell's thread waited for a CPU (the kernel's run queue), isolated only
+
+    def ours(self, limits):
+        """Whose failure a cell at the wall clock is, by faults.py's rule (tool_starved): ours when the
+        machine kept the cell's thread waiting for a CPU for more than half its wall clock (a loaded
+        machine), else the code's own (it computed, slept or waited on its own processes)."""
+        return self.limit == "wall" and self.waited > limits.wall / 2
 
 
 def read_line(fd, deadline, cap=1 << 16):
@@ -137,7 +156,8 @@ class Interpreter:
 
     def __init__(self, limits=None):
         self.limits = limits or Limits()
-        self.proc = None
+        self.proc = self.cells = self.replies = self.out = self.err = self.cgroup = None
+        self.pidfd = self.python = self.pid = None  # pid 1's handle; the interpreter's handle and host pid
         self.scratch = None  # unisolated only: the host directory that is its cwd, HOME and TMPDIR
 
     def start(self):
@@ -150,34 +170,54 @@ class Interpreter:
             warnings.warn("SANDBOX_ISOLATION=none: the policy's code runs unisolated, as this user, with the "
                           "network, every file this user can read or write, and no process limit", stacklevel=3)
             self.scratch = self.scratch or tempfile.mkdtemp(prefix="sandbox-")
-        (cells, self.cells), (self.replies, replies), (info, info_w) = os.pipe(), os.pipe(), os.pipe()
-        os.set_blocking(self.cells, False)
-        self.out, self.err = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # ours, read bounded
-        for f in (self.out, self.err):  # appended to, so that truncating them between cells restarts them
-            fcntl.fcntl(f, fcntl.F_SETFL, fcntl.fcntl(f, fcntl.F_GETFL) | os.O_APPEND)
         # as root, a uid of the sandbox's own: one in 2**24 at random (two sandboxes that drew the
         # same would share their process limit, and nothing else: their pids and files are apart)
         self.uid = UIDS + random.randrange(1 << 24) if isolated and os.geteuid() == 0 else None
-        self.cgroup, self.pidfd = memory_cgroup(self.limits.memory) if isolated else None, None
-        seccomp = seccomp_pipe() if isolated else None
-        line = command(self.limits, self.uid, replies, info_w, seccomp)
-        if self.cgroup:  # bwrap enters the cgroup before it forks: sh moves itself there, then becomes bwrap
-            line = ["sh", "-c", 'echo 0 > "$0/cgroup.procs" && exec "$@"', self.cgroup, *line]
-        try:  # bwrap too starts with the sandbox's variables: its pid 1, as not root, is the code's to read
-            self.proc = subprocess.Popen(line, cwd=self.scratch, env=environment(self.scratch or "/tmp"),
-                                         stdin=cells, stdout=self.out, stderr=self.err, start_new_session=True,
-                                         preexec_fn=new_session_keyring if isolated else None,
-                                         pass_fds=[fd for fd in (replies, isolated and info_w, seccomp) if fd])
-        finally:
-            for fd in (cells, replies, info_w, seccomp):
-                if fd is not None:
-                    os.close(fd)
+        theirs = []  # the pipes' ends the sandbox's process gets: ours closed once it has them
+        try:
+            info = self.launch(isolated, theirs)
+        except BaseException:  # nothing opened outlives a start that failed: pipes, files, the cgroup
+            self.release(theirs)
+            raise
+        for fd in theirs:
+            os.close(fd)
         ready = read_line(self.replies, time.monotonic() + START_TIME) == b'{"ready": true}'
         with os.fdopen(info) as f:  # bwrap wrote its pid 1's pid there, and closed it, before that started us
             pid = json.loads(f.read() or "{}").get("child-pid") if isolated and ready else None
         self.pidfd = os.pidfd_open(pid) if pid else None  # a handle on that process: no pid reuse misdirects a kill
+        # the interpreter: pid 1 itself, or as root the only child of bwrap's reaper
+        self.pid = (pid if self.uid is None else child(pid)) if pid else None
+        self.python = self.pidfd if self.pid == pid else os.pidfd_open(self.pid) if self.pid else None
         if not ready:
             self.fail()
+
+    def launch(self, isolated, theirs):
+        """Open the pipes, the output files and (as root) the memory cgroup, and start the sandbox's
+        process; returns the read end of bwrap's --info-fd. Whatever it opened is in self or theirs."""
+        self.cells = self.replies = self.out = self.err = self.cgroup = self.pidfd = self.python = self.pid = None
+        cells, self.cells = os.pipe()
+        theirs.append(cells)
+        self.replies, replies = os.pipe()
+        theirs.append(replies)
+        info, info_w = os.pipe()
+        theirs += [info, info_w]
+        os.set_blocking(self.cells, False)
+        self.out, self.err = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # ours, read bounded
+        for f in (self.out, self.err):  # appended to, so that truncating them between cells restarts them
+            fcntl.fcntl(f, fcntl.F_SETFL, fcntl.fcntl(f, fcntl.F_GETFL) | os.O_APPEND)
+        self.cgroup = memory_cgroup(self.limits.memory) if isolated else None
+        seccomp = seccomp_pipe() if isolated else None
+        theirs += [seccomp] if seccomp is not None else []
+        line = command(self.limits, self.uid, replies, info_w, seccomp)
+        if self.cgroup:  # bwrap enters the cgroup before it forks: sh moves itself there, then becomes bwrap
+            line = ["sh", "-c", 'echo 0 > "$0/cgroup.procs" && exec "$@"', self.cgroup, *line]
+        # bwrap too starts with the sandbox's variables
+        self.proc = subprocess.Popen(line, cwd=self.scratch, env=environment(self.scratch or "/tmp"),
+                                     stdin=cells, stdout=self.out, stderr=self.err, start_new_session=True,
+                                     preexec_fn=new_session_keyring if isolated else None,
+                                     pass_fds=[fd for fd in (replies, isolated and info_w, seccomp) if fd])
+        theirs.remove(info)  # read by start
+        return info
 
     def fail(self):
         why = " ".join(os.pread(self.err.fileno(), 400, 0).decode(errors="replace").split())
@@ -192,19 +232,23 @@ class Interpreter:
         for f in (self.out, self.err):
             os.ftruncate(f.fileno(), 0)
         nonce, ooms = secrets.token_hex(16), self.cgroup and oom_kills(self.cgroup)
-        deadline = time.monotonic() + self.limits.wall
+        self.signal(signal.SIGCONT)
+        deadline, waited = time.monotonic() + self.limits.wall, run_delay(self.pid)
         try:  # one line: JSON escapes the newlines
             sent = write_all(self.cells, json.dumps(dict(code=code, nonce=nonce)).encode() + b"\n", deadline)
             line = read_line(self.replies, deadline) if sent else None
         except BrokenPipeError:
             line = b""
+        waited = max(run_delay(self.pid) - waited, 0.0)  # read before a kill at the wall clock ends the process
         stdout, stderr = self.head(self.out), self.head(self.err)
         reply = self.check(line, nonce, deadline)
         if not reply.get("limit") and self.cgroup and oom_kills(self.cgroup) > ooms:
             reply["limit"] = "memory"  # the kernel killed one of its processes (or it) for the cgroup's limit
         if "exit" in reply:  # the interpreter ended, or was ended: the whole sandbox is gone
             self.stop()
-        result = Result(stdout, stderr, reply["error"], reply.get("limit"), reply.get("exit"))
+        else:  # frozen until the next cell: a thread the cell left running takes no CPU between cells
+            self.signal(signal.SIGSTOP)
+        result = Result(stdout, stderr, reply["error"], reply.get("limit"), reply.get("exit"), waited)
         if result.limit:
             result.error = describe(result.limit, self.limits) + (
                 "" if result.exit is None else "; the interpreter restarted: its variables and files are gone")
@@ -228,6 +272,12 @@ class Interpreter:
         return dict(error=f"the interpreter ended (exit status {code})", exit=code,
                     limit="cpu" if code == -signal.SIGXCPU else None)
 
+    def signal(self, number):
+        """Send the interpreter a signal (from outside its namespace: SIGSTOP and SIGCONT hold on a pid 1)."""
+        if self.python is not None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.python, number)
+
     def head(self, f):
         data = os.pread(f.fileno(), self.limits.output + 1, 0)
         return data[:self.limits.output].decode(errors="replace") + (" [cut]" if len(data) > self.limits.output else "")
@@ -241,7 +291,9 @@ class Interpreter:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
             select.select([self.pidfd], [], [], 10)  # readable when it has exited
-            os.close(self.pidfd)
+            for fd in {self.pidfd, self.python} - {None}:
+                os.close(fd)
+            self.pidfd = self.python = self.pid = None
         else:  # the group outlives its leader while a member is left: its id is not reused meanwhile
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -250,16 +302,24 @@ class Interpreter:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        for fd in (self.cells, self.replies):
-            os.close(fd)
-        self.out.close()
-        self.err.close()
-        for _ in range(100) if self.cgroup else ():  # empty once its last process is reaped
+        self.release()
+        self.proc = None
+
+    def release(self, fds=()):
+        """Close fds, our pipes' ends and the output files, and remove the cgroup (empty once its last
+        process is reaped): what start opened, after the sandbox, or after a start that failed."""
+        for fd in (*fds, self.cells, self.replies):
+            if fd is not None:
+                os.close(fd)
+        for f in (self.out, self.err):
+            if f is not None:
+                f.close()
+        for _ in range(100) if self.cgroup else ():
             with contextlib.suppress(OSError):
                 os.rmdir(self.cgroup)
                 break
             time.sleep(0.01)
-        self.proc = None
+        self.cells = self.replies = self.out = self.err = self.cgroup = None
 
     def close(self):
         self.stop()
@@ -271,6 +331,25 @@ class Interpreter:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def child(pid):
+    """The first child of process pid that /proc lists; None when it has none."""
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, IndexError), open(f"/proc/{entry}/stat") as f:
+            if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                return int(entry)
+    return None
+
+
+def run_delay(pid):
+    """Seconds the main thread of process pid has waited on a run queue for a CPU (/proc/PID/schedstat:
+    its time on a CPU, its time waiting for one, in ns); 0 without a pid or the file."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def describe(limit, limits):

@@ -18,15 +18,18 @@ import sys
 
 # The system calls the seccomp filter refuses (their numbers per architecture, from the kernel's
 # unistd tables; AUDIT_ARCH_* from linux/audit.h): ptrace, process_vm_readv/writev and pidfd_getfd
-# (another process's memory and files: as not root, bwrap's pid 1 is the code's own uid, and its
-# /proc/1/mem stays readable; it holds nothing of the trainer's), add_key, request_key and keyctl
-# (keys), and unshare and clone where their flags ask for CLONE_NEWUSER: in a user namespace of its
-# own the code would be root again, and could mount a tmpfs of any size past Limits.disk. clone3
-# passes its flags in memory, which a filter cannot read: it is told ENOSYS, and glibc falls back to clone.
-ARCHES = {"x86_64": dict(arch=0xC000003E, denied=(101, 310, 311, 438, 248, 249, 250), newuser=(272, 56),
-                         clone3=435),
-          "aarch64": dict(arch=0xC00000B7, denied=(117, 270, 271, 438, 217, 218, 219), newuser=(97, 220),
-                          clone3=435)}
+# (another process's memory and files), add_key, request_key and keyctl (keys); memory that no
+# rlimit counts: memfd_create and memfd_secret (a file in memory, sized by write(2) past RLIMIT_AS
+# and outside /tmp's size), and SysV shmget, semget and msgget (segments, semaphore sets and queues
+# that outlive every mapping, bounded only by the ipc namespace's sysctls: gigabytes); unshare and
+# clone where their flags ask for CLONE_NEWUSER (in a user namespace of its own the code would be
+# root again, and could mount a tmpfs of any size past Limits.disk); and prctl(PR_SET_PDEATHSIG) to
+# anything but SIGKILL (not root, the interpreter is pid 1 and dies with bwrap by that signal alone). clone3 passes its flags in memory, which a filter cannot read: it is
+# told ENOSYS, and glibc falls back to clone.
+ARCHES = {"x86_64": dict(arch=0xC000003E, denied=(101, 310, 311, 438, 248, 249, 250, 319, 447, 29, 64, 68),
+                         newuser=(272, 56), clone3=435, prctl=157),
+          "aarch64": dict(arch=0xC00000B7, denied=(117, 270, 271, 438, 217, 218, 219, 279, 447, 194, 190, 186),
+                          newuser=(97, 220), clone3=435, prctl=167)}
 KEYCTL = {"x86_64": 250, "aarch64": 219}.get(platform.machine())  # keyctl's number, for new_session_keyring
 SYSCALLS = ARCHES.get(platform.machine()) if struct.calcsize("P") == 8 else None  # None: a 32-bit Python
 
@@ -46,12 +49,19 @@ def command(limits, uid, reply_fd, info_fd, seccomp_fd):
     rlimits = dict(RLIMIT_AS=limits.memory, RLIMIT_FSIZE=limits.file_size, RLIMIT_NOFILE=limits.open_files,
                    RLIMIT_CORE=0, **({} if limits.isolation == "none" else dict(RLIMIT_NPROC=limits.processes)))
     python = [sys.executable, "-I", "-B", "-u", "-c", f"{inspect.getsource(interpreter)}\n"
-              f"interpreter({reply_fd}, {limits.cpu}, {rlimits!r}, {limits.isolation == 'bwrap'})\n"]
+              f"interpreter({reply_fd}, {limits.cpu}, {limits.cpu_total}, {rlimits!r}, {limits.isolation == 'bwrap'})\n"]
     if limits.isolation == "none":
         return python
     tmpfs = ["--size", str(limits.disk), "--perms", "1777", "--tmpfs"]  # writable by the sandbox's uid
     bwrap = shutil.which("bwrap") or "bwrap"  # found on the trainer's PATH, not on the sandbox's
-    line = [bwrap, "--die-with-parent", "--new-session", "--info-fd", str(info_fd),
+    # Not root, bwrap's reaper would be the namespace's pid 1 with the code's uid, outside every rlimit, its
+    # memory the code's to write (/proc/1/mem): --as-pid-1 makes the interpreter pid 1 instead, under its
+    # limits, tied to bwrap by its parent-death signal (which the seccomp filter keeps the code from
+    # clearing); when it ends the kernel kills every other process of the namespace. As root the reaper
+    # is uid 0, out of the code's reach, and stays: the interpreter's uid (setpriv) could not be sent
+    # its parent-death signal by bwrap, which holds no CAP_KILL.
+    line = [bwrap, "--die-with-parent", *(["--as-pid-1"] if uid is None else []), "--new-session",
+            "--info-fd", str(info_fd),
             *(["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []),
             # root makes namespaces without a user namespace, which would map the code to uid 0,
             # for which RLIMIT_NPROC does not hold; setpriv below gives it a uid of its own
@@ -86,8 +96,8 @@ def options(bwrap):
 
 def seccomp_filter():
     """The sandbox's seccomp filter, for bwrap --seccomp: a classic BPF program (struct sock_filter:
-    code, jt, jf, k) over struct seccomp_data (nr at offset 0, arch at 4, the low half of args[0] at
-    16) that refuses ARCHES's calls. None on an architecture we hold no numbers for: the code then
+    code, jt, jf, k) over struct seccomp_data (nr at offset 0, arch at 4, the low halves of args[0]
+    and args[1] at 16 and 24) that refuses ARCHES's calls. None on an architecture we hold no numbers for: the code then
     runs without it, bwrap's namespaces and the rlimits still hold."""
     if SYSCALLS is None:
         return None
@@ -99,6 +109,9 @@ def seccomp_filter():
         program += [(jge, 0, 1, 0x40000000), (ret, 0, 0, eperm)]
     for nr, errno in [(nr, eperm) for nr in SYSCALLS["denied"]] + [(SYSCALLS["clone3"], enosys)]:
         program += [(jeq, 0, 1, nr), (ret, 0, 0, errno)]
+    program += [(jeq, 0, 6, SYSCALLS["prctl"]), (load, 0, 0, 16), (jeq, 0, 3, 1),  # prctl(PR_SET_PDEATHSIG, sig)
+                (load, 0, 0, 24), (jeq, 1, 0, 9), (ret, 0, 0, eperm),  # sig (args[1]) other than SIGKILL
+                (ret, 0, 0, allow)]
     unshare, clone = SYSCALLS["newuser"]
     program += [(jeq, 1, 0, unshare), (jeq, 0, 3, clone),  # either: look at its flags; else allow
                 (load, 0, 0, 16), (jset, 0, 1, 0x10000000), (ret, 0, 0, eperm),  # CLONE_NEWUSER
@@ -126,13 +139,17 @@ def new_session_keyring(keyctl=ctypes.CDLL(None, use_errno=True).syscall):
         keyctl(KEYCTL, 1, None)
 
 
-def interpreter(reply_fd, cpu, rlimits, isolated):
+def interpreter(reply_fd, cpu, cpu_total, rlimits, isolated):
     """The sandbox's interpreter (its source runs alone there): runs each line of stdin, a JSON
-    {"code", "nonce"}, as a cell in one namespace and answers on reply_fd with the nonce."""
+    {"code", "nonce"}, as a cell in one namespace and answers on reply_fd with the nonce. As the
+    namespace's pid 1 (not root), the kernel ignores the signals it has no handler for (SIGKILL from
+    outside excepted), so the CPU limit's SIGXCPU gets one, which exits as the signal would."""
     import contextlib, errno, json, math, os, resource, signal, traceback  # noqa: E401 - the whole program
 
     for name, value in rlimits.items():  # soft = hard: a cell cannot raise them
         resource.setrlimit(getattr(resource, name), (value, value))
+    if os.getpid() == 1:
+        signal.signal(signal.SIGXCPU, lambda *_: os._exit(128 + signal.SIGXCPU))  # bwrap's way to tell a signal
     cells, null = os.fdopen(os.dup(0), "rb"), os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)  # input() in a cell ends at once: it cannot eat the next cell
     os.close(null)
@@ -141,8 +158,8 @@ def interpreter(reply_fd, cpu, rlimits, isolated):
     for line in cells:
         request = json.loads(line)
         used = resource.getrusage(resource.RUSAGE_SELF)  # the CPU limit counts from the cell's start
-        soft = math.ceil(used.ru_utime + used.ru_stime) + cpu
-        resource.setrlimit(resource.RLIMIT_CPU, (soft, resource.RLIM_INFINITY))  # SIGXCPU there
+        soft = min(math.ceil(used.ru_utime + used.ru_stime) + cpu, cpu_total)  # SIGXCPU there; the hard
+        resource.setrlimit(resource.RLIMIT_CPU, (soft, cpu_total + 1))  # limit (SIGKILL) is the whole life's
         error = limit = None
         try:
             exec(compile(request.pop("code"), "<cell>", "exec"), namespace)
@@ -157,7 +174,7 @@ def interpreter(reply_fd, cpu, rlimits, isolated):
         if isolated:  # every other process of the namespace (pid 1 and we are spared: kill(2))
             with contextlib.suppress(ProcessLookupError):
                 os.kill(-1, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):  # our zombies count as processes; pid 1 reaps the rest
+        with contextlib.suppress(ChildProcessError):  # zombies count as processes; pid 1 reaps every orphan
             while os.waitpid(-1, 0 if isolated else os.WNOHANG)[0]:
                 pass
         os.write(reply_fd, (json.dumps(dict(nonce=request["nonce"], error=error, limit=limit)) + "\n").encode())
@@ -204,7 +221,7 @@ def oom_kills(cgroup):
 
 def environment(home):
     """The sandbox's environment variables: nothing of the trainer's (no HF_TOKEN, no WANDB_API_KEY).
-    bwrap itself starts with them: its pid 1 keeps its environment, which the code may read (not root)."""
+    bwrap itself starts with them."""
     return dict(PATH=f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin", HOME=home, TMPDIR=home,
                 LANG="C.UTF-8", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",  # a thread per core would
                 MKL_NUM_THREADS="1")  # count as processes

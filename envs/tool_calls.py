@@ -53,6 +53,12 @@ class Unavailable(Exception):
     and is counted as tool_unavailable (faults.py), never told to the policy."""
 
 
+class Starved(Unavailable):
+    """Raised by a tool whose call ran out of time because the machine kept it from a CPU (a sandboxed
+    cell that waited on the run queue for more than half its wall clock: sandbox.Result.ours): ours,
+    the episode unscored, counted as tool_starved (faults.py), never told to the policy."""
+
+
 def schemas(tools):
     """The JSON schemas of an environment's tools, for the chat template and the parser: a function
     through transformers' get_json_schema, a dict as it is (a bare function schema is wrapped as

@@ -187,7 +187,7 @@ def test_an_answer_not_of_the_form_asked_for_stops_every_rank_as_a_server_failur
         def map(self, route, payloads):
             return [{"choices": [{"prompt_logprobs": self.entries}]} for _ in payloads]
 
-    ref = teacher.Teacher(Config(teacher_model_name_or_path="t", beta=1.0), rank=1)
+    ref = teacher.Teacher(Config(teacher_model_name_or_path="t", beta=1.0, kl_estimator="advantage"), rank=1)
     ref.rank = 0
     for entries, why in ((None, "TypeError"), ([None, {}], "ValueError: 2 prompt logprobs for a sequence of 4")):
         ref.client = Answers(entries)
@@ -200,7 +200,7 @@ def test_the_teacher_offers_the_whole_seam_of_a_reference():
     checkpoint holds nothing of it (its server is restarted from the same files)."""
     from reference import Reference
 
-    ref = teacher.Teacher(Config(teacher_model_name_or_path="t", beta=1.0), rank=1)
+    ref = teacher.Teacher(Config(teacher_model_name_or_path="t", beta=1.0, kl_estimator="advantage"), rank=1)
     seam = {n for n in dir(Reference) if not n.startswith("_")} - {"update"}  # update: step's, when due
     assert seam <= set(dir(ref)), seam - set(dir(ref))
     assert ref.ref_params == () and ref.state_dict() == {}
@@ -215,23 +215,41 @@ def test_config_refuses_what_a_teacher_cannot_do():
     with pytest.raises(ValueError, match="needs beta > 0"):
         Config(teacher_model_name_or_path="t")
     with pytest.raises(ValueError, match="sample at temperature=1.0"):
-        Config(teacher_model_name_or_path="t", beta=1.0, temperature=0.7)
+        Config(teacher_model_name_or_path="t", beta=1.0, temperature=0.7, kl_estimator="advantage")
     with pytest.raises(ValueError, match="neither moves nor offloads"):
-        Config(teacher_model_name_or_path="t", beta=1.0, ref_policy_update_freq=1)
+        Config(teacher_model_name_or_path="t", beta=1.0, ref_policy_update_freq=1, kl_estimator="advantage")
     with pytest.raises(ValueError, match="reward_advantage=False trains on the KL term alone"):
         Config(reward_advantage=False, beta=1.0)
-    with pytest.raises(ValueError, match="k1's gradient is zero in expectation"):
-        Config(teacher_model_name_or_path="t", beta=1.0, reward_advantage=False, kl_estimator="k1")
     with pytest.raises(ValueError, match="active_sampling"):
-        Config(teacher_model_name_or_path="t", beta=1.0, reward_advantage=False, active_sampling=True)
+        Config(teacher_model_name_or_path="t", beta=1.0, reward_advantage=False, active_sampling=True,
+               kl_estimator="advantage")
     Config(teacher_model_name_or_path="t", beta=1.0, reward_advantage=False, kl_estimator="advantage")
+
+
+def test_a_teacher_refuses_the_estimators_that_do_not_follow_the_reverse_kl():
+    """Beside a teacher, k1's gradient is zero in expectation and k3's is the forward KL(teacher || student)
+    (tests/test_kl_directions.py): both refused in one line naming the fix, k3 (kl_estimator's default) too
+    when not asked for; the four whose gradient is the reverse KL pass, with or without the reward."""
+    for asked in ({}, {"kl_estimator": "k3"}):
+        with pytest.raises(ValueError, match=r"^teacher_model_name_or_path with kl_estimator='k3': k3's gradient is "
+                                             r"the forward KL\(teacher \|\| student\), not on-policy distillation's "
+                                             r"reverse KL\(student \|\| teacher\); pick advantage .*, topk, k2 or k4$"):
+            Config(teacher_model_name_or_path="t", beta=1.0, **asked)
+    for reward_advantage in (True, False):
+        with pytest.raises(ValueError, match="k1's gradient is zero in expectation: the teacher would pull nothing"):
+            Config(teacher_model_name_or_path="t", beta=1.0, kl_estimator="k1", reward_advantage=reward_advantage)
+        for kl_estimator in ("advantage", "topk", "k2", "k4"):
+            Config(teacher_model_name_or_path="t", beta=1.0, kl_estimator=kl_estimator,
+                   reward_advantage=reward_advantage)
+    Config(beta=1.0)  # without a teacher k3 stays the default (the reference's KL in GRPO's own form)
 
 
 def test_a_teacher_with_another_tokenizer_or_none_is_refused(tiny_model_dir, tmp_path):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    cfg = Config(model_name_or_path=tiny_model_dir, teacher_model_name_or_path=str(tmp_path / "nowhere"), beta=1.0)
+    cfg = Config(model_name_or_path=tiny_model_dir, teacher_model_name_or_path=str(tmp_path / "nowhere"), beta=1.0,
+                 kl_estimator="advantage")
     with pytest.raises(ValueError, match="is not a local model directory"):
         teacher.check(cfg, tokenizer, cuda=False)
     other = tmp_path / "other"
@@ -241,17 +259,39 @@ def test_a_teacher_with_another_tokenizer_or_none_is_refused(tiny_model_dir, tmp
     a, b = list(vocab)[10:12]
     vocab[a], vocab[b] = vocab[b], vocab[a]  # two ids swapped: every other token the same
     (other / "tokenizer.json").write_text(json.dumps(spec))
-    cfg = Config(model_name_or_path=tiny_model_dir, teacher_model_name_or_path=str(other), beta=1.0)
+    cfg = Config(model_name_or_path=tiny_model_dir, teacher_model_name_or_path=str(other), beta=1.0,
+                 kl_estimator="advantage")
     with pytest.raises(ValueError, match=r"has another tokenizer than model_name_or_path=.* \(4 token/id pairs differ\)"):
         teacher.check(cfg, tokenizer, cuda=False)
-    teacher.check(Config(model_name_or_path=tiny_model_dir, teacher_model_name_or_path=tiny_model_dir, beta=1.0),
-                  tokenizer, cuda=False)
+    teacher.check(Config(model_name_or_path=tiny_model_dir, teacher_model_name_or_path=tiny_model_dir, beta=1.0,
+                         kl_estimator="advantage"), tokenizer, cuda=False)
+
+
+def test_a_teacher_with_more_embedding_rows_than_the_student_is_refused_for_the_top_k_kl(tiny_model_dir, tmp_path):
+    """The student's tokenizer with more rows in the teacher's embedding (Qwen2.5-7B's 152,064 against 0.5B's
+    151,936): the teacher's top k could name an id past the student's rows, where the student's forward
+    gathers its logprobs (out of range). Refused in one line for kl_estimator='topk' with a head; the
+    estimators that read the sampled token's logprob alone pass."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    bigger = tmp_path / "bigger"
+    shutil.copytree(tiny_model_dir, bigger)
+    spec = json.loads((bigger / "config.json").read_text())
+    (bigger / "config.json").write_text(json.dumps(spec | {"vocab_size": 72}))  # the tiny student's: 64
+    pair = dict(model_name_or_path=tiny_model_dir, teacher_model_name_or_path=str(bigger), beta=1.0)
+    with pytest.raises(ValueError, match=r"^teacher_model_name_or_path=.* has 72 embedding rows, the student 64: its "
+                                         r"top k can name an id the student lacks; .*kl_estimator='advantage'"):
+        teacher.check(Config(**pair, kl_estimator="topk", kl_topk=4), tokenizer, cuda=False)
+    teacher.check(Config(**pair, kl_estimator="advantage"), tokenizer, cuda=False)
+    teacher.check(Config(**pair, kl_estimator="topk", kl_topk=0), tokenizer, cuda=False)  # no head: k4
 
 
 @pytest.mark.subprocess
 def test_train_py_refuses_a_missing_teacher_in_one_line(tiny_model_dir, tmp_path):
     out = run([sys.executable, "train.py", "--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path / "out"),
-               "--teacher_model_name_or_path", str(tmp_path / "nowhere"), "--beta", "1.0"])
+               "--teacher_model_name_or_path", str(tmp_path / "nowhere"), "--beta", "1.0",
+               "--kl_estimator", "advantage"])
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out.stderr[-2000:]
     assert "teacher_model_name_or_path=" in out.stderr and "not a local model directory" in out.stderr
 
@@ -278,7 +318,7 @@ def test_the_teachers_server_agrees_with_the_teacher_in_the_trainer(teacher_dir,
     from transformers import AutoModelForCausalLM
 
     cfg = Config(model_name_or_path=teacher_dir, teacher_model_name_or_path=teacher_dir, beta=1.0, max_prompt_length=8,
-                 response_length=12, output_dir=str(tmp_path), kl_estimator="topk" if k else "k3", kl_topk=k,
+                 response_length=12, output_dir=str(tmp_path), kl_estimator="topk" if k else "advantage", kl_topk=k,
                  vllm_enforce_eager=True)
     gen = torch.Generator().manual_seed(0)
     samples = [Sample([1, 5, 9], torch.randint(3, 60, (12,), generator=gen).tolist(), [0.0] * 12,
@@ -335,7 +375,7 @@ def test_the_memory_plan_counts_the_teachers_server_and_its_prompt_logits(tiny_m
     import memory
 
     cfg = Config(model_name_or_path=tiny_model_dir, teacher_model_name_or_path=tiny_model_dir, beta=1.0,
-                 max_prompt_length=100, response_length=27)
+                 kl_estimator="advantage", max_prompt_length=100, response_length=27)
     plan = memory.server_plan(cfg, *_meta(tiny_model_dir), cuda=False)
     assert plan["teacher_prompt_logits"] == 2 * 4 * (100 + 27 + 1) * 64
     assert {"teacher_weights", "teacher_kv_cache", "teacher_runtime"} < plan.keys()

@@ -20,7 +20,7 @@ from worker_pool import RewardPool
 
 ENV = '''
 import os, signal, time
-from envs.tool_calls import ToolError, Unavailable
+from envs.tool_calls import Starved, ToolError, Unavailable
 
 
 class Faulty:
@@ -44,6 +44,8 @@ class Faulty:
             raise ValueError("the environment broke")
         if fault == "tool_unavailable":
             raise Unavailable("the sandbox did not start")
+        if fault == "tool_starved":
+            raise Starved("the code ran past 5 s, 4.2 s of it waiting for a CPU")
         if fault == "tool_timeouts":
             time.sleep(60)
         if fault in ("tool_crashes", "tool_lost"):

@@ -126,3 +126,23 @@ def test_a_step_logs_each_reward_function_apart(tokenizer, tmp_path):
                                RewardPool(cfg.reward_fn, workers=0), tokenizer, Completions(cfg, tokenizer))
     assert (m["rewards/is_a/mean"], m["rewards/always/mean"], m["rewards/always/std"]) == (0.5, 1.0, 0.0)
     assert m["reward_mean"] == 1.5 and len(samples) == 4
+
+
+def test_the_logged_completion_is_the_text_the_reward_saw(tokenizer, tmp_path):
+    """samples.jsonl's completion is what the reward was given (no end-of-sequence text), so a logged reward
+    can be recomputed from it; the episode is every token as trained, the end token included."""
+    eos = tokenizer.eos_token_id
+
+    class Ending(ScriptedServer):
+        def submit(self, ids, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=()):
+            future = concurrent.futures.Future()
+            future.set_result([dict(token_ids=[self.a, eos], logprobs=[-0.5, -0.1], finish_reason="stop", eos=True,
+                                    text="", version=0) for _ in range(n)])
+            return future
+
+    cfg = Config(num_unique_prompts_rollout=2, num_samples_per_prompt_rollout=2, log_samples_freq=1,
+                 filter_zero_std_samples=False)
+    _, m = rollout_batch(cfg, Ending(tokenizer, agree=set()), PromptSampler(rows(2), 0), 1,
+                         RewardPool(f"{__name__}:reward", workers=0), tokenizer, Completions(cfg, tokenizer))
+    assert m["samples"] and all(s["completion"] == "a" and s["reward"] == reward(None, s["completion"], dict(answer="a"))
+                                and s["episode"] == "a" + tokenizer.decode([eos]) for s in m["samples"]), m["samples"]

@@ -1,4 +1,4 @@
-"""The sample log: (prompt, completion, reward) rows in samples.jsonl, on the console and to a
+"""The sample log: (prompt, completion, episode, reward) rows in samples.jsonl, on the console and to a
 tracker; a resumed run keeps the rows up to its checkpoint."""
 
 import json
@@ -7,8 +7,8 @@ import tracking
 
 
 def rows(step):
-    return [dict(step=step, prompt=f"<|im_start|>user\nq{i}  with\nspace", completion=f"answer {i}", reward=i / 2)
-            for i in range(3)]
+    return [dict(step=step, prompt=f"<|im_start|>user\nq{i}  with\nspace", completion=f"answer {i}",
+                 episode=f"answer {i}<|im_end|>", reward=i / 2) for i in range(3)]
 
 
 def test_samples_go_to_the_file_the_console_and_the_tracker(tmp_path, capsys):
@@ -21,7 +21,7 @@ def test_samples_go_to_the_file_the_console_and_the_tracker(tmp_path, capsys):
     lines = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
     assert lines == rows(10) + rows(20)
     out = capsys.readouterr().out
-    assert "sample reward=0.5 | <|im_start|>user q1 with space | answer 1" in out
+    assert "sample reward=0.5 | <|im_start|>user q1 with space | answer 1<|im_end|>" in out
     assert [(step, m["samples"]) for step, m in sent] == [(10, rows(10)), (20, rows(20))]
     log.write_samples([dict(rows(30)[0], reward=None)])  # an episode that could not be scored (rollout.show_episode)
     assert "sample reward=unscored | " in capsys.readouterr().out

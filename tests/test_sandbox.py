@@ -440,6 +440,15 @@ for path in ('/x', '/dev/x', '/usr/x', '/dev/null', '/dev/shm/x', '/tmp/x'):
         wrote.append(path)
     except OSError:
         pass
+def lift():  # the CPU limit's hard value raised: refused (ValueError), or the limit it reached
+    try:
+        import resource
+        resource.setrlimit(resource.RLIMIT_CPU, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        return 'lifted'
+    except ValueError:
+        return 'refused'
+unbounded = [line.split('  ')[0] for line in open('/proc/1/limits')  # pid 1 is the interpreter, under every limit
+             if line.startswith(('Max cpu time', 'Max processes', 'Max address space')) and 'unlimited' in line]
 filled, fd = 0, os.open('/tmp/fill', os.O_WRONLY | os.O_CREAT)
 try:
     while filled < 64 << 20:
@@ -453,7 +462,10 @@ print(dict(environ=environ, ptrace_pid1=forked(101, 0x4206, 1, 0, 0),  # PTRACE_
            listed='sandbox-test-key' in open('/proc/keys').read(), unshare=forked(272, 0x10000000),
            clone=forked(56, 0x10000000 | 17, 0, 0, 0, 0), clone3=errno(435, 0, 0), x32=errno(0x40000000 | 39),
            unshare_r=subprocess.run(['unshare', '-Ur', 'true'], capture_output=True).returncode,
-           wrote=wrote, filled=filled, dev_null=subprocess.run(['sh', '-c', 'echo a > /dev/null']).returncode))
+           wrote=wrote, filled=filled, dev_null=subprocess.run(['sh', '-c', 'echo a > /dev/null']).returncode,
+           pid=os.getpid(), uid=os.getuid(), pid1_uid=os.stat('/proc/1').st_uid, unbounded=unbounded, lift=lift(), pdeathsig=errno(157, 1, 0), keep=errno(157, 1, 9),
+           memfd=errno(319, b'x', 0), memfd_secret=errno(447, 0), shmget=errno(29, 0, 1 << 20, 0o1600),
+           semget=errno(64, 0, 8, 0o1600), msgget=errno(68, 0, 0o1600)))
 '''
 result = sandbox.run(cell.replace("KEY", str(key)), sandbox.Limits(cpu=5, wall=30.0, disk=8 << 20))
 print(json.dumps(dict(key=key, stdout=result.stdout, error=result.error)))
@@ -480,6 +492,17 @@ def test_the_kernel_attacks_fail(who, host_dir):
     assert found["x32"] == eperm, found  # the x32 ABI's numbers, which a filter of x86_64's would miss
     assert found["wrote"] == ["/dev/null", "/dev/shm/x", "/tmp/x"] and found["dev_null"] == 0, found
     assert 7 << 20 <= found["filled"] <= 8 << 20, found  # /tmp takes Limits.disk, and no more
+    # not root, pid 1 is the interpreter, under its limits (bwrap's reaper would be the code's uid); as root it is
+    # bwrap's reaper, uid 0, out of the code's reach. The CPU limit's hard value is finite: a cell cannot lift it
+    if who == "user":
+        assert found["pid"] == 1 and found["unbounded"] == [], found
+    else:
+        assert found["pid"] != 1 and found["pid1_uid"] == 0 != found["uid"], found
+    assert found["lift"] == "refused", found
+    # its parent-death signal stays SIGKILL (it dies with bwrap, and so with its owner); setting SIGKILL again is fine
+    assert found["pdeathsig"] == eperm and found["keep"] == 0, found
+    # memory that no rlimit counts: a file in memory, SysV segments, semaphore sets and queues
+    assert [found[k] for k in ("memfd", "memfd_secret", "shmget", "semget", "msgget")] == [eperm] * 5, found
 
 
 def test_without_bwrap_it_refuses_to_start_unless_asked_to_run_unisolated(monkeypatch):
@@ -535,3 +558,74 @@ def test_the_python_tool_keeps_each_episodes_variables_and_counts_its_errors(tin
     assert sorted(kind for kind, _ in stats["tool_failures"]) == ["tool_bad_calls"] * 4
     assert alive(bwraps(token)) == []  # every sandbox ended
     assert PythonTool.call_time <= Config().tool_timeout  # the default timeout lets a call finish
+
+
+def test_a_thread_left_running_takes_no_cpu_between_cells(py):
+    py.run("import resource, threading\nthreading.Thread(target=lambda: [None for _ in iter(int, 1)], daemon=True).start()")
+    before = float(py.run("print(resource.getrusage(resource.RUSAGE_SELF).ru_utime)").stdout)
+    time.sleep(2.0)  # between cells: the interpreter is stopped, the thread with it
+    after = float(py.run("print(resource.getrusage(resource.RUSAGE_SELF).ru_utime)").stdout)
+    assert after - before < 0.5, (before, after)
+
+
+def test_a_cell_that_ignores_its_cpu_limit_is_killed_at_the_hard_one():
+    limits = Limits(cpu=1, cpu_total=3, wall=60.0)
+    with Interpreter(limits) as py:
+        started = time.monotonic()
+        result = py.run("import resource, signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\n"
+                        "resource.setrlimit(resource.RLIMIT_CPU, (4, 4))\nwhile True: pass")
+        assert result.exit == -signal.SIGKILL and result.limit is None, result  # the kernel's, at 3 + 1 s of CPU
+        assert time.monotonic() - started < 30  # long before the wall clock
+        assert py.run("print(1)").stdout == "1\n"
+
+
+@pytest.mark.parametrize("where", ["command", "Popen"])
+def test_a_start_that_fails_leaves_no_descriptor_file_or_cgroup(monkeypatch, where):
+    def cgroups():
+        return sorted(n for parent in ("/sys/fs/cgroup/memory", "/sys/fs/cgroup") if os.path.isdir(parent)
+                      for _, dirs, _ in os.walk(parent) for n in dirs if n.startswith(f"sandbox-{os.getpid()}-"))
+
+    def broken(*args):
+        raise ValueError("no command line")
+
+    interpreter = Interpreter(QUICK)
+    if where == "command":
+        monkeypatch.setattr(sandbox, "command", broken)
+    else:
+        interpreter.scratch = "/nonexistent"  # its working directory: Popen raises FileNotFoundError
+    fds, dirs = sorted(os.listdir("/proc/self/fd")), cgroups()
+    with pytest.raises((ValueError, FileNotFoundError)):
+        interpreter.run("print(1)")
+    assert sorted(os.listdir("/proc/self/fd")) == fds and cgroups() == dirs
+
+
+# Whose a wall clock is (faults.py, tool_starved): a cell kept from a CPU by three busy processes on its one core
+# is ours; a cell that sleeps past it is the policy's. A script of its own: it pins itself to one core.
+STARVED = r"""
+import json, os, subprocess, sys
+from envs.python_tool import PythonTool
+from envs.tool_calls import Starved, ToolError
+
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # the sandbox and the busy processes inherit it
+out, tool = {}, PythonTool()
+tool.limits = type(tool.limits)(cpu=60, wall=4.0)
+for name, code in [("loop", "while True: pass"), ("sleep", "import time; time.sleep(60)")]:
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3 * (name == "loop"))]
+    try:
+        tool.step({}, [{"role": "assistant", "content": f"<python>{code}</python>"}])
+    except (Starved, ToolError) as e:
+        out[name] = [type(e).__name__, str(e)]
+    finally:
+        for p in busy:
+            p.kill()
+tool.close()
+print(json.dumps(out))
+"""
+
+
+def test_the_wall_clock_is_ours_on_a_loaded_machine_and_the_codes_otherwise():
+    done = subprocess.run([sys.executable, "-c", STARVED], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["loop"][0] == "Starved" and "waiting for a CPU" in out["loop"][1], out
+    assert out["sleep"][0] == "ToolError" and "ran past 4 s" in out["sleep"][1], out

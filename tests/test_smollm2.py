@@ -92,7 +92,7 @@ def test_smollm2_calls_the_calculator_over_several_turns_with_vllm_in_sync(smoll
     # tool_calls: answers per episode (16 a step); tool_bad_calls: a count. Some calls were right
     assert sum(r["tool_calls"] * 16 - r["tool_bad_calls"] for r in steps) > 0 and max(r["turns"] for r in steps) > 1
     samples = [json.loads(line) for line in open(out_dir / "samples.jsonl")]
-    assert any("[env: " in s["completion"] for s in samples)
+    assert any("[env: " in s["episode"] for s in samples)
 
 
 @pytest.mark.slow

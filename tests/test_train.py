@@ -92,6 +92,7 @@ def test_a_reward_that_fails_on_half_the_samples_stops_the_run_in_one_line(tiny_
                               r"scored \(more than unscored_stop=0.5 of them\); "
                               r"first: the reward: KeyError: 'solution'$", lines[0]), \
         out.stderr[-3000:]
+    assert "Warning" not in out.stderr.split(lines[0], 1)[1], out.stderr[-3000:]  # nothing of ours after it
     assert not os.path.exists(tmp_path / "out" / "final")
 
 
