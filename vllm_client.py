@@ -223,7 +223,10 @@ class VLLMClient:
     def abort(self, request_ids):
         """Abort requests in flight (submit's request_id) on every server: they end at once, with what they
         sampled so far (finish_reason "abort"). Returns whether every server took it: a server without
-        /abort_requests (one you run without VLLM_SERVER_DEV_MODE=1) lets them run to their end."""
+        /abort_requests (one you run without VLLM_SERVER_DEV_MODE=1) lets them run to their end. No ids
+        asks nothing (vLLM 0.32's /abort_requests takes an empty list as every request on the server)."""
+        if not request_ids:
+            return True
         ids = [f"cmpl-{r}-0" for r in request_ids]  # vLLM's id of a completions request's one prompt
         data = json.dumps({"request_ids": ids}).encode()
         try:

@@ -26,7 +26,7 @@ import json
 import threading
 import uuid
 
-from agent_programs.endpoint import IDLE_TIMEOUT, MAX_CONNECTIONS, Server
+from agent_programs.endpoint import Limits, Server
 from agent_programs.trace import Refusal, Trace, plain
 from envs.chat import ChatTokens
 from faults import VLLMError
@@ -61,12 +61,11 @@ def stops(body):
 class Gateway:
     """The endpoint, served on threads in the trainer's rank 0 while episodes play."""
 
-    def __init__(self, tokenizer, cfg, parser=None, reasoning=None, host="127.0.0.1", idle_timeout=IDLE_TIMEOUT,
-                 max_connections=MAX_CONNECTIONS):
+    def __init__(self, tokenizer, cfg, parser=None, reasoning=None, host="127.0.0.1", limits=Limits()):
         self.tokenizer, self.cfg, self.parser, self.reasoning = tokenizer, cfg, parser, reasoning
         self.client, self.traces, self.chats, self.said = None, {}, collections.OrderedDict(), set()
         self.lock = threading.Lock()
-        self.server = Server((host, 0), self, idle_timeout, max_connections)
+        self.server = Server((host, 0), self, limits)
         self.url = f"http://{host}:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True, name="gateway")
         self.thread.start()
@@ -80,8 +79,9 @@ class Gateway:
         """The episodes' programs are over (their runs returned, timed out or crashed): a call of theirs
         in flight (a killed program's, or a thread's it left behind) is aborted at vLLM, all in one
         request, so that the step does not wait out its tokens (agent_timeout bounds the step); it adds
-        nothing to its episode, and a later call is answered with an error. close collects the traces."""
-        traces = [self.traces[str(key)] for key in keys]
+        nothing to its episode, and a later call is answered with an error. close collects the traces
+        (an episode closed already has nothing left to end: a program's /end may come after)."""
+        traces = [self.traces[str(key)] for key in keys if str(key) in self.traces]
         for trace in traces:
             trace.closed = True
         if self.client and (flying := [t.in_flight for t in traces if t.in_flight]):
@@ -213,7 +213,10 @@ class Gateway:
         asked = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), left)
         if not isinstance(asked, int) or asked < 1:
             raise Refusal(400, f"max_tokens={asked!r} must be a whole number of at least 1")
-        trace.in_flight = uuid.uuid4().hex  # its name at vLLM, for close's abort
+        trace.in_flight = uuid.uuid4().hex  # its name at vLLM, for end's abort
+        if trace.closed:  # ended as it got here: end saw no call in flight to abort, so it is not sent
+            trace.in_flight = None
+            raise Refusal(409, "the episode has ended")
         try:
             out = self.client.submit(prompt, 1, min(left, asked), trace.temperature, cfg.top_p,
                                      trace.seeds(trace.calls), stop, request_id=trace.in_flight).result()[0]

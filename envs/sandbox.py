@@ -108,6 +108,8 @@ class Limits:
     def __post_init__(self):
         if self.isolation not in ("bwrap", "none"):
             raise ValueError(f"isolation={self.isolation!r} must be 'bwrap' or 'none' (SANDBOX_ISOLATION)")
+        if self.cpu_total < self.cpu:
+            raise ValueError(f"cpu_total={self.cpu_total} is below one cell's cpu={self.cpu}: raise cpu_total")
 
 
 @dataclasses.dataclass

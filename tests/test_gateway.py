@@ -2,11 +2,16 @@
 and the episode's Sample recorded as exactly the tokens vLLM saw and sampled, with the real chat
 templates of Qwen2.5, Qwen3 and Llama-3.1."""
 
+import concurrent.futures
+import contextlib
 import http.client
+import http.server
+import itertools
 import json
 import socket
 import threading
 import time
+import urllib.request
 
 import openai
 import pytest
@@ -352,16 +357,18 @@ def test_new_tools_are_a_new_prompt(make):
 
 def closed(sock, within):
     """Whether the gateway closes `sock` (its end of the connection) within `within` seconds."""
-    sock.settimeout(within)
+    sock.settimeout(max(within, 0.01))
     try:
         return sock.recv(1) == b""
+    except ConnectionResetError:  # closed with a byte of ours unread
+        return True
     except TimeoutError:
         return False
 
 
 def served_again(client, within=10.0):
-    """A call's answer once the gateway serves again: until the threads of closed connections end, a
-    connection past max_connections is answered 503."""
+    """A call's answer once the gateway serves again: until the threads of the calls answered end, a
+    call past max_calls is answered 503."""
     deadline = time.monotonic() + within
     while True:
         try:
@@ -374,8 +381,8 @@ def served_again(client, within=10.0):
 
 def test_idle_connections_are_closed_and_a_call_is_served_beside_them(make):
     """Connections need no key: 50 that send nothing do not keep a call from being served, and the
-    gateway closes each after idle_timeout seconds (each held a thread of rank 0)."""
-    g, tok, client, key = make("qwen2.5-instruct", ["Five."], serve=dict(idle_timeout=1.0))
+    gateway closes each after idle_timeout seconds (each waited at the door: a socket, no thread)."""
+    g, tok, client, key = make("qwen2.5-instruct", ["Five."], serve=dict(limits=endpoint.Limits(idle_timeout=1.0)))
     idle = [socket.create_connection(g.server.server_address[:2], timeout=5) for _ in range(50)]
     assert client.chat.completions.create(model="any", messages=FIRST).choices[0].message.content == "Five."
     started = time.monotonic()
@@ -384,18 +391,91 @@ def test_idle_connections_are_closed_and_a_call_is_served_beside_them(make):
         s.close()
 
 
-def test_connections_past_the_cap_are_refused_at_once(make):
-    """Past max_connections a connection is answered 503 and closed, no thread started for it; once
-    the idle ones are closed, a call is served again."""
-    g, tok, client, key = make("qwen2.5-instruct", ["Five."], serve=dict(idle_timeout=1.0, max_connections=4))
-    idle = [socket.create_connection(g.server.server_address[:2], timeout=5) for _ in range(4)]
-    time.sleep(0.3)  # accepted, each on its thread
-    extra = socket.create_connection(g.server.server_address[:2], timeout=5)
-    assert extra.recv(1000).startswith(b"HTTP/1.1 503") and closed(extra, 1.0)
-    assert all(closed(s, 5.0) for s in idle)
-    assert served_again(client) == "Five."  # once their threads end
-    for s in idle + [extra]:
+def test_connections_that_drip_their_heads_hold_no_thread_and_are_closed_at_the_deadline(make):
+    """max_calls (256) connections without a key, each sending a byte of a request's head a second: an
+    agent's call, on a connection of its own, is answered beside them, and each is closed head_timeout
+    after its first byte. (Before: each held one of 256 threads, its socket's timeout renewed by every
+    byte; the call was answered 503, its episode unscored.)"""
+    limits = endpoint.Limits(head_timeout=2.0)
+    g, tok, client, key = make("qwen2.5-instruct", ["Five."], serve=dict(limits=limits))
+    drippers = [socket.create_connection(g.server.server_address[:2], timeout=5) for _ in range(limits.max_calls)]
+    stop = threading.Event()
+
+    def drip():
+        for byte in itertools.cycle(b"POST /v1/chat/completions HTTP/1.1\r\n"):  # a head that never ends
+            for s in drippers:
+                with contextlib.suppress(OSError):  # closed by the gateway
+                    s.send(bytes([byte]))
+            if stop.wait(1.0):
+                return
+    threading.Thread(target=drip, daemon=True).start()
+    started = time.monotonic()
+    try:
+        time.sleep(1.2)  # each has sent two bytes
+        assert client.chat.completions.create(model="any", messages=FIRST).choices[0].message.content == "Five."
+        assert all(closed(s, started + limits.head_timeout + 2.0 - time.monotonic()) for s in drippers)
+    finally:
+        stop.set()
+        for s in drippers:
+            s.close()
+
+
+def test_past_max_waiting_the_oldest_connection_is_closed_and_a_call_is_served(make):
+    """Connections that wait at the door are bounded (a socket each): past max_waiting the oldest is
+    closed, so that an agent's new connection is always read."""
+    g, tok, client, key = make("qwen2.5-instruct", ["Five."], serve=dict(limits=endpoint.Limits(max_waiting=8)))
+    idle = [socket.create_connection(g.server.server_address[:2], timeout=5) for _ in range(8)]
+    time.sleep(0.3)  # all at the door
+    assert client.chat.completions.create(model="any", messages=FIRST).choices[0].message.content == "Five."
+    assert closed(idle[0], 2.0) and not closed(idle[-1], 0.3)
+    for s in idle:
         s.close()
+
+
+def test_a_body_that_does_not_arrive_in_time_is_answered_408_and_closed(make):
+    """A call's body must be in within body_timeout of its head, however it trickles: one that sends a
+    byte each 0.2 s is answered 408 and closed at the deadline (before: its socket's timeout was
+    renewed by every byte, and it held its thread as long as it dripped)."""
+    g, tok, client, key = make("qwen2.5-instruct", ["Five."], serve=dict(limits=endpoint.Limits(body_timeout=1.0)))
+    conn = socket.create_connection(g.server.server_address[:2], timeout=5)
+    conn.sendall(f"POST /e/{key}/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n".encode())
+    started, answer = time.monotonic(), b""
+    conn.settimeout(0.2)
+    while not answer and time.monotonic() - started < 5.0:
+        with contextlib.suppress(OSError):
+            conn.send(b" ")
+        with contextlib.suppress(TimeoutError):
+            answer = conn.recv(1000)
+    assert answer.startswith(b"HTTP/1.1 408") and time.monotonic() - started < 2.0
+    conn.settimeout(1.0)
+    while chunk := conn.recv(1000):  # the rest of the answer, then the end of the connection
+        answer += chunk
+    assert b"did not arrive within 1 s" in answer
+    conn.close()
+    assert g.close(key).calls == 0
+
+
+def test_calls_past_max_calls_are_refused_at_once_and_keyless_ones_take_none(make):
+    """Past max_calls requests of live episodes handled at once, a call is answered 503 and closed at
+    once; a keyless request (GET /v1/models) is still answered, from its own pool; once the calls end,
+    a call is served again."""
+    g, tok, client, key = make("qwen2.5-instruct", ["Five."], serve=dict(limits=endpoint.Limits(max_calls=2)))
+    release, sample = threading.Event(), g.client.submit
+    g.client.submit = lambda *args, **kwargs: (release.wait(10), sample(*args, **kwargs))[1]
+    other = openai.OpenAI(base_url=g.open("k2", 1.0, lambda t: t)[0], api_key="k2", max_retries=0)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        calls = [pool.submit(c.chat.completions.create, model="any", messages=FIRST) for c in (client, other)]
+        deadline = time.monotonic() + 10
+        while not all(g.traces[k].in_flight for k in ("k1", "k2")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(openai.APIStatusError, match="too many") as e:
+            client.chat.completions.create(model="any", messages=FIRST)
+        assert e.value.status_code == 503
+        keyless = openai.OpenAI(base_url=f"{g.url}/v1", api_key="nobody", max_retries=0)
+        assert [m.id for m in keyless.models.list()] == ["policy"]
+        release.set()
+        assert [c.result(timeout=10).choices[0].message.content for c in calls] == ["Five.", "Five."]
+    assert served_again(client) == "Five."  # once their threads end
 
 
 def test_a_401_closes_its_connection_and_its_body_is_never_a_request(make):
@@ -467,3 +547,112 @@ def test_the_tool_list_cache_is_bounded(make):
     kept = g.chat_tokens(lists[-gateway.TOOL_LISTS])  # the oldest kept, used again: kept past one more list
     g.chat_tokens([])
     assert g.chat_tokens(lists[-gateway.TOOL_LISTS]) is kept and len(g.chats) == gateway.TOOL_LISTS
+
+
+def test_an_abort_of_no_requests_asks_the_server_nothing():
+    """VLLMClient.abort([]) sends no request: vLLM's /abort_requests takes an empty list as every
+    request on the server (every episode's call in flight). The server here records what it is asked."""
+    import vllm_client
+
+    asked = []
+
+    class Recorder(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            asked.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        client = vllm_client.VLLMClient([f"http://127.0.0.1:{server.server_address[1]}"], model="policy", timeout=5)
+        assert client.abort([]) and asked == []
+        assert client.abort(["a"]) and asked == [("/abort_requests", {"request_ids": ["cmpl-a-0"]})]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+# --- against a vLLM server of the tiny model, paused where a generation must not end by itself
+SERVED = Config(agent="tests/agent.py:run", max_turns=4, max_prompt_length=64, response_length=128,
+                vllm_startup_timeout=400, vllm_request_timeout=60, vllm_max_retries=1, vllm_enforce_eager=True)
+TINY = [{"role": "user", "content": "say something."}]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir, tmp_path_factory):
+    """A gateway in front of a vLLM server of the tiny model (on the server's private socket)."""
+    from transformers import AutoTokenizer
+
+    import vllm_server
+    from helpers import serve
+
+    _, client = serve(tiny_model_dir, str(tmp_path_factory.mktemp("server")), None, SERVED)
+    g = gateway.Gateway(AutoTokenizer.from_pretrained(tiny_model_dir), SERVED)
+    g.client = client
+    yield g
+    g.shutdown()
+    vllm_server.stop_server(client.proc)
+
+
+@contextlib.contextmanager
+def paused(client):
+    """The server's engine paused (its requests wait, whatever their length, until resumed or aborted)."""
+    client.pause()
+    try:
+        yield
+    finally:
+        client.resume()
+
+
+@pytest.mark.slow
+def test_end_aborts_the_call_in_flight_and_waits_for_no_lock(served):
+    """/end (posted as runner.Program posts it, its run returned) beside a call that a thread of the
+    program left in flight: the call is aborted at vLLM and /end answered at once, not after that
+    call's generation (the engine paused here: it would never end); the episode keeps its first
+    call and is scored. (Before: /end waited for the episode's lock, which that call held.)"""
+    g = served
+    url, key = g.open("end", 1.0, lambda t: 10 + t)
+    agent = openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=30)
+    reply = agent.chat.completions.create(model="any", messages=TINY, max_tokens=4).choices[0].message
+    trace = g.traces[key]
+    with paused(g.client), concurrent.futures.ThreadPoolExecutor(1) as pool:
+        left = pool.submit(agent.chat.completions.create, model="any", messages=TINY + [
+            reply.model_dump(exclude_none=True), {"role": "user", "content": "more."}])
+        deadline = time.monotonic() + 10
+        while not trace.in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        started = time.monotonic()
+        urllib.request.urlopen(urllib.request.Request(f"{url}/end", b"{}", method="POST"), timeout=5).close()
+        took = time.monotonic() - started
+        with pytest.raises(openai.APIStatusError, match="the episode has ended"):
+            left.result(timeout=5)
+    assert took < 2.0
+    trace = g.close(key)
+    assert trace.closed and trace.calls == 1 and trace.failure is None and trace.sample is not None
+
+
+@pytest.mark.slow
+def test_a_call_whose_client_left_is_aborted_at_vllm(served):
+    """The agent's client times out while its call samples (the engine paused here: the generation
+    would never end) and closes its connection: the gateway aborts the generation at vLLM, so the
+    episode's lock is free while the engine is still paused; the call is taken back and the retry
+    is the episode's first call. (Before: the retry waited out the abandoned generation.)"""
+    g = served
+    url, key = g.open("left", 1.0, lambda t: 20 + t)
+    trace = g.traces[key]
+    with paused(g.client):
+        with pytest.raises(openai.APITimeoutError):
+            openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=1.0).chat.completions.create(
+                model="any", messages=TINY)
+        free = trace.lock.acquire(timeout=3.0)  # the call ended, the engine paused: aborted
+        if free:
+            trace.lock.release()
+    assert free
+    reply = openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=30).chat.completions.create(
+        model="any", messages=TINY, max_tokens=4)
+    trace = g.close(key)
+    assert trace.calls == 1 and trace.failure is None and len(trace.sample.token_ids) == reply.usage.completion_tokens

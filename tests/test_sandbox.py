@@ -344,6 +344,10 @@ here, out = os.getcwd(), {}
 sleep, owners_sleep = f"4322.{os.getpid()}", f"4323.{os.getpid()}"  # command lines of this run's own
 with sandbox.Interpreter(sandbox.Limits(cpu=2, wall=30.0)) as py, socket.socket() as listener:
     out["uid"] = py.run("import os\nprint(os.getuid())").stdout.strip()
+    py.run("import resource, threading\nthreading.Thread(target=lambda: [None for _ in iter(int, 1)], daemon=True).start()")
+    used = [float(py.run("print(resource.getrusage(resource.RUSAGE_SELF).ru_utime)").stdout) for _ in range(2)
+            if not time.sleep(1.5)]  # the interpreter, pid 1 here, is stopped between cells, its thread with it
+    out["between"] = used[1] - used[0]
     out["read"] = py.run(f"for p in ['token', 'answers.jsonl', 'checkout/train.py']:\n    try:\n"
                          f"        print(open(os.path.join({here!r}, p)).read())\n    except OSError:\n        pass").stdout
     out["wrote"] = py.run(f"open({here!r} + '/checkout/x', 'w')").error
@@ -406,6 +410,7 @@ def test_the_attacks_fail_as_a_user_too(host_dir):
     assert out["connect"].startswith(("OSError", "ConnectionRefusedError")) and out["bomb"] == "processes", out
     assert "reply pipe" in out["forged"] and out["child"] is None and out["children_left"] == [], out
     assert not out["host_tmp"] and out["next_tmp"] == "[]\n" and out["owner_started"] and out["orphans"] == [], out
+    assert out["between"] < 1.0, out  # 1.5 s between the cells: a thread left running took none of it
 
 
 # The kernel's doors, tried by a cell of a trainer run by root and by a user: the environment of the sandbox's
