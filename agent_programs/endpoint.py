@@ -9,8 +9,10 @@ cost rank 0 is bounded (Limits), so that none keeps the agents' calls from being
   reads the heads of every waiting connection, new or kept alive between calls, a byte at a time if
   it comes so: a request's head must be in within head_timeout of its first byte (a connection may
   wait idle_timeout to begin one), or the connection is closed. A client that drips a byte a second
-  holds a socket for seconds, and never a thread. Past max_waiting at the door, the oldest waiting
-  connection is closed: a new one is always read.
+  holds a socket for seconds, and never a thread. A connection is read as it arrives; past
+  max_waiting connections at the door that never carried a live episode's key, the oldest of them
+  is closed: a new one is always read, and keyless arrivals never close an agent's connection kept
+  alive between its calls.
 - A request whose head is in is handled on a thread: from max_calls threads when it names a live
   episode (its key in the base URL or in Authorization: Bearer), from max_guests when it does not
   (a 401, /v1/models: answered from the head alone, no body read). Past its pool it is answered 503
@@ -92,8 +94,9 @@ class Waiting:
     """A connection at the door: what it sent of its next request's head, and when it is closed if that is not in."""
     conn: socket.socket
     addr: tuple
-    head: bytes
+    head: bytearray
     deadline: float
+    keyed: bool = False  # it carried a live episode's request: an agent's, never closed for a newcomer
 
 
 class Door:
@@ -112,11 +115,12 @@ class Door:
         self.thread = threading.Thread(target=self.run, daemon=True, name="gateway-door")
         self.thread.start()
 
-    def admit(self, conn, addr, head=b""):
-        """A new connection, or one kept alive after its answer (head: what it sent past that request)."""
+    def admit(self, conn, addr, head=b"", keyed=False):
+        """A new connection, or one kept alive after its answer (head: what it sent past that request; keyed:
+        that request named a live episode)."""
         if self.closed:
             return self.server.shutdown_request(conn)
-        self.arrivals.append((conn, addr, head))
+        self.arrivals.append((conn, addr, head, keyed))
         with contextlib.suppress(OSError):  # a full bell has rung already
             self.bell.send(b"\0")
 
@@ -142,23 +146,27 @@ class Door:
         self.bell.close()
 
     def take(self):
-        """The arrivals: each waits for its head (idle_timeout to begin it); past max_waiting the oldest is closed."""
+        """The arrivals: each waits for its head (idle_timeout to begin it), read at once for what it sent
+        already; past max_waiting unkeyed ones at the door, the oldest of those is closed."""
         with contextlib.suppress(OSError):
             while self.wake.recv(4096):
                 pass
         while self.arrivals:
-            conn, addr, head = self.arrivals.popleft()
+            conn, addr, head, keyed = self.arrivals.popleft()
             if self.closed:
                 self.server.shutdown_request(conn)
                 continue
-            if len(self.waiting) >= self.limits.max_waiting:
-                self.drop(next(iter(self.waiting.values())))  # dicts keep their order: the first came first
-            w = Waiting(conn, addr, b"", time.monotonic() + self.limits.idle_timeout)
+            unkeyed = [w for w in self.waiting.values() if not w.keyed]  # dicts keep their order: first came first
+            if not keyed and len(unkeyed) >= self.limits.max_waiting:
+                self.drop(unkeyed[0])
+            w = Waiting(conn, addr, bytearray(), time.monotonic() + self.limits.idle_timeout, keyed)
             conn.setblocking(False)
             self.selector.register(conn, selectors.EVENT_READ, w)
             self.waiting[conn] = w
             if head:  # the start of its next request came with the last one
                 self.got(w, head)
+            elif not keyed:  # an agent's new connection: its head is usually in already, read before a flood's
+                self.read(w)
 
     def read(self, w):
         try:
@@ -172,11 +180,14 @@ class Door:
         self.got(w, data)
 
     def got(self, w, data):
-        """Bytes of a request's head: its first starts head_timeout; a whole head goes to its thread."""
+        """Bytes of a request's head: its first starts head_timeout; a whole head goes to its thread. Only the
+        new bytes are searched for the head's end (and the 3 before them): a head sent a byte at a time costs
+        the door linear time, not quadratic."""
         if not w.head:
             w.deadline = time.monotonic() + self.limits.head_timeout
+        start = max(len(w.head) - 3, 0)
         w.head += data
-        if HEAD_END.search(w.head):
+        if HEAD_END.search(w.head, start):
             self.forget(w)
             self.server.dispatch(w)
         elif len(w.head) > MAX_HEAD:
@@ -236,8 +247,8 @@ class Server(http.server.HTTPServer):
             self.handle_error(w.conn, w.addr)
         finally:
             slots.release()
-        if handler is not None and not handler.close_connection:
-            self.door.admit(w.conn, w.addr, handler.leftover)
+        if handler is not None and not handler.close_connection:  # an agent's, when it named a live episode
+            self.door.admit(w.conn, w.addr, handler.leftover, w.keyed or slots is self.calls)
         else:
             self.shutdown_request(w.conn)
 
@@ -308,7 +319,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         """The request's body, or None when it cannot be read (the error answered, the connection closed):
         chunked, over MAX_BODY bytes, not in within body_timeout of the head, or cut off."""
         size = self.headers.get("Content-Length", "0")
-        if self.headers.get("Transfer-Encoding") or not (size.isdigit() and int(size) <= MAX_BODY):
+        if self.headers.get("Transfer-Encoding") or not (size.isascii() and size.isdigit() and int(size) <= MAX_BODY):
             self.close_connection = True  # its body stays unread: nothing after it on the connection can be read
             self.reply(413, {"error": {"message": f"the gateway reads a body of a Content-Length of at most "
                                                   f"{MAX_BODY} bytes, not a chunked one"}})
@@ -356,6 +367,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             yield
         finally:
             done.set()
+            watcher.join()  # before the episode's lock goes: it never sees, nor aborts, the next call's request
 
     def gone(self):
         """Whether the agent closed the connection while its call was sampled (its client timed out)."""

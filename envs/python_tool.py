@@ -54,7 +54,8 @@ class PythonTool:
             raise Unavailable(str(e)) from None
         output = (result.stdout + result.stderr).strip()
         if result.ours(self.limits):  # the wall clock on a loaded machine: not the code's (faults.py)
-            raise Starved(f"{result.error}, {result.waited:.1f} s of it waiting for a CPU")
+            raise Starved(f"{result.error}, {result.waited:.1f} s of it waiting for a CPU (the sandbox got "
+                          f"{result.cpu:.1f} s of CPU)")
         if result.error:
             raise ToolError(f"{result.error}\n{output}".strip())
         return [{"role": "tool", "content": output}]

@@ -80,7 +80,8 @@ import tempfile
 import time
 import warnings
 
-from envs.sandbox_process import command, environment, memory_cgroup, new_session_keyring, oom_kills, seccomp_pipe
+from envs.sandbox_process import (child, command, cpu_seconds, environment, memory_cgroup, new_session_keyring,
+                                  oom_kills, run_delay, seccomp_pipe, stopped, tree)
 
 # what Interpreter.fail and probe say to do where bwrap cannot start a sandbox
 FIX = ("; where bwrap cannot make namespaces: as root in a container, allow them (docker run --privileged, "
@@ -120,12 +121,14 @@ class Result:
     limit: str | None = None  # the limit that fired: cpu, wall, memory, disk, file size, processes, open files
     exit: int | None = None  # the interpreter's exit status (-N: signal N) when it ended; the next cell starts afresh
     waited: float = 0.0  # seconds the cell's thread waited for a CPU (the kernel's run queue), isolated only
+    cpu: float = 0.0  # CPU seconds every process of the sandbox used in the cell, isolated only
 
     def ours(self, limits):
         """Whose failure a cell at the wall clock is, by faults.py's rule (tool_starved): ours when the
-        machine kept the cell's thread waiting for a CPU for more than half its wall clock (a loaded
-        machine), else the code's own (it computed, slept or waited on its own processes)."""
-        return self.limit == "wall" and self.waited > limits.wall / 2
+        machine kept the cell's thread waiting for a CPU for more than half its wall clock while the
+        sandbox, all its processes together, got less than half a CPU (a loaded machine); else the
+        code's own: it computed, slept, or made its own thread wait behind processes of its own."""
+        return self.limit == "wall" and self.waited > limits.wall / 2 and self.cpu < limits.wall / 2
 
 
 def read_line(fd, deadline, cap=1 << 16):
@@ -159,7 +162,7 @@ class Interpreter:
     def __init__(self, limits=None):
         self.limits = limits or Limits()
         self.proc = self.cells = self.replies = self.out = self.err = self.cgroup = None
-        self.pidfd = self.python = self.pid = None  # pid 1's handle; the interpreter's handle and host pid
+        self.pidfd = self.python = self.pid = self.pid1 = None  # pid 1's handle; the interpreter's handle, host pids
         self.scratch = None  # unisolated only: the host directory that is its cwd, HOME and TMPDIR
 
     def start(self):
@@ -188,7 +191,7 @@ class Interpreter:
             pid = json.loads(f.read() or "{}").get("child-pid") if isolated and ready else None
         self.pidfd = os.pidfd_open(pid) if pid else None  # a handle on that process: no pid reuse misdirects a kill
         # the interpreter: pid 1 itself, or as root the only child of bwrap's reaper
-        self.pid = (pid if self.uid is None else child(pid)) if pid else None
+        self.pid, self.pid1 = (pid if self.uid is None else child(pid)) if pid else None, pid
         self.python = self.pidfd if self.pid == pid else os.pidfd_open(self.pid) if self.pid else None
         if not ready:
             self.fail()
@@ -197,6 +200,7 @@ class Interpreter:
         """Open the pipes, the output files and (as root) the memory cgroup, and start the sandbox's
         process; returns the read end of bwrap's --info-fd. Whatever it opened is in self or theirs."""
         self.cells = self.replies = self.out = self.err = self.cgroup = self.pidfd = self.python = self.pid = None
+        self.pid1 = None
         cells, self.cells = os.pipe()
         theirs.append(cells)
         self.replies, replies = os.pipe()
@@ -235,22 +239,23 @@ class Interpreter:
             os.ftruncate(f.fileno(), 0)
         nonce, ooms = secrets.token_hex(16), self.cgroup and oom_kills(self.cgroup)
         self.signal(signal.SIGCONT)
-        deadline, waited = time.monotonic() + self.limits.wall, run_delay(self.pid)
+        deadline, waited, cpu = time.monotonic() + self.limits.wall, run_delay(self.pid), self.cpu_seconds()
         try:  # one line: JSON escapes the newlines
             sent = write_all(self.cells, json.dumps(dict(code=code, nonce=nonce)).encode() + b"\n", deadline)
             line = read_line(self.replies, deadline) if sent else None
         except BrokenPipeError:
             line = b""
-        waited = max(run_delay(self.pid) - waited, 0.0)  # read before a kill at the wall clock ends the process
+        # read before a kill at the wall clock ends the processes
+        waited, cpu = max(run_delay(self.pid) - waited, 0.0), max(self.cpu_seconds() - cpu, 0.0)
         stdout, stderr = self.head(self.out), self.head(self.err)
         reply = self.check(line, nonce, deadline)
         if not reply.get("limit") and self.cgroup and oom_kills(self.cgroup) > ooms:
             reply["limit"] = "memory"  # the kernel killed one of its processes (or it) for the cgroup's limit
+        if "exit" not in reply and not self.freeze():
+            reply.update(error="the sandbox could not be stopped between cells: it was killed", exit=-signal.SIGKILL)
         if "exit" in reply:  # the interpreter ended, or was ended: the whole sandbox is gone
             self.stop()
-        else:  # frozen until the next cell: a thread the cell left running takes no CPU between cells
-            self.signal(signal.SIGSTOP)
-        result = Result(stdout, stderr, reply["error"], reply.get("limit"), reply.get("exit"), waited)
+        result = Result(stdout, stderr, reply["error"], reply.get("limit"), reply.get("exit"), waited, cpu)
         if result.limit:
             result.error = describe(result.limit, self.limits) + (
                 "" if result.exit is None else "; the interpreter restarted: its variables and files are gone")
@@ -261,9 +266,10 @@ class Interpreter:
         if line is None:
             return dict(error="", limit="wall", exit=-signal.SIGKILL)
         with contextlib.suppress(ValueError, AttributeError):  # not JSON, not an object
-            if (reply := json.loads(line)).get("nonce") == nonce:
+            if (reply := json.loads(line)).get("nonce") == nonce and reply.keys() == {"nonce", "error", "limit"} \
+                    and isinstance(reply["error"], (str, type(None))) and reply["limit"] in REPLIED:
                 return reply
-        if line:  # not the interpreter's: the cell wrote on the pipe, and may be running on
+        if line:  # not the interpreter's (or not as it writes them): the cell wrote on the pipe, and may be running on
             return dict(error="the cell wrote on the sandbox's reply pipe: the sandbox was killed",
                         exit=-signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):  # the pipe's end: the interpreter ended, and bwrap follows
@@ -273,6 +279,28 @@ class Interpreter:
         code = 128 - code if self.pidfd is not None and code > 128 else code
         return dict(error=f"the interpreter ended (exit status {code})", exit=code,
                     limit="cpu" if code == -signal.SIGXCPU else None)
+
+    def freeze(self):
+        """Stop the sandbox until the next cell, from outside: the interpreter stopped (SIGSTOP, every thread
+        of it in state T) and every other process of the sandbox killed. The interpreter kills them itself
+        after each cell, but a thread of the cell's can fork after that, and the new process would run on
+        between cells, and could wake the interpreter (SIGCONT). False when it did not hold within a second."""
+        if self.python is None:  # unisolated: nothing to stop it with (its warning says so)
+            return True
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            self.signal(signal.SIGSTOP)
+            others = [p for p in tree(self.pid1) if p not in (self.pid1, self.pid)]
+            for p in others:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGKILL)
+            if not others and stopped(self.pid):
+                return True
+            time.sleep(0.01)
+        return False
+
+    def cpu_seconds(self):
+        return cpu_seconds(self.pid1) if self.pid1 else 0.0
 
     def signal(self, number):
         """Send the interpreter a signal (from outside its namespace: SIGSTOP and SIGCONT hold on a pid 1)."""
@@ -295,7 +323,7 @@ class Interpreter:
             select.select([self.pidfd], [], [], 10)  # readable when it has exited
             for fd in {self.pidfd, self.python} - {None}:
                 os.close(fd)
-            self.pidfd = self.python = self.pid = None
+            self.pidfd = self.python = self.pid = self.pid1 = None
         else:  # the group outlives its leader while a member is left: its id is not reused meanwhile
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -335,23 +363,7 @@ class Interpreter:
         self.close()
 
 
-def child(pid):
-    """The first child of process pid that /proc lists; None when it has none."""
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError, IndexError), open(f"/proc/{entry}/stat") as f:
-            if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                return int(entry)
-    return None
-
-
-def run_delay(pid):
-    """Seconds the main thread of process pid has waited on a run queue for a CPU (/proc/PID/schedstat:
-    its time on a CPU, its time waiting for one, in ns); 0 without a pid or the file."""
-    try:
-        with open(f"/proc/{pid}/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return 0.0
+REPLIED = (None, "memory", "file size", "processes", "open files", "disk")  # the limits the interpreter reports
 
 
 def describe(limit, limits):

@@ -1,7 +1,8 @@
 """The sandbox's process, as envs/sandbox.py's Interpreter starts it: its command line (bwrap,
 then as root setpriv, then Python), its seccomp filter, the program that runs the cells inside it,
-its environment variables, its session keyring and, as root, its memory cgroup. envs/sandbox.py
-says what holds and by what.
+its environment variables, its session keyring and, as root, its memory cgroup; and its processes
+as /proc shows them from outside (the tree under its pid 1, their CPU time, whether they are
+stopped). envs/sandbox.py says what holds and by what.
 """
 
 import contextlib
@@ -157,6 +158,9 @@ def interpreter(reply_fd, cpu, cpu_total, rlimits, isolated):
     os.write(reply_fd, b'{"ready": true}\n')
     for line in cells:
         request = json.loads(line)
+        with contextlib.suppress(ChildProcessError):  # what the host killed between cells (Interpreter.freeze)
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
         used = resource.getrusage(resource.RUSAGE_SELF)  # the CPU limit counts from the cell's start
         soft = min(math.ceil(used.ru_utime + used.ru_stime) + cpu, cpu_total)  # SIGXCPU there; the hard
         resource.setrlimit(resource.RLIMIT_CPU, (soft, cpu_total + 1))  # limit (SIGKILL) is the whole life's
@@ -225,3 +229,60 @@ def environment(home):
     return dict(PATH=f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin", HOME=home, TMPDIR=home,
                 LANG="C.UTF-8", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",  # a thread per core would
                 MKL_NUM_THREADS="1")  # count as processes
+
+
+# --- the sandbox's processes, read from outside (/proc/PID/stat: state is field 3, ppid 4, utime, stime,
+# cutime and cstime 14 to 17, in clock ticks; the fields after the command's closing parenthesis)
+
+
+def stat(pid):
+    """The fields of /proc/PID/stat after its command (state first); None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def tree(pid):
+    """Process pid and every living process under it (a sandbox's pid 1: all of the sandbox, since its
+    orphans are reparented to it), zombies left out."""
+    children = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        if (fields := stat(entry)) and fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        found.append(todo.pop())
+        todo += children.get(found[-1], [])
+    return found
+
+
+def child(pid):
+    """A child of process pid (as root, bwrap's reaper's only one: the interpreter); None when it has none."""
+    return next(iter(tree(pid)[1:]), None)
+
+
+def cpu_seconds(pid):
+    """CPU seconds of process pid and all under it, those of the children each has reaped included."""
+    tick = os.sysconf("SC_CLK_TCK")
+    return sum(sum(map(int, fields[11:15])) / tick for p in tree(pid) if (fields := stat(p)))
+
+
+def stopped(pid):
+    """Whether every thread of process pid is stopped (state T): none of it runs."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    return all((fields := stat(f"{pid}/task/{t}")) is None or fields[0] == "T" for t in tasks)
+
+
+def run_delay(pid):
+    """Seconds the main thread of process pid has waited on a run queue for a CPU (/proc/PID/schedstat:
+    its time on a CPU, its time waiting for one, in ns); 0 without a pid or the file."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0

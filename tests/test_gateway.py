@@ -8,6 +8,7 @@ import http.client
 import http.server
 import itertools
 import json
+import re
 import socket
 import threading
 import time
@@ -316,18 +317,22 @@ def test_a_call_the_agent_gave_up_on_is_not_recorded(make):
     """The agent's client times out while the call samples: the answer nobody saw is taken back;
     its retry is the episode's first call."""
     g, tok, client, key = make("qwen2.5-instruct", ["Five."])
-    slow, fast = g.client.submit, g.client.submit
+    fast, sampling, gave_up = g.client.submit, threading.Event(), threading.Event()
 
-    def submit(*args, **kwargs):
-        import time
-
-        time.sleep(1.5)
-        return slow(*args, **kwargs)
+    def submit(*args, **kwargs):  # the call samples until its agent has gone
+        sampling.set()
+        gave_up.wait(30)
+        return fast(*args, **kwargs)
     g.client.submit = submit
-    impatient = openai.OpenAI(base_url=client.base_url, api_key=key, max_retries=0, timeout=0.3)
-    with pytest.raises(openai.APITimeoutError):
-        impatient.chat.completions.create(model="any", messages=FIRST)
+    impatient = socket.create_connection(g.server.server_address[:2], timeout=5)
+    body = json.dumps({"model": "any", "messages": FIRST}).encode()
+    impatient.sendall(f"POST /e/{key}/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+                      .encode() + body)
+    assert sampling.wait(30)
+    impatient.close()  # its client's timeout: it never reads the answer
+    time.sleep(0.5)  # (the gateway sees the connection closed when it answers)
     g.client.submit = fast
+    gave_up.set()
     client.chat.completions.create(model="any", messages=FIRST)
     trace = g.close(key)
     assert trace.calls == 1 and trace.sample.restarts == () and len(g.client.calls) == 2
@@ -656,3 +661,60 @@ def test_a_call_whose_client_left_is_aborted_at_vllm(served):
         model="any", messages=TINY, max_tokens=4)
     trace = g.close(key)
     assert trace.calls == 1 and trace.failure is None and len(trace.sample.token_ids) == reply.usage.completion_tokens
+
+
+def raw_call(conn, key, content_length=None):
+    """One chat call written by hand on `conn` (kept alive); (status, body) of its answer."""
+    body = json.dumps({"model": "any", "messages": FIRST}).encode()
+    conn.sendall(f"POST /e/{key}/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {content_length or len(body)}\r\n\r\n".encode("latin-1") + body)  # HTTP's own
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        answer += conn.recv(4096) or b"\r\n\r\n"
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    size = int(re.search(rb"Content-Length: (\d+)", head).group(1)) if b"Content-Length" in head else 0
+    while len(rest) < size:
+        rest += conn.recv(4096)
+    return int(head.split()[1]) if head.strip() else None, rest
+
+
+def test_a_keyless_flood_never_closes_an_agents_connection_kept_alive(make):
+    """Past max_waiting only connections that never carried a live episode's call are closed: an agent's
+    connection waiting between its calls (its tool runs) is kept while keyless ones flood the door."""
+    g, tok, client, key = make("qwen2.5-instruct", ["Five.", "Six."], serve=dict(limits=endpoint.Limits(max_waiting=8)))
+    agent = socket.create_connection(g.server.server_address[:2], timeout=5)
+    assert raw_call(agent, key)[0] == 200
+    flood = [socket.create_connection(g.server.server_address[:2], timeout=5) for _ in range(40)]
+    time.sleep(0.5)  # all at the door, the agent's connection the oldest there
+    assert raw_call(agent, key)[0] == 200
+    assert sum(closed(s, 0.05) for s in flood) >= 30  # the flood closed its own
+    for s in flood + [agent]:
+        s.close()
+
+
+def test_a_head_dripped_a_byte_at_a_time_is_searched_once(make, monkeypatch):
+    """The door looks for a head's end in the bytes that came last (and the 3 before them), not in the whole
+    head each time: a 4 KiB head sent byte by byte costs it about 4 KiB of searching, not 8 MiB."""
+    g, tok, client, key = make("qwen2.5-instruct", ["Five."])
+    searched, end = [], endpoint.HEAD_END
+
+    class Counting:
+        def search(self, head, pos=0):
+            searched.append(len(head) - pos)
+            return end.search(head, pos)
+    monkeypatch.setattr(endpoint, "HEAD_END", Counting())
+    mine, theirs = socket.socketpair()
+    w = endpoint.Waiting(mine, ("127.0.0.1", 0), bytearray(), time.monotonic() + 10)
+    for _ in range(4096):
+        g.server.door.got(w, b"x")
+    assert len(w.head) == 4096 and sum(searched) <= 4 * 4096, sum(searched)
+    mine.close()
+    theirs.close()
+
+
+def test_a_content_length_of_other_digits_is_refused_in_an_answer(make):
+    """"²".isdigit() is True and int("²") raises: such a Content-Length is answered 413, as any other
+    that is not a decimal number (before: a traceback in the trainer's log and no answer)."""
+    g, tok, client, key = make("qwen2.5-instruct", ["Five."])
+    with socket.create_connection(g.server.server_address[:2], timeout=5) as conn:
+        assert raw_call(conn, key, content_length="²")[0] == 413

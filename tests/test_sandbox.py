@@ -24,7 +24,7 @@ from config import Config
 from envs import sandbox, sandbox_process
 from envs.environment import Environment
 from envs.python_tool import PythonTool
-from envs.sandbox import Interpreter, Limits
+from envs.sandbox import Interpreter, Limits, Result
 from helpers import ScriptedClient, with_prompts
 
 pytestmark = pytest.mark.subprocess  # every test here starts sandboxed processes
@@ -604,8 +604,10 @@ def test_a_start_that_fails_leaves_no_descriptor_file_or_cgroup(monkeypatch, whe
     assert sorted(os.listdir("/proc/self/fd")) == fds and cgroups() == dirs
 
 
-# Whose a wall clock is (faults.py, tool_starved): a cell kept from a CPU by three busy processes on its one core
-# is ours; a cell that sleeps past it is the policy's. A script of its own: it pins itself to one core.
+# Whose a wall clock is (faults.py, tool_starved): a cell kept from a CPU by five busy processes on its one core
+# is ours; a cell that sleeps past it is the policy's. A script of its own: it pins itself to one core. The busy
+# processes each start a session: the kernel's autogroups share a core among sessions first, and the sandbox is a
+# session of its own.
 STARVED = r"""
 import json, os, subprocess, sys
 from envs.python_tool import PythonTool
@@ -615,7 +617,8 @@ os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # the sandbox and the b
 out, tool = {}, PythonTool()
 tool.limits = type(tool.limits)(cpu=60, wall=4.0)
 for name, code in [("loop", "while True: pass"), ("sleep", "import time; time.sleep(60)")]:
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3 * (name == "loop"))]
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+            for _ in range(5 * (name == "loop"))]
     try:
         tool.step({}, [{"role": "assistant", "content": f"<python>{code}</python>"}])
     except (Starved, ToolError) as e:
@@ -634,3 +637,68 @@ def test_the_wall_clock_is_ours_on_a_loaded_machine_and_the_codes_otherwise():
     out = json.loads(done.stdout.splitlines()[-1])
     assert out["loop"][0] == "Starved" and "waiting for a CPU" in out["loop"][1], out
     assert out["sleep"][0] == "ToolError" and "ran past 4 s" in out["sleep"][1], out
+
+
+def test_a_cell_that_keeps_its_own_thread_waiting_is_not_starved(py):
+    """The CPU that rule weighs is every process's of the sandbox, reaped children's included: a cell whose
+    main thread waits behind processes of its own (it forks spinners, then lowers its own priority) got the CPU
+    they used. Here two children each use 1 s of CPU, whatever the machine's load, and the cell counts 2 s."""
+    burn = ("import os, time\npids = []\nfor _ in range(2):\n    if (pid := os.fork()) == 0:\n"
+            "        while time.process_time() < 1.0: pass\n        os._exit(0)\n    pids.append(pid)\n"
+            "for pid in pids:\n    os.waitpid(pid, 0)")
+    result = py.run(burn)
+    assert result.error is None and 1.9 <= result.cpu < 3.0, result
+    limits = Limits(wall=4.0)
+    assert Result("", "", "x", "wall", -9, waited=3.0, cpu=1.0).ours(limits)  # kept from a CPU: ours
+    assert not Result("", "", "x", "wall", -9, waited=3.0, cpu=2.5).ours(limits)  # its own processes had the CPU
+    assert not Result("", "", "x", "wall", -9, waited=0.1, cpu=0.0).ours(limits)  # it slept
+
+
+# A thread of the cell's that forks once the interpreter has killed the cell's processes (while it writes its
+# reply, or waits for the next cell): the new process would run between cells and wake the stopped interpreter
+# (SIGCONT). The host kills it from outside (Interpreter.freeze), so an interpreter's thread counts no ticks.
+RACE = """import os, signal, sys, threading, time
+main, me = threading.main_thread().ident, os.getpid()
+def race():
+    while True:
+        frame = sys._current_frames().get(main)
+        if frame is not None and frame.f_code.co_name == "interpreter" and frame.f_lineno in LINES:
+            if os.fork() == 0:
+                signal.signal(signal.SIGXCPU, signal.SIG_IGN)
+                while True:
+                    os.kill(me, signal.SIGCONT)
+                    open("/tmp/survivor", "w").write(str(time.process_time()))
+            return
+def tick():
+    global ticks
+    while True:
+        time.sleep(0.01)
+        ticks += 1
+ticks = 0
+threading.Thread(target=race, daemon=True).start()
+threading.Thread(target=tick, daemon=True).start()"""
+
+
+def test_nothing_a_cell_forks_late_runs_between_cells():
+    import inspect
+
+    lines = [i for i, line in enumerate(inspect.getsource(sandbox_process.interpreter).splitlines(), 1)
+             if "os.write(reply_fd, (json" in line or "for line in cells" in line]
+    for _ in range(3):  # the fork races the interpreter's reply: three tries
+        with Interpreter(Limits(cpu=5, wall=30.0)) as py:
+            assert py.run(f"LINES = {lines}\n{RACE}").error is None
+            time.sleep(2.0)  # between the cells: a survivor would spin, and tick the interpreter's thread
+            found = py.run("print(ticks, os.path.exists('/tmp/survivor') and open('/tmp/survivor').read() or 0)")
+            ticks, survivor_cpu = found.stdout.split()
+            assert int(ticks) < 30 and float(survivor_cpu) < 0.5, found  # 2 s running: ~190 ticks
+
+
+def test_a_reply_forged_with_its_nonce_is_the_cells_error_and_raises_nothing(py):
+    """The cell can find its nonce (the interpreter's frame): a reply in another shape than the interpreter's
+    (a missing error, a limit it never reports) is the cell's error, its sandbox killed, never a KeyError of ours."""
+    for fields in ("{}", "{'error': 'x', 'limit': 'nope'}", "{'error': None, 'limit': 'wall'}"):
+        forge = ("import json, os, sys, time\nf = sys._getframe(1)\nos.write(f.f_locals['reply_fd'], (json.dumps("
+                 f"dict(nonce=f.f_locals['request']['nonce'], **{fields})) + '\\n').encode())\ntime.sleep(30)")
+        result = py.run(forge)
+        assert "reply pipe" in result.error and result.exit == -signal.SIGKILL, (fields, result)
+    assert py.run("print(1)").stdout == "1\n"
