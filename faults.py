@@ -11,9 +11,12 @@ of FAULTS, named by the metric that counts it, and every file that meets one ask
 A failure nobody can pin on the policy is ours: a timeout or a worker's death may follow from what
 the policy wrote, but may as well be a loaded machine or the OOM killer, and a group dropped costs
 samples where a wrong reward costs the run. Where the kernel can tell, it decides: a sandboxed cell
-at its wall clock is the policy's when it had the CPU (it computed, slept, or waited on processes
-of its own), ours when it spent over half its wall clock waiting on the run queue for a CPU
-(/proc/PID/schedstat; envs/sandbox.py, Result.ours). An environment tells the policy of its mistakes with
+at its wall clock is the policy's when it had the CPU (it computed, slept, or kept its own thread
+waiting behind processes of its own), ours when its thread spent over half the wall clock waiting
+on the run queue for a CPU while all its processes together got less than half a CPU
+(/proc/PID/schedstat and stat; envs/sandbox.py, Result.ours). On a machine that loaded, code that
+starves itself on purpose cannot be told from code starved by others: ours, so unscored, never a
+reward. An environment tells the policy of its mistakes with
 envs.tool_calls.ToolError, and of its own with envs.tool_calls.Unavailable. The same rows hold for a shared
 environment and a per-episode one, in a worker or in the trainer (tool_workers=0: no timeout, no
 crash). docs/operations.md ("Whose failure is it") is this table as users read it.
@@ -29,7 +32,8 @@ FAULTS = {  # the metric that counts it: (whose, what it is)
                            "that is not a list of messages; a per-episode instance's close() raised"),
     "tool_unavailable": (OURS, "the tool could not run (envs.tool_calls.Unavailable: a sandbox that cannot start)"),
     "tool_starved": (OURS, "the policy's code reached the sandbox's wall clock after waiting for a CPU (the run "
-                           "queue) for more than half of it: a loaded machine (envs.tool_calls.Starved)"),
+                           "queue) for more than half of it, its processes together given less than half a CPU: a "
+                           "loaded machine (envs.tool_calls.Starved)"),
     "tool_resets": (OURS, "a per-episode environment's constructor or reset(row) raised"),
     "tool_timeouts": (OURS, "a call ran past tool_timeout: its worker was killed"),
     "tool_crashes": (OURS, "a call's worker died (a signal, or an exit)"),
