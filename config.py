@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from options import check_fields, default, option
-from user_code import reward_specs
+from infra.options import check_fields, default, option
+from infra.user_code import reward_specs
 from episodes import max_seed
 
 
@@ -476,7 +476,7 @@ class Config:
         from loss import OBJECTIVES, check_objective  # noqa: PLC0415 - loss.py imports torch
         if ":" not in self.loss_fn:
             return OBJECTIVES.get(self.loss_fn)
-        from user_code import load_once  # noqa: PLC0415
+        from infra.user_code import load_once  # noqa: PLC0415
         return check_objective(load_once(self.loss_fn, "loss_fn", "Objective"), self.loss_fn)
 
     @property
@@ -497,3 +497,8 @@ class Config:
     def uses_reference(self) -> bool:
         """Whether the run builds, updates and checkpoints a reference: only the KL term reads it."""
         return self.load_ref_policy and self.beta > 0
+
+    @property
+    def topk_kl(self) -> bool:
+        """Whether the KL term is the top-k one: the step then freezes each token's head (update.frozen_logprobs)."""
+        return self.kl_estimator == "topk" and self.beta > 0

@@ -32,7 +32,7 @@ import random
 import zlib
 
 from rewards import copy_reward, exact_match, math_reward, number_reward
-from user_code import check_columns, load_reward_fns
+from infra.user_code import check_columns, load_reward_fns
 
 # --- built-in tasks
 

@@ -28,7 +28,7 @@ import dataclasses
 import time
 from typing import Optional, Protocol
 
-from model_files import stop_token_ids
+from infra.model_files import stop_token_ids
 
 
 # --- the record that crosses from the rollout (rollout.py) to the trainer (packing.py, update.py)

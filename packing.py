@@ -17,7 +17,7 @@ position_ids silently lets every token attend to the sequences before it
 
 transformers' sdpa then attends over the whole row under that L x L mask: a cost in L^2, which
 at 4,096 tokens made a packed step slower than a padded one on the CPU (0.68x at the 24 M
-shape). policy.packed_sdpa runs sdpa on each sequence's slice instead (the sum of squared lengths).
+shape). attention.packed_sdpa runs sdpa on each sequence's slice instead (the sum of squared lengths).
 
 Why balance tokens, not sequences: the cost of a forward is its tokens, and FSDP makes every
 rank wait for the slowest at each layer's all-gather. RL completions spread from a few tokens
@@ -232,7 +232,7 @@ def collate(samples, share=False):
 
     With share, consecutive samples with the same prompt (of 2 tokens or more) share it: the
     prompt but its last token once, then each sample as that last token and its own tokens,
-    positions continuing from the prompt's (policy.packed_sdpa reads the layout from the
+    positions continuing from the prompt's (attention.packed_sdpa reads the layout from the
     position_ids). Every sample keeps its own copy of the prompt's last token, which predicts its
     first token, so the mask and per-token tensors are those of the unshared row, token for token."""
     ids, positions, mask, per = [], [], [], {k: [] for k in PER_TOKEN}

@@ -1,20 +1,19 @@
 """The rollout: the scored, grouped samples the trainer learns from, made on rank 0.
 
 `rollout_batch` is one step's batch: prompts -> episodes (the run's player, episodes.Player: vLLM
-completions, an environment's turns, an agent's program) -> rewards -> group advantages. `Rollouts` hands
-them to the loop, made on demand (async_steps=0: the synchronous loop, exact and debuggable),
-or up to async_steps steps ahead on a thread while the trainer trains, so generation and
-training overlap (the server is its own process; the thread only waits on HTTP).
+completions, an environment's turns, an agent's program) -> rewards -> group advantages. The loop
+hands it to the generator (infra/generator.py), which calls it when a batch is due: on demand
+(async_steps=0: the synchronous loop, exact and debuggable), or up to async_steps steps ahead on a
+thread while the trainer trains; `evaluate` is the held-out greedy accuracy.
 """
 
-import threading
 import time
 
 import torch
 from tqdm import tqdm
 
 from episodes import round_seed
-from faults import FAULTS, Refused, ours
+from infra.faults import FAULTS, Refused, ours
 from loss import group_advantages
 from rewards import has_answer_format
 
@@ -200,68 +199,3 @@ def rollout_batch(cfg, client, sampler, step, pool, tokenizer, player):
     if cfg.active_sampling:  # extra rounds run, and groups still missing after them
         m.update(active_sampling_rounds=len(rounds) - 1, active_sampling_missing_groups=prompts - len(samples) // n)
     return samples, m
-
-
-def drop_stale(samples, version, max_staleness, n):
-    """Label each sample with its staleness (weight updates since the weights that sampled its
-    first turn; 0 in the synchronous loop) and drop the groups (n samples in a row, as
-    rollout_batch returns them) whose oldest sample is older than max_staleness: a group is kept
-    or dropped whole, though a weight update may fall between the first turns of its episodes."""
-    for s in samples:
-        s.staleness = version - s.version
-    groups = [samples[i:i + n] for i in range(0, len(samples), n)]
-    kept = [s for g in groups if max(s.staleness for s in g) <= max_staleness for s in g]
-    return kept, dict(staleness_mean=sum(s.staleness for s in samples) / max(len(samples), 1),
-                      stale_dropped=len(samples) - len(kept))
-
-
-class Rollouts:
-    """Batches for steps first..last from make(step). With ahead=k > 0 a thread makes
-    batch j as soon as the trainer has taken batch j - k, so the batches of the next k steps
-    are generated while the current one trains; with ahead=0, get(step) makes it in place.
-    An exception in make() is raised by get() for that step, and the thread stops there."""
-
-    def __init__(self, make, first, last, ahead):
-        self.make, self.ahead, self.last, self.taken, self.ready = make, ahead, last, first - 1, {}
-        self.cond, self.closed, self.thread = threading.Condition(), False, None
-        if ahead:
-            self.thread = threading.Thread(target=self.produce, args=(first,), daemon=True)
-            self.thread.start()
-
-    def produce(self, j):
-        while j <= self.last:
-            with self.cond:
-                self.cond.wait_for(lambda: self.closed or j <= self.taken + self.ahead)
-                if self.closed:
-                    return
-            try:
-                out = self.make(j)
-            except Exception as e:  # noqa: BLE001 - handed to the trainer, which decides
-                out = e
-            with self.cond:
-                self.ready[j] = out
-                self.cond.notify_all()
-            if isinstance(out, Exception):
-                return
-            j += 1
-
-    def get(self, step):
-        """The batch for `step` (steps are taken in order); waits for it if it is not made yet."""
-        if not self.ahead:
-            self.taken = step
-            return self.make(step)
-        with self.cond:
-            self.cond.wait_for(lambda: step in self.ready)
-            out = self.ready.pop(step)
-            self.taken = step
-            self.cond.notify_all()
-        if isinstance(out, Exception):
-            raise out
-        return out
-
-    def close(self):
-        with self.cond:
-            self.closed = True
-            self.cond.notify_all()
-        if self.thread:  # a request in flight may take up to vllm_request_timeout; the thread is a daemon
-            self.thread.join(timeout=10)

@@ -5,14 +5,14 @@
     init_groups(S)                          groups of S consecutive ranks (rank // S: data rank, rank % S: piece)
     piece(b, sp_rank, S)                    this rank's contiguous L/S of a packed micro-batch (packing.collate)
     register_attention()                    attn_implementation="ulysses": ulysses_attention, and no mask
-    ulysses_attention                       policy.packed_sdpa on the whole row, between the two all-to-alls
+    ulysses_attention                       attention.packed_sdpa on the whole row, between the two all-to-alls
     heads_to_sequence, sequence_to_heads    the all-to-alls around attention
     check_heads(model_config, S)            the refusal of a head count S does not divide
 
 Its doors, each entered only when sequence_parallel_size > 1 (a plain run never imports this file):
-    parallel.setup_distributed   init_groups
-    parallel.load_model          register_attention before the model is built (the policy and every
-                                 reference, adapters included, run "ulysses"), check_heads
+    train.model_doors            init_groups, and register_attention: the attention infra.parallel.load_model
+                                 builds every model with (the policy and every reference, adapters
+                                 included, run "ulysses")
     train.check_model            check_heads, before any process group
     update.train_on_batch        piece of each micro-batch
 policy.sequence_logprobs takes a piece's targets and hands row_position_ids to the attention;
@@ -54,7 +54,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import AttentionMaskInterface
 
 from packing import TOKENS
-from policy import packed_sdpa
+from infra.attention import packed_sdpa
 
 GROUP = None  # this rank's sequence-parallel process group (init_groups); None: no sequence parallelism
 

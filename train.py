@@ -41,25 +41,24 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import checkpoint
-import memory
 import packing
-import tracking
-import vllm_client
-from cli import parse_args_or_exit
 from config import Config
 from data import PromptSampler, load_prompts
 from episodes import Completions
-from faults import Refused, SyncError, VLLMError
-from generator import Generator
-from model_files import load_model_config, load_tokenizer, locate_model
 from packing import batch_plan
-from parallel import close_distributed, load_model, mesh_shape, setup_distributed
-from policy import check_model_config, check_vocabulary
 from reference import make_reference
+from rollout import evaluate, rollout_batch
 from update import TrainState, check_health, make_optimizer, train_on_batch
-from vllm_server import check_launch, colocated
-from worker_pool import RewardPool
+from infra import checkpoint, colocation, memory, tracking, vllm_client
+from infra.cli import parse_args_or_exit
+from infra.faults import Refused, SyncError, VLLMError
+from infra.generator import Generator
+from infra.model_files import load_model_config, load_tokenizer, locate_model
+from infra.parallel import close_distributed, load_model, mesh_shape, setup_distributed
+from infra.policy import check_model_config, check_vocabulary
+from infra.vllm_server import server_dtype
+from infra.weight_sync import make_weight_sync
+from infra.worker_pool import RewardPool
 
 
 def check_model(cfg, tokenizer, cuda):
@@ -80,6 +79,16 @@ def check_model(cfg, tokenizer, cuda):
         from sequence_parallel import check_heads  # noqa: PLC0415 - the optional concept's door
         check_heads(model_config, cfg.sequence_parallel_size)
     return model_config, meta_model
+
+
+def server_plan(cfg, model_config, meta_model, cuda):
+    """{item: bytes} of the servers we launch (infra/memory.py): the policy's and, distilling, the teacher's
+    (distill/teacher.py, its door)."""
+    plan = memory.server_plan(cfg, model_config, meta_model, cuda)
+    if cfg.teacher_model_name_or_path:
+        from distill import teacher  # noqa: PLC0415 - the optional concept's door
+        plan |= teacher.server_plan(cfg, cuda)
+    return plan
 
 
 def choose_player(cfg, tokenizer):
@@ -105,7 +114,7 @@ def load_inputs(cfg):
     rank0, world = int(os.environ.get("RANK", 0)) == 0, int(os.environ.get("WORLD_SIZE", 1))
     cuda = torch.cuda.is_available()
     try:
-        check_launch(cfg, cuda)  # where our vLLM server would go, before any model
+        colocation.check_launch(cfg, cuda)  # where our vLLM server would go, before any model
         mesh_shape(cfg, world)  # a world the mesh does not fit
         locate_model(cfg.model_name_or_path)  # in seconds offline, not after the hub's minute of retries
         tokenizer = load_tokenizer(cfg)
@@ -116,12 +125,12 @@ def load_inputs(cfg):
         player, env = choose_player(cfg, tokenizer)
         train_rows, eval_rows, skipped, reward_fn = load_prompts(cfg, tokenizer, env)
         plan = (memory.trainer_plan(cfg, model_config, meta_model, world, cuda),
-                memory.server_plan(cfg, model_config, meta_model, cuda))
+                server_plan(cfg, model_config, meta_model, cuda))
         if rank0:  # this node's ranks and our server against its memory, or a rank against its GPU
             memory.check(cfg, *plan, int(os.environ.get("LOCAL_WORLD_SIZE", world)), cuda)
-            if cuda and colocated(cfg, cuda):  # what the plan leaves a server on the training GPUs
-                memory.colocated_fraction(cfg, *plan, int(os.environ.get("LOCAL_WORLD_SIZE", world)),
-                                          torch.cuda.mem_get_info()[1])
+            if cuda and colocation.colocated(cfg, cuda):  # what the plan leaves a server on the training GPUs
+                colocation.fraction(cfg, *plan, int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+                                    torch.cuda.mem_get_info()[1])
         return (tokenizer, player, (train_rows, eval_rows, skipped, reward_fn), plan,
                 tracking.open_tracker(cfg) if rank0 else None)
     except ValueError as e:
@@ -183,10 +192,27 @@ class Sigterm:
         return bool(flag.item())
 
 
+def model_doors(cfg):
+    """What load_model is handed: the attention and the policy's converter. With sequence parallelism
+    (sequence_parallel.py, its door) its rank groups, made now, and packed_sdpa over whole rows between two
+    all-to-alls for every model; with LoRA (lora/adapters.py, its door) its adapters, injected before the
+    sharding so that each is sharded with its layer."""
+    attn, convert = cfg.attn_implementation, None
+    if cfg.sequence_parallel_size > 1:
+        import sequence_parallel  # noqa: PLC0415 - the optional concept's door
+        sequence_parallel.init_groups(cfg.sequence_parallel_size)  # consecutive ranks: inside a shard group
+        attn = sequence_parallel.register_attention()
+    if cfg.lora_rank:
+        from lora import adapters  # noqa: PLC0415 - the optional concept's door
+        convert = lambda model: adapters.add_adapters(model, cfg)  # noqa: E731
+    return attn, convert
+
+
 def build_state(cfg, device, mesh, plan):
     """The TrainState train.py starts from: the sharded policy, its reference, AdamW and the schedule."""
-    policy = load_model(cfg, device, mesh)
-    ref = make_reference(cfg, policy, lambda: load_model(cfg, device, mesh, reference=True))
+    attn, convert = model_doors(cfg)
+    policy = load_model(cfg, device, mesh, attn=attn, convert=convert)
+    ref = make_reference(cfg, policy, lambda: load_model(cfg, device, mesh, reference=True, attn=attn))
     optimizer, scheduler = make_optimizer(cfg, policy, cfg.num_training_steps * plan["optimizer_steps"], device)
     return TrainState(policy, ref, optimizer, scheduler)
 
@@ -231,11 +257,11 @@ def timed(m, key):
         m[key] = time.perf_counter() - start
 
 
-def finish_log(cfg, log, m, gen, eval_rows, last, started, device, trainer_plan):
-    """Rank 0: evaluation when due, the step's time, throughput, peak memory and the memory plan at the
-    step's largest micro-batch (GB = 1e9 bytes), then one log line."""
+def finish_log(cfg, log, m, evaluate_now, last, started, device, trainer_plan):
+    """Rank 0: evaluation when due (evaluate_now(): its metrics), the step's time, throughput, peak memory
+    and the memory plan at the step's largest micro-batch (GB = 1e9 bytes), then one log line."""
     if cfg.eval_freq > 0 and (m["step"] % cfg.eval_freq == 0 or last):
-        m.update(gen.evaluate(eval_rows))
+        m.update(evaluate_now())
     m["time_step"] = time.perf_counter() - started
     m["tokens_per_s"] = m.pop("response_tokens") / m["time_step"]
     m["peak_memory_gb"] = (torch.cuda.max_memory_allocated() if device.type == "cuda" else
@@ -243,6 +269,37 @@ def finish_log(cfg, log, m, gen, eval_rows, last, started, device, trainer_plan)
     if "micro_batch_tokens" in m:  # a step that trained
         m["memory_plan_gb"] = memory.at_tokens(trainer_plan, m.pop("micro_batch_tokens")) / memory.GB
     log.write(m)
+
+
+def make_sync(cfg):
+    """How weights go into the servers, for the generator: make(client, rank, device) -> a weight sync.
+    The full weights through files (infra/weight_sync.py) or NCCL (nccl_sync.py, its door), or with LoRA
+    the adapter's or the merged weights' (lora/sync.py, LoRA's door): each imported only then."""
+    if cfg.lora_rank:
+        from lora import sync as lora_sync  # noqa: PLC0415 - the optional concept's door
+        return lambda client, rank, device: lora_sync.make_weight_sync(cfg, client, rank)
+    if cfg.weight_sync_transport == "nccl":
+        from nccl_sync import NCCLSync  # noqa: PLC0415 - the optional concept's door
+        return lambda client, rank, device: NCCLSync(client, rank, cfg.weight_sync_master_address,
+                                                     cfg.weight_sync_master_port, device, cfg.weight_sync_timeout,
+                                                     getattr(torch, server_dtype(cfg)))
+    return lambda client, rank, device: make_weight_sync(cfg, client, rank, device)
+
+
+def export_transform(cfg):
+    """What an export does first to the gathered weights (checkpoint.export): with LoRA, the adapter
+    merged in and written apart as PEFT's directory (lora/sync.py, LoRA's door); else nothing."""
+    if not cfg.lora_rank:
+        return None
+    from lora import sync as lora_sync  # noqa: PLC0415 - the optional concept's door
+    return lambda full, name: lora_sync.export(full, cfg, os.path.join(cfg.output_dir, f"{name}_adapter"))
+
+
+def evaluation(gen, eval_rows, pool, player):
+    """Rank 0: greedy accuracy on the held-out prompts (and with episodes of several turns the fraction
+    that called a tool), as metrics."""
+    accuracy, tool_calls = evaluate(gen.client, eval_rows, pool, player)
+    return dict(eval_accuracy=accuracy, **({"eval_tool_calls": tool_calls} if player.multi_turn else {}))
 
 
 def save(cfg, state, step, position, tokenizer, rank, stopping):
@@ -253,7 +310,7 @@ def save(cfg, state, step, position, tokenizer, rank, stopping):
     if saved:
         checkpoint.save(cfg.checkpoint_state_dir, step, state, position, cfg, cfg.keep_last_n_checkpoints)
     if last or (cfg.save_freq > 0 and step % cfg.save_freq == 0):
-        checkpoint.export(cfg, state.policy, tokenizer, rank, "final" if last else f"step_{step}")
+        checkpoint.export(cfg, state.policy, tokenizer, rank, "final" if last else f"step_{step}", export_transform(cfg))
     return saved
 
 
@@ -278,9 +335,10 @@ def main(cfg: Config):
     gen, saved, trained, skipped_in_a_row = None, start, start, 0
     try:
         # inside the try: a server we launched is stopped (finally) however the run ends, its start included
-        gen = Generator(cfg, state.policy, tokenizer, sampler, pool, rank, device, player, memory_plan)  # ours/yours
+        batch = (lambda client, step: rollout_batch(cfg, client, sampler, step, pool, tokenizer, player))  # rank 0
+        gen = Generator(cfg, state.policy, tokenizer, rank, device, batch, make_sync(cfg), sampler, player, memory_plan)
         if rank == 0 and cfg.eval_freq > 0 and eval_rows and not start:  # a resumed run has its step 0 logged
-            log.write({"step": 0, **gen.evaluate(eval_rows), "skipped_rows": skipped})
+            log.write({"step": 0, **evaluation(gen, eval_rows, pool, player), "skipped_rows": skipped})
         sigterm.in_loop = True
         for step in tqdm(range(start + 1, cfg.num_training_steps + 1), disable=rank != 0, desc="grpo",
                          initial=start, total=cfg.num_training_steps):
@@ -322,7 +380,8 @@ def main(cfg: Config):
             stopping = sigterm.on_any_rank(device)
             saved = step if save(cfg, state, step, gen.position, tokenizer, rank, stopping) else saved
             if rank == 0:  # --- evaluation and log
-                finish_log(cfg, log, m, gen, eval_rows, step == cfg.num_training_steps, started, device, memory_plan[0])
+                finish_log(cfg, log, m, lambda: evaluation(gen, eval_rows, pool, player), step == cfg.num_training_steps,
+                           started, device, memory_plan[0])
             if stopping:
                 if rank == 0:
                     print(f"SIGTERM: stopped after step {step}" + (f", checkpoint in {cfg.checkpoint_state_dir}"
@@ -335,7 +394,7 @@ def main(cfg: Config):
 
 
 if __name__ == "__main__":
-    cfg = parse_args_or_exit()
+    cfg = parse_args_or_exit(Config)
     try:
         status = main(cfg)
     except (Refused, VLLMError, SyncError) as e:  # nobody could score, a server not up or past repair, a sync that

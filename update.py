@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from faults import SyncError
+from infra.faults import SyncError
 from loss import ess_from_sums, ess_sums, grpo_loss, mismatch_mask, step_denominator
 from packing import TOKENS, micro_batches
 
@@ -67,8 +67,7 @@ def frozen_logprobs(cfg, policy, ref, micro, forward, reuse_old, device):
     """One FrozenLogprobs per micro-batch: old_logp (recomputed, or vLLM's with use_vllm_logprobs), the
     reference's logp and, for the top-k KL, the sampling policy's top-k ids (a teacher's: its own)
     with the reference's logp there (O(k) per token)."""
-    topk_kl = cfg.kl_estimator == "topk" and cfg.beta > 0
-    out = []
+    topk_kl, out = cfg.topk_kl, []
     with torch.no_grad():
         for b in micro:
             frozen = FrozenLogprobs()
@@ -207,9 +206,8 @@ def train_on_batch(cfg, state, samples, rank, world_size, device):
         return model.sequence_logprobs(b["input_ids"].to(device), b["mask"].to(device), cfg.temperature,
                                        position_ids=b["position_ids"].to(device), **piece_of_row, **kw)
 
-    topk_kl = cfg.kl_estimator == "topk" and cfg.beta > 0
     # lora_dropout: the ratio compares the dropout forward with the dropout-free one that sampled
-    reuse_old = (cfg.num_mini_batches == 1 and cfg.num_epochs == 1 and not cfg.use_vllm_logprobs and not topk_kl
+    reuse_old = (cfg.num_mini_batches == 1 and cfg.num_epochs == 1 and not cfg.use_vllm_logprobs and not cfg.topk_kl
                  and not cfg.lora_dropout)
     frozen_per_mini = [frozen_logprobs(cfg, policy, state.ref, mbs, forward, reuse_old, device) for mbs in micro]
     # Dr GRPO's constant denominator counts the configured sequences of a mini-batch, not those

@@ -29,7 +29,7 @@ import uuid
 from agent_programs.endpoint import Limits, Server
 from agent_programs.trace import Refusal, Trace, plain
 from envs.chat import ChatTokens
-from faults import VLLMError
+from infra.faults import VLLMError
 
 TOOL_LISTS = 16  # distinct tool lists whose ChatTokens are kept, the least recently used dropped
 PINNED = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",

@@ -48,13 +48,13 @@ import subprocess
 import time
 import urllib.request
 
-import faults
+from infra import faults
 from envs import tool_calls
 from envs.chat import ChatTokens
 from episodes import Episode, turn_seed
 from agent_programs.gateway import Gateway
-from user_code import load_object, to_float
-from worker_pool import CallPool
+from infra.user_code import load_object, to_float
+from infra.worker_pool import CallPool
 
 FAILURES = tuple(k for k in faults.FAULTS if k.startswith("agent_"))  # how a program's episode fails: all ours
 

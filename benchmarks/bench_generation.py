@@ -27,9 +27,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
-import vllm_client  # noqa: E402
-import vllm_server  # noqa: E402
-import weight_sync  # noqa: E402
+from infra import vllm_client  # noqa: E402
+from infra import vllm_server  # noqa: E402
+from infra import weight_sync  # noqa: E402
 from config import Config  # noqa: E402
 
 CORES = len(os.sched_getaffinity(0))

@@ -43,7 +43,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # policy without PYTHONPATH
-from policy import token_logprobs  # noqa: E402
+from infra.policy import token_logprobs  # noqa: E402
 
 TARGET = 0.25  # the chunked peak should be at most this fraction of the naive one
 

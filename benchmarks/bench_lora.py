@@ -33,11 +33,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # helpers: the plain logprobs of the check
 from lora import sync as lora_sync  # noqa: E402
 import train  # noqa: E402
-import vllm_client  # noqa: E402
-import vllm_server  # noqa: E402
-import weight_sync  # noqa: E402
+from infra import vllm_client  # noqa: E402
+from infra import vllm_server  # noqa: E402
+from infra import weight_sync  # noqa: E402
 from config import Config  # noqa: E402
-from generator import make_sync  # noqa: E402
+from infra.generator import make_sync  # noqa: E402
 from helpers import logprob_diff, prompt_logprobs, trainer_logprobs  # noqa: E402
 from reference import local, make_reference  # noqa: E402
 
@@ -51,7 +51,7 @@ def nbytes(tensors):
 
 def memory(cfg, device, mesh):
     """Trainable parameters, gradient, AdamW state and reference bytes of one run's models."""
-    policy = train.load_model(cfg, device, mesh)
+    policy = train.load_model(cfg, device, mesh, convert=train.model_doors(cfg)[1])  # LoRA's adapters
     ref = make_reference(cfg, policy, lambda: train.load_model(cfg, device, mesh, reference=True))
     optimizer, _ = train.make_optimizer(cfg, policy, 10, device)
     ids = torch.arange(1, 65)[None]

@@ -41,7 +41,7 @@ def step(model, batch, device):
 
 def peak_bytes(cfg, batch, device, mesh):
     """(peak bytes, seconds, loss) of one micro-batch on a freshly sharded model."""
-    from parallel import load_model
+    from infra.parallel import load_model
 
     model = load_model(cfg, device, mesh)
     if device.type == "cuda":
@@ -70,7 +70,7 @@ def main():
 
     import make_tiny_model
     from config import Config
-    from parallel import setup_distributed
+    from infra.parallel import setup_distributed
 
     model_dir = tempfile.mkdtemp(prefix="bench_memory_")
     model = make_tiny_model.build_model(hidden_size=512, layers=8, heads=8, kv_heads=2, intermediate_size=1536)

@@ -26,14 +26,14 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), ROOT]
-import vllm_client  # noqa: E402
-import vllm_server  # noqa: E402
+from infra import vllm_client  # noqa: E402
+from infra import vllm_server  # noqa: E402
 from bench_generation import cpu_name  # noqa: E402
 from config import Config  # noqa: E402
 from data import load_prompts  # noqa: E402
 from envs.environment import Environment  # noqa: E402
 from episodes import Completions  # noqa: E402
-from model_files import load_tokenizer, stop_token_ids  # noqa: E402
+from infra.model_files import load_tokenizer, stop_token_ids  # noqa: E402
 
 
 def main(argv=None):

@@ -50,7 +50,7 @@ def rollouts(n_prompts, n_samples, min_new, max_new, seed=0):
 def mini_batch(model, batches, key, attn, cfg, denom):
     """Forward, loss and backward of every micro-batch; key: position_ids or attention_mask."""
     from loss import grpo_loss
-    from policy import sequence_logprobs
+    from infra.policy import sequence_logprobs
 
     model.config._attn_implementation = attn
     for b in batches:

@@ -159,7 +159,7 @@ def model_dir(random):
 def load(path):
     """The policy and its reference as train.py builds them (a world of one), and the config."""
     from config import Config
-    from parallel import load_model, setup_distributed
+    from infra.parallel import load_model, setup_distributed
 
     cfg = Config(model_name_or_path=path, beta=BETA)
     _, _, device, mesh = setup_distributed(cfg)
@@ -402,7 +402,7 @@ def main():
 
     import transformers
 
-    from parallel import close_distributed
+    from infra.parallel import close_distributed
 
     path, what, temporary = model_dir(args.random)
     cfg, device, policy, ref = load(path)

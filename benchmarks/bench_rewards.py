@@ -55,7 +55,7 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     import rewards
-    from worker_pool import RewardPool
+    from infra.worker_pool import RewardPool
 
     batch = completions(args.n)
     print(f"{args.n} completions, rewards.math_reward_last_number, {os.cpu_count()} cores, "

@@ -71,7 +71,7 @@ def worker(args):
     import torch
     import torch.distributed as dist
 
-    import memory
+    from infra import memory
     import train
     import update
     from config import Config
@@ -176,7 +176,7 @@ def gpu_plan(cfg, model_dir, world, device, fraction):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    import memory
+    from infra import memory
 
     mc = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):

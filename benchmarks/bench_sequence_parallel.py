@@ -69,7 +69,8 @@ def worker(args):
                  activation_checkpointing=args.activation_checkpointing)
     rank, world, device, mesh = train.setup_distributed(cfg)
     torch.manual_seed(0)
-    policy = train.load_model(cfg, device, mesh)
+    attn, _ = train.model_doors(cfg)  # its rank groups and attention
+    policy = train.load_model(cfg, device, mesh, attn=attn)
     rows = []
     for tokens in (args.tokens // 2, args.tokens):
         tracker = MemTracker()

@@ -31,9 +31,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts"), os.path.join(ROOT, "tests")]  # make_tiny_model, helpers
 import make_tiny_model  # noqa: E402
-import vllm_client  # noqa: E402
-import vllm_server  # noqa: E402
-import weight_sync  # noqa: E402
+from infra import vllm_client  # noqa: E402
+from infra import vllm_server  # noqa: E402
+from infra import weight_sync  # noqa: E402
 from config import Config  # noqa: E402
 from helpers import logprob_diff, prompt_logprobs, trainer_logprobs  # noqa: E402
 

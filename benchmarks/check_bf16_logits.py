@@ -15,7 +15,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # policy without PYTHONPATH
-from policy import token_logprobs  # noqa: E402
+from infra.policy import token_logprobs  # noqa: E402
 
 
 def main():

@@ -1,7 +1,6 @@
 """On-policy distillation, an optional concept in one folder: teacher.py (a teacher model served by a
 vLLM server of its own, scoring every token the student sampled). `rm -r distill` leaves a trainer
-that runs everything but --teacher_model_name_or_path; a plain run imports none of it. memory.py
-plans the teacher's server beside the policy's (server_plan), from the teacher's config.
+that runs everything but --teacher_model_name_or_path; a plain run imports none of it.
 
 The teacher is a kind of reference: the KL term (beta, kl_estimator) reads it as it reads a fixed
 or moving reference, so the objectives are loss.py's rows (the sampled k1 as a per-token advantage,
@@ -10,4 +9,5 @@ kl_estimator="advantage"; EMA-PG's top-k KL over the teacher's top k, kl_estimat
 Its doors, each only when teacher_model_name_or_path is set:
 - reference.py:make_reference  teacher.Teacher, the run's reference (it launches the server)
 - train.py:check_model         teacher.check: the teacher's files and tokenizer, before anything starts
+- train.py:server_plan         teacher.server_plan: the teacher's server in the memory plan, beside the policy's
 """

@@ -34,12 +34,32 @@ import time
 
 import torch.distributed as dist
 
-import memory
-import vllm_client
-import vllm_server
-from faults import VLLMError
-from model_files import load_model_config
-from weight_sync import raise_on_every_rank
+from infra import memory
+from infra import vllm_client
+from infra import vllm_server
+from infra.faults import VLLMError
+from infra.model_files import load_model_config
+from infra.weight_sync import raise_on_every_rank
+
+
+def teacher_context(cfg):
+    """A teacher's context: one token past the longest sample, whose request asks for one (max_tokens=1)."""
+    return (cfg.vllm_max_model_len or cfg.max_prompt_length + cfg.response_length) + 1
+
+
+def server_plan(cfg, cuda):
+    """{teacher_item: bytes} of the teacher's server for the memory plan (infra/memory.py): planned as the
+    policy's on its own config, with the prompt logits it holds beside them, which vLLM's memory profile
+    leaves out: a whole sequence's logits over the vocabulary and their log-softmax in float32 (vLLM
+    computes them one request at a time)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tc = AutoConfig.from_pretrained(cfg.teacher_model_name_or_path)
+    with torch.device("meta"):
+        teacher = AutoModelForCausalLM.from_config(tc)
+    plan = {f"teacher_{k}": v for k, v in memory.model_server(cfg, tc, teacher, cuda).items()}
+    return plan | {"teacher_prompt_logits": 2 * 4 * teacher_context(cfg) * tc.vocab_size}
 
 
 def check(cfg, tokenizer, cuda):
@@ -122,7 +142,7 @@ class Teacher:
         if rank == 0:
             log = os.path.join(cfg.output_dir, "teacher_vllm.log")
             try:
-                context = memory.teacher_context(cfg)
+                context = teacher_context(cfg)
                 self.server, url = vllm_server.launch_server(
                     cfg.teacher_model_name_or_path, cfg, log,
                     extra_args=("--max-logprobs", str(max(self.k, 1)), "--max-model-len", str(context),

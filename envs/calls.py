@@ -7,7 +7,7 @@ worker_pool.py (its forkserver preloads this module, so that a replacement worke
 """
 
 from envs import tool_calls
-from user_code import load_object, to_float
+from infra.user_code import load_object, to_float
 from envs.tool_calls import Starved, ToolError, Unavailable
 
 KEYS = ("role", "content", "name", "tool_call_id", "tool_calls")  # what a message keeps

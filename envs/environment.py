@@ -73,14 +73,14 @@ import itertools
 import os
 import time
 
-import faults
+from infra import faults
 from envs import tool_calls
 from envs.chat import ChatTokens
 from envs.calls import Calls, check_messages, close, per_episode
 from episodes import Episode, take_turn, turn_seed
-from faults import Refused
-from user_code import load_object
-from worker_pool import CallPool
+from infra.faults import Refused
+from infra.user_code import load_object
+from infra.worker_pool import CallPool
 
 
 def default_reset(row):
@@ -152,7 +152,7 @@ class Environment:
         check() in one of them: an environment that cannot run there (PythonTool's sandbox without
         bwrap, or where it cannot make namespaces) stops the run before training, in one line."""
         self.pool = CallPool(Calls(self.spec), self.cfg.tool_workers, self.cfg.tool_timeout, kind="tool",
-                             check=None, fallback=None)
+                             check=None, fallback=None, preload=["envs.calls"])
         if callable(getattr(self.probe, "check", None)):
             _, failed = self.pool.map([(None, False, "check", None, None)])
             if failed:

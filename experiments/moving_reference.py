@@ -165,12 +165,12 @@ class InitialPolicy:
         import torch
         from transformers import AutoModelForCausalLM
 
-        import cli
         import data
-        import model_files
+        from config import Config
         from envs.environment import Environment
+        from infra import cli, model_files
 
-        cfg = cli.parse_args(cmd_flags)
+        cfg = cli.parse_args(Config, cmd_flags)
         self.tokenizer = model_files.load_tokenizer(cfg)
         env = Environment(cfg.environment, self.tokenizer, cfg) if cfg.environment else None
         evals = data.load_prompts(cfg, self.tokenizer, env)[1]
@@ -222,8 +222,8 @@ def start_server(args):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import vllm_server
-    import weight_sync
+    from infra import vllm_server
+    from infra import weight_sync
     from config import Config
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
@@ -347,7 +347,7 @@ def main():
                          args.model]).returncode:
         sys.exit("error: the model could not be prepared (see above)")
     os.makedirs(args.out, exist_ok=True)
-    import vllm_server
+    from infra import vllm_server
 
     runs = [(r, a, 0, v) for r, a, v in PROBES] if args.probe else \
         [(r, a, seed, None) for seed in range(1, args.seeds + 1) for r, (_, _, arms) in REGIMES.items() for a in arms]

@@ -52,8 +52,8 @@ def main():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import make_tiny_model
-    import vllm_server
-    import weight_sync
+    from infra import vllm_server
+    from infra import weight_sync
     from config import Config
 
     if not os.path.isfile(os.path.join(args.model, "config.json")):

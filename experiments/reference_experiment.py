@@ -87,8 +87,8 @@ def start_server(args):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import vllm_server
-    import weight_sync
+    from infra import vllm_server
+    from infra import weight_sync
     from config import Config
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
@@ -181,7 +181,7 @@ def main():
         if subprocess.run(prepare).returncode:
             sys.exit("error: the model could not be prepared (see above)")
     os.makedirs(args.out, exist_ok=True)
-    import vllm_server
+    from infra import vllm_server
 
     # Seed-major, so an interrupted experiment has every run at its first seeds; finished runs
     # (their last step evaluated in OUT) are read back, not run again.

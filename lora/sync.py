@@ -1,6 +1,6 @@
 """LoRA's adapter out of the trainer: into the vLLM servers, and into the exports.
 
-    sync = make_weight_sync(cfg, client, rank)   # generator.make_sync, with lora_rank > 0
+    sync = make_weight_sync(cfg, client, rank)   # train.make_sync, with lora_rank > 0
     export(full, cfg, adapter_dir)               # checkpoint.export: the adapter directory, the merged weights
 
 The servers get the adapter itself (lora_weight_sync='adapter', AdapterSync: PEFT's adapter
@@ -9,8 +9,8 @@ we launch starts from the unmerged base), or, from a server without LoRA, full w
 adapter folded in (lora_weight_sync='merged': weight_sync.FilesystemSync with merge). The
 trainer's base weights are never merged into: a merge is done on the gathered copy.
 
-Its doors (lora/__init__.py lists all of LoRA's): generator.py:make_sync (make_weight_sync, whose sync
-carries the server's flags), checkpoint.py:export (export), and the command line of a server you run,
+Its doors (lora/__init__.py lists all of LoRA's): train.py:make_sync (make_weight_sync, whose sync
+carries the server's flags), train.py:export_transform (export), and the command line of a server you run,
 scripts/serve.py:main (server_flags).
 """
 
@@ -21,8 +21,8 @@ import shutil
 import uuid
 
 from lora.adapters import ADAPTER, adapter_parameters, is_adapter, peft_config
-from faults import VLLMError
-from weight_sync import FilesystemSync, failure, full_state_dict, raise_on_every_rank
+from infra.faults import VLLMError
+from infra.weight_sync import FilesystemSync, failure, full_state_dict, raise_on_every_rank
 
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank values (config/lora.py)
 

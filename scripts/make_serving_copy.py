@@ -24,7 +24,7 @@ def main(argv=None):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from weight_sync import write_serving_dir
+    from infra.weight_sync import write_serving_dir
 
     try:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)

@@ -14,8 +14,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cli import fail, parse_args_or_exit  # noqa: E402
-from vllm_server import server_command  # noqa: E402
+from config import Config  # noqa: E402
+from infra.cli import fail, parse_args_or_exit  # noqa: E402
+from infra.vllm_server import server_command  # noqa: E402
 
 
 def main(argv=None):
@@ -26,7 +27,7 @@ def main(argv=None):
     argv = [a for a in argv if a != "--print"]
     if len(argv) < 2 or argv[0] != "--serve":
         fail("usage: python scripts/serve.py [--print] --serve MODEL_DIR [train.py's --key value flags]")
-    cfg = parse_args_or_exit(argv[2:])
+    cfg = parse_args_or_exit(Config, argv[2:])
     extra = []
     if cfg.lora_rank:
         from lora.sync import server_flags  # noqa: PLC0415 - LoRA's door

@@ -14,14 +14,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-import checkpoint
+from infra import checkpoint
 import train
 import update
 from config import Config
 from data import PromptSampler
 from reference import EMAReference
 from episodes import Sample
-from weight_sync import full_state_dict
+from infra.weight_sync import full_state_dict
 
 mode, model_dir, out = sys.argv[1:4]
 root = os.path.join(out, "ckpt")

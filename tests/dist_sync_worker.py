@@ -7,9 +7,9 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
-import vllm_client
-from parallel import close_distributed
-import weight_sync
+from infra import vllm_client
+from infra.parallel import close_distributed
+from infra import weight_sync
 from helpers import logprob_diff, prompt_logprobs, trainer_logprobs
 
 model_dir, url, served, tmp = sys.argv[1:5]

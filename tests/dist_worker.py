@@ -22,12 +22,12 @@ import dataclasses
 from lora import adapters
 import train
 import update
-from cli import convert
+from infra.cli import convert
 from config import Config
 from packing import micro_batches
 from reference import local, make_reference
 from episodes import Sample
-from weight_sync import full_state_dict
+from infra.weight_sync import full_state_dict
 
 mode, model_dir, out = sys.argv[1:4]
 positional = [a for a in sys.argv[4:] if "=" not in a]
@@ -45,8 +45,9 @@ cfg = Config(**{**dict(model_name_or_path=model_dir, num_unique_prompts_rollout=
                  **overrides})
 rank, world_size, device, mesh = train.setup_distributed(cfg)
 torch.manual_seed(0)
-policy = train.load_model(cfg, device, mesh)
-ref = make_reference(cfg, policy, lambda: train.load_model(cfg, device, mesh, reference=True))  # LoRA: an adapter
+attn, convert = train.model_doors(cfg)  # sequence parallelism's groups and attention, LoRA's adapters
+policy = train.load_model(cfg, device, mesh, attn=attn, convert=convert)
+ref = make_reference(cfg, policy, lambda: train.load_model(cfg, device, mesh, reference=True, attn=attn))  # LoRA: an adapter
 mesh_info = dict(shape=tuple(mesh.shape), placements=[str(p) for p in next(policy.parameters()).placements],
                  shard_device=str(local(next(policy.parameters())).device))
 
@@ -146,7 +147,7 @@ elif mode == "grads":
 elif mode == "attention":
     import types
 
-    from policy import packed_sdpa
+    from infra.attention import packed_sdpa
     from sequence_parallel import GROUP, ulysses_attention
 
     size, sp_rank = dist.get_world_size(GROUP), dist.get_rank(GROUP)
@@ -180,11 +181,10 @@ elif mode == "parts":
 
     import safetensors.torch
 
-    import memory
-    import weight_sync
-    from faults import VLLMError
+    from infra import weight_sync
+    from infra.faults import VLLMError
 
-    budget = memory.PART_BYTES = 200_000  # bytes: the tiny model in several parts
+    budget = weight_sync.PART_BYTES = 200_000  # bytes: the tiny model in several parts
     whole = weight_sync.untie(full_state_dict(policy))
     parts = list(weight_sync.serving_parts(policy, rank))
     if rank == 0:  # an earlier layout's file, which transformers would read before the index

@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 import train
 from config import Config
-from parallel import close_distributed
-from weight_sync import full_state_dict
+from infra.parallel import close_distributed
+from infra.weight_sync import full_state_dict
 
 
 def run(model_dir):

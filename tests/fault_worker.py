@@ -12,13 +12,14 @@ import os
 import signal
 import sys
 
-import checkpoint
-import generator
-from generator import Generator
-import vllm_client
+from infra import checkpoint
+from infra import generator
+from infra.generator import Generator
+from infra import vllm_client
 import train
 import update
-from cli import parse_args
+from config import Config
+from infra.cli import parse_args
 
 if __name__ == "__main__":  # the reward pool's workers import this script again as __mp_main__
     kind, steps = sys.argv[1].split("=")
@@ -79,6 +80,6 @@ if __name__ == "__main__":  # the reward pool's workers import this script again
     else:
         raise SystemExit(f"unknown fault {kind!r}")
 
-    status = train.main(parse_args(sys.argv[2:]))
+    status = train.main(parse_args(Config, sys.argv[2:]))
     train.close_distributed()
     sys.exit(status)

@@ -16,11 +16,11 @@ import torch
 
 from lora import adapters
 from lora import sync as lora_sync
-import vllm_client
-import vllm_server
-import weight_sync
+from infra import vllm_client
+from infra import vllm_server
+from infra import weight_sync
 from config import Config
-from policy import sequence_logprobs
+from infra.policy import sequence_logprobs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -296,7 +296,7 @@ def prompt_logprobs(client, sequences):
     of len(seq) - 1 floats per sequence. On a server with LoRA enabled, vLLM 0.32 fails prompt_logprobs
     when two requests share an engine step ("einsum(): subscript b has size 2 ..."; vllm#29955): score
     one sequence a call there. Training never asks this (the sync check reads the sampling logprobs)."""
-    from vllm_client import NEUTRAL_SAMPLING
+    from infra.vllm_client import NEUTRAL_SAMPLING
 
     payloads = [dict(model=client.model, prompt=seq, max_tokens=1, temperature=1.0, top_p=1.0, **NEUTRAL_SAMPLING,
                      prompt_logprobs=0) for seq in sequences]

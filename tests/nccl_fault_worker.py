@@ -10,9 +10,10 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
-import vllm_client
-import weight_sync
-from parallel import close_distributed
+from infra import vllm_client
+from infra import weight_sync
+from nccl_sync import NCCLSync
+from infra.parallel import close_distributed
 
 
 
@@ -31,7 +32,7 @@ for layer in model.model.layers:
     fully_shard(layer, mesh=mesh)
 fully_shard(model, mesh=mesh)
 
-sync = weight_sync.NCCLSync(None, rank, "127.0.0.1", 29655, torch.device("cpu"), timeout=3.0, dtype=torch.bfloat16)
+sync = NCCLSync(None, rank, "127.0.0.1", 29655, torch.device("cpu"), timeout=3.0, dtype=torch.bfloat16)
 gathered = sync.gather(model)
 if rank == 0:  # the serving copy (untied), cast to the server's dtype
     want = weight_sync.untie(full)

@@ -12,7 +12,7 @@ from agent_programs.runner import Agents
 from config import Config
 from helpers import IM_END, ScriptedClient
 from rollout import score, sample_groups
-from worker_pool import RewardPool
+from infra.worker_pool import RewardPool
 
 PROGRAMS = '''
 import os, threading, time, openai
@@ -177,7 +177,7 @@ def test_the_calculator_agent_answers_an_overflow_as_the_policys_error(expressio
     import os
 
     from helpers import ROOT
-    from user_code import load_object
+    from infra.user_code import load_object
 
     calculate = load_object(os.path.join(ROOT, "examples", "calculator_agent.py:calculate"), "agent")
     assert calculate(expression).startswith("error: ")
@@ -193,7 +193,7 @@ def test_the_smolagents_example_raises_the_failure_smolagents_returns_as_its_ans
     import smolagents
 
     from helpers import ROOT
-    from user_code import load_object
+    from infra.user_code import load_object
 
     solve = load_object(os.path.join(ROOT, "examples", "smolagents_agent.py:solve"), "agent")
     calls = []

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from agent_programs import gateway
-import vllm_server
+from infra import vllm_server
 from config import Config
 from helpers import command, flags, metrics, prompt_logprobs, run, serve
 

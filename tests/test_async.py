@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from rollout import Rollouts, drop_stale
+from infra.generator import Rollouts, drop_stale
 from episodes import Sample
 from helpers import train
 

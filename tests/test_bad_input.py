@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from cli import parse_args_or_exit
+from infra.cli import parse_args_or_exit
 from config import Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,7 +50,7 @@ BAD_FLAGS = [
 
 @pytest.mark.parametrize("argv,name", BAD_FLAGS, ids=[" ".join(a) for a, _ in BAD_FLAGS])
 def test_config_refuses_in_one_line(capsys, argv, name):
-    assert name in one_error_line(capsys, lambda: parse_args_or_exit(argv))
+    assert name in one_error_line(capsys, lambda: parse_args_or_exit(Config, argv))
 
 
 # (Config overrides, the field the line must name); the tiny model has 2 heads and 64 tokens
@@ -127,7 +127,7 @@ def test_a_model_that_is_nowhere_fails_in_seconds(monkeypatch, tmp_path):
 
     from huggingface_hub import constants
 
-    import model_files
+    from infra import model_files
 
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)

@@ -75,7 +75,7 @@ def test_a_two_rank_checkpoint_loads_into_one_process(saved_on_two_ranks, tiny_m
 def test_export_loads_in_transformers_unchanged(tied, tiny_model_dir, tied_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import checkpoint
+    from infra import checkpoint
     from config import Config
 
     src = tied_model_dir if tied else tiny_model_dir
@@ -115,7 +115,7 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line(saved_on_two_ranks
 def test_resume_refuses_a_changed_run_and_allows_harmless_changes():
     from dataclasses import asdict
 
-    from checkpoint import check_resumable
+    from infra.checkpoint import check_resumable
     from config import Config
 
     saved = asdict(Config(beta=0.1, num_mini_batches=2))

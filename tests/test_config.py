@@ -7,13 +7,13 @@ import sys
 import pytest
 
 from episodes import Completions
-from cli import help_text, parse_args
+from infra.cli import help_text, parse_args
 import config
 from config import Config
 from episodes import max_seed
 from packing import batch_plan
-from parallel import mesh_shape
-from vllm_server import check_launch
+from infra.parallel import mesh_shape
+from infra.colocation import check_launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -177,16 +177,16 @@ def test_train_py_refuses_a_mesh_before_starting_anything(tmp_path):
 
 
 def test_cli_forms():
-    c = parse_args(["--beta", "0.1", "--clip_higher=0.3", "--with_tracking", "--filter_zero_std_samples=false",
+    c = parse_args(Config, ["--beta", "0.1", "--clip_higher=0.3", "--with_tracking", "--filter_zero_std_samples=false",
                     "--ref_policy_update_freq", "None", "--vllm_server_urls", "http://a:1,http://b:2",
                     "--loss_denominator", "512", "--seed", "7"])
     assert c.beta == 0.1 and c.clip_higher == 0.3 and c.with_tracking is True
     assert c.filter_zero_std_samples is False and c.ref_policy_update_freq is None
     assert c.vllm_server_urls == ["http://a:1", "http://b:2"] and c.loss_denominator == "512" and c.seed == 7
-    assert parse_args(["--ref_policy_update_freq", "4", "--beta", "0.1"]).ref_policy_update_freq == 4
+    assert parse_args(Config, ["--ref_policy_update_freq", "4", "--beta", "0.1"]).ref_policy_update_freq == 4
     # an Optional[bool] field as a bare flag is True, as a bool field is; None stays writable
-    assert parse_args(["--vllm_colocate", "--seed", "7"]).vllm_colocate is True
-    assert parse_args(["--vllm_colocate", "none"]).vllm_colocate is None
+    assert parse_args(Config, ["--vllm_colocate", "--seed", "7"]).vllm_colocate is True
+    assert parse_args(Config, ["--vllm_colocate", "none"]).vllm_colocate is None
 
 
 @pytest.mark.parametrize("argv,fragment", [
@@ -201,7 +201,7 @@ def test_cli_forms():
 ])
 def test_cli_rejects_with_exit_2(argv, fragment, capsys):
     with pytest.raises(SystemExit) as e:
-        parse_args(argv)
+        parse_args(Config, argv)
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert fragment in err and err.count("\n") == 1
@@ -209,28 +209,28 @@ def test_cli_rejects_with_exit_2(argv, fragment, capsys):
 
 def test_cli_contradiction_raises_value_error():
     with pytest.raises(ValueError, match="beta"):
-        parse_args(["--load_ref_policy=false", "--beta", "0.5"])
+        parse_args(Config, ["--load_ref_policy=false", "--beta", "0.5"])
 
 
 def test_file_then_cli_precedence(tmp_path, capsys):
     f = tmp_path / "run.toml"
     f.write_text('beta = 0.2\nseed = 3\nvllm_server_urls = ["http://x:1"]\nwith_tracking = true\n')
-    c = parse_args(["--config", str(f), "--seed", "9"])
+    c = parse_args(Config, ["--config", str(f), "--seed", "9"])
     assert (c.beta, c.seed, c.vllm_server_urls, c.with_tracking) == (0.2, 9, ["http://x:1"], True)
-    c = parse_args(["--seed=9", "--config", str(f)])  # order on the line does not matter: flags win
+    c = parse_args(Config, ["--seed=9", "--config", str(f)])  # order on the line does not matter: flags win
     assert c.seed == 9
     f.write_text("betta = 0.2\n")
     with pytest.raises(SystemExit):
-        parse_args(["--config", str(f)])
+        parse_args(Config, ["--config", str(f)])
     assert "did you mean 'beta'" in capsys.readouterr().err
     f.write_text('seed = "three"\n')
     with pytest.raises(SystemExit):
-        parse_args(["--config", str(f)])
+        parse_args(Config, ["--config", str(f)])
     assert "--seed expects int" in capsys.readouterr().err
 
 
 def test_help_lists_every_field_with_default_and_help():
-    text = help_text()
+    text = help_text(Config)
     for f in dataclasses.fields(Config):
         line = next(line for line in text.splitlines() if line.startswith(f"  --{f.name} (default"))
         help_line = text.split(line + "\n", 1)[1].splitlines()[0].strip()
@@ -264,7 +264,7 @@ def test_max_seed_keeps_every_request_seed_in_int64(tiny_model_dir):
 
     from data import PromptSampler
     from rollout import rollout_batch
-    from worker_pool import RewardPool
+    from infra.worker_pool import RewardPool
 
     T, R, P, N = 3, 2, 2, 4
     cfg = Config(num_training_steps=T, active_sampling=True, active_sampling_max_rounds=R,

@@ -3,8 +3,8 @@ import json
 import pytest
 
 import data
-import model_files
-import user_code
+from infra import model_files
+from infra import user_code
 from config import Config
 
 

@@ -176,7 +176,7 @@ def test_the_teachers_head_in_a_micro_batch_of_padding_alone_and_at_k_0():
 def test_an_answer_not_of_the_form_asked_for_stops_every_rank_as_a_server_failure():
     """A server that answers with no prompt logprobs, or too few: VLLMError (every rank raises it, train.py
     checkpoints and stops), never a KeyError or TypeError on rank 0 alone while the others wait."""
-    from faults import VLLMError
+    from infra.faults import VLLMError
 
     class Answers:  # what a broken server could send back
         model = "t"
@@ -372,11 +372,12 @@ def test_distillation_from_a_teacher_equal_to_the_student_reads_a_kl_of_zero(tin
 def test_the_memory_plan_counts_the_teachers_server_and_its_prompt_logits(tiny_model_dir):
     """The teacher's server planned as the policy's, plus a whole sequence's logits and log-softmax over the
     vocabulary in float32 (vLLM's profile leaves them out): by hand for the tiny model (vocabulary 64)."""
-    import memory
+    import train
+    from infra import memory
 
     cfg = Config(model_name_or_path=tiny_model_dir, teacher_model_name_or_path=tiny_model_dir, beta=1.0,
                  kl_estimator="advantage", max_prompt_length=100, response_length=27)
-    plan = memory.server_plan(cfg, *_meta(tiny_model_dir), cuda=False)
+    plan = train.server_plan(cfg, *_meta(tiny_model_dir), cuda=False)
     assert plan["teacher_prompt_logits"] == 2 * 4 * (100 + 27 + 1) * 64
     assert {"teacher_weights", "teacher_kv_cache", "teacher_runtime"} < plan.keys()
     policy = memory.server_plan(Config(model_name_or_path=tiny_model_dir, beta=1.0, max_prompt_length=100,

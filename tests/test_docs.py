@@ -10,8 +10,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_operations_md_names_only_what_the_code_names():
-    code = "\n".join(open(f).read() for pattern in ("*.py", "envs/*.py", "lora/*.py", "agent_programs/*.py", "distill/*.py", "scripts/*",
-                                                    "benchmarks/*.py")
+    code = "\n".join(open(f).read() for pattern in ("*.py", "infra/*.py", "envs/*.py", "lora/*.py", "agent_programs/*.py",
+                                                    "distill/*.py", "scripts/*", "benchmarks/*.py")
                      for f in glob.glob(os.path.join(ROOT, pattern)) if os.path.isfile(f))
     with open(os.path.join(ROOT, "docs", "operations.md")) as f:
         names = set(re.findall(r"`([a-z][a-z0-9]*(?:_[a-z0-9]+)+)`", f.read()))
@@ -20,12 +20,13 @@ def test_operations_md_names_only_what_the_code_names():
 
 
 def test_the_readme_layout_table_is_the_tree():
-    """Every file of code at the root and every folder of it is a row of the README's layout table, and
-    every row names what is there (a renamed or removed file cannot linger in it)."""
+    """Every file of code at the root and in infra/, and every folder at the root, is a row of the README's
+    layout tables, and every row names what is there (a renamed or removed file cannot linger in it)."""
     text = open(os.path.join(ROOT, "README.md")).read()
     table = text[text.index("## Layout"):text.index("## Running")]
-    named = {n for row in table.splitlines() if row.startswith("| `") for n in re.findall(r"`([\w.]+/?)`", row.split("|")[1])}
+    named = {n for row in table.splitlines() if row.startswith("| `") for n in re.findall(r"`([\w./]+)`", row.split("|")[1])}
     tree = {f for f in os.listdir(ROOT) if f.endswith(".py")} | {
         f + "/" for f in os.listdir(ROOT) if os.path.isdir(os.path.join(ROOT, f)) and not f.startswith((".", "_"))
-        and f not in ("models", "output", "docs") and not f.endswith(".egg-info")}
+        and f not in ("models", "output", "docs") and not f.endswith(".egg-info")} | {
+        "infra/" + f for f in os.listdir(os.path.join(ROOT, "infra")) if f.endswith(".py") and f != "__init__.py"}
     assert named == tree

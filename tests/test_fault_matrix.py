@@ -13,10 +13,10 @@ import pytest
 
 from config import Config
 from envs.environment import Environment
-from faults import FAULTS, OURS, POLICY
+from infra.faults import FAULTS, OURS, POLICY
 from helpers import IM_END, ScriptedClient, with_prompts
 from rollout import sample_groups
-from worker_pool import RewardPool
+from infra.worker_pool import RewardPool
 
 ENV = '''
 import os, signal, time

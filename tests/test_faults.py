@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-import vllm_server
+from infra import vllm_server
 from helpers import command, flags, full, metrics, run, serve, stable, start, wait_for_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -292,7 +292,7 @@ class Failing(Recording):
         self.message = message
 
     def submit(self, *args, **kwargs):
-        import vllm_client
+        from infra import vllm_client
 
         raise vllm_client.VLLMError(self.message)
 
@@ -557,7 +557,7 @@ def test_the_tool_list_cache_is_bounded(make):
 def test_an_abort_of_no_requests_asks_the_server_nothing():
     """VLLMClient.abort([]) sends no request: vLLM's /abort_requests takes an empty list as every
     request on the server (every episode's call in flight). The server here records what it is asked."""
-    import vllm_client
+    from infra import vllm_client
 
     asked = []
 
@@ -592,7 +592,7 @@ def served(tiny_model_dir, tmp_path_factory):
     """A gateway in front of a vLLM server of the tiny model (on the server's private socket)."""
     from transformers import AutoTokenizer
 
-    import vllm_server
+    from infra import vllm_server
     from helpers import serve
 
     _, client = serve(tiny_model_dir, str(tmp_path_factory.mktemp("server")), None, SERVED)

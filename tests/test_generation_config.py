@@ -15,11 +15,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-import vllm_client
-import vllm_server
-import weight_sync
+from infra import vllm_client
+from infra import vllm_server
+from infra import weight_sync
 from episodes import completion_text
-from model_files import stop_token_ids
+from infra.model_files import stop_token_ids
 from helpers import VLLM_CFG, generate, trainer_logprobs
 
 # Far from neutral, each of them: every one left to the server moves the sampling logprobs.

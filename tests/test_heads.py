@@ -8,7 +8,7 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, CohereConfig, Gemma2Config, GPT2Config, GraniteConfig, LlamaConfig,
                           Qwen2Config)
 
-from policy import check_architecture, check_model_config, sequence_logprobs, token_logprobs
+from infra.policy import check_architecture, check_model_config, sequence_logprobs, token_logprobs
 
 SMALL = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
              num_key_value_heads=1, max_position_embeddings=64)

@@ -12,8 +12,9 @@ import torch
 
 from lora import sync as lora_sync
 import serve
-import vllm_server
-from cli import parse_args
+from infra import vllm_server
+from config import Config
+from infra.cli import parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = ["--num_unique_prompts_rollout", "48", "--max_tokens_per_micro_batch", "16384", "--response_length", "1024",
@@ -44,7 +45,7 @@ def test_the_server_cli_runs_what_launch_server_runs(monkeypatch, tmp_path, lora
 
     monkeypatch.setattr(vllm_server.subprocess, "Popen", popen)
     monkeypatch.setattr(serve.os, "execve", execve)
-    cfg = parse_args(flags)
+    cfg = parse_args(Config, flags)
     with pytest.raises(Started):
         vllm_server.launch_server("serving/m", cfg, str(tmp_path / "log"), port=8001,
                                   extra_args=lora_sync.server_flags(cfg))
@@ -85,7 +86,7 @@ def test_launch_8gpu_gives_its_servers_the_trainers_flags():
     assert trainer[trainer.index("--vllm_server_urls") + 1] == "http://127.0.0.1:8100,http://127.0.0.1:8101"
     assert "--seed" in flags and "--lora_rank" in flags
     for gpu, words in enumerate(servers):
-        cfg = parse_args([*flags, "--vllm_port", str(8100 + gpu)])
+        cfg = parse_args(Config, [*flags, "--vllm_port", str(8100 + gpu)])
         cmd, added = vllm_server.server_command("serving/m", cfg, cfg.vllm_port, extra_args=lora_sync.server_flags(cfg))
         assigned = dict(w.split("=", 1) for w in words[:words.index(cmd[0])])
         assert assigned == {"CUDA_VISIBLE_DEVICES": str(gpu), **added}
@@ -101,14 +102,14 @@ def test_a_port_in_use_is_refused_before_the_server_starts(tmp_path):
     instead). train.py's own server takes no port (tests/test_two_runs.py)."""
     import socket
 
-    from faults import VLLMError
+    from infra.faults import VLLMError
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
         with pytest.raises(VLLMError, match=f"port {port} is taken .*--vllm_port"):
-            vllm_server.launch_server("serving/m", parse_args([]), str(tmp_path / "log"), port=port)
+            vllm_server.launch_server("serving/m", parse_args(Config, []), str(tmp_path / "log"), port=port)
 
 
 def test_vllm_engine_sockets_go_into_the_servers_private_directory(monkeypatch, tmp_path):
@@ -123,6 +124,6 @@ def test_vllm_engine_sockets_go_into_the_servers_private_directory(monkeypatch, 
 
     monkeypatch.setattr(vllm_server.subprocess, "Popen", popen)
     with pytest.raises(Started):
-        vllm_server.launch_server("serving/m", parse_args([]), str(tmp_path / "log"))
+        vllm_server.launch_server("serving/m", parse_args(Config, []), str(tmp_path / "log"))
     uds = seen["cmd"][seen["cmd"].index("--uds") + 1]
     assert seen["env"]["VLLM_RPC_BASE_PATH"] == os.path.dirname(uds)

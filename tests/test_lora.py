@@ -12,12 +12,12 @@ import types
 import pytest
 import torch
 
-import vllm_server
-import weight_sync
+from infra import vllm_server
+from infra import weight_sync
 from lora import adapters
 from lora import sync as lora_sync
 from config import Config
-from policy import sequence_logprobs
+from infra.policy import sequence_logprobs
 from update import dropout, make_optimizer
 from helpers import EAGER, command, flags, full, lora_model, metrics, run, serve, served_weights, stable, start, wait_for_step
 
@@ -156,7 +156,7 @@ def test_config_refuses_what_does_not_make_sense_with_lora(overrides, fragment):
 def test_a_target_module_the_model_lacks_is_refused_before_anything_starts(tiny_model_dir):
     from transformers import AutoConfig
 
-    from policy import check_model_config
+    from infra.policy import check_model_config
 
     cfg = Config(model_name_or_path=tiny_model_dir, lora_rank=4, lora_target_modules=["q_proj", "qkv_proj"])
     with pytest.raises(ValueError, match="has no module named qkv_proj") as e:
@@ -187,7 +187,7 @@ def test_adapters_outside_the_decoder_layers_are_refused_before_anything_starts(
     lora_B only (an embedding's adapter would be dropped from both). Refused on the meta model."""
     from transformers import AutoConfig
 
-    from policy import check_model_config
+    from infra.policy import check_model_config
 
     cfg = Config(model_name_or_path=tiny_model_dir, lora_rank=4, lora_target_modules=targets)
     with pytest.raises(ValueError) as e:
@@ -203,9 +203,10 @@ def test_the_server_we_launch_starts_from_the_base_when_it_loads_the_adapter(tin
     lora_B has moved: after a resume). 'merged': the merged weights. The server is not started."""
     from transformers import AutoModelForCausalLM
 
-    import generator
+    import train
     from episodes import Completions
-    from model_files import load_tokenizer
+    from infra import generator
+    from infra.model_files import load_tokenizer
 
     class Launched(Exception):
         pass
@@ -218,8 +219,8 @@ def test_the_server_we_launch_starts_from_the_base_when_it_loads_the_adapter(tin
         cfg, model = lora_model(tiny_model_dir, output_dir=str(tmp_path / sync), lora_weight_sync=sync)
         with pytest.raises(Launched):
             tok = load_tokenizer(cfg)
-            generator.Generator(cfg, model, tok, types.SimpleNamespace(position=0), None, 0, torch.device("cpu"),
-                                Completions(cfg, tok))
+            generator.Generator(cfg, model, tok, 0, torch.device("cpu"), None, train.make_sync(cfg),
+                                types.SimpleNamespace(position=0), Completions(cfg, tok))
         served = served_weights(str(tmp_path / sync / "vllm_model"))
         want = base if sync == "adapter" else lora_sync.merge(model.state_dict(), cfg)
         assert served.keys() == want.keys(), sync

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from lora import adapters
 from lora import sync as lora_sync
-from policy import sequence_logprobs
+from infra.policy import sequence_logprobs
 from update import make_optimizer
 from helpers import lora_model
 

@@ -7,7 +7,7 @@ import torch
 from config import Config
 from loss import (cispo_loss, dapo_loss, group_advantages, grpo_loss, kl_k1, kl_k2, kl_k3, kl_k4, mismatch_mask,
                   step_denominator)
-from policy import token_logprobs
+from infra.policy import token_logprobs
 
 
 def naive_logprobs(hidden, weight, targets, temperature, head_ids):

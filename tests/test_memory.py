@@ -12,11 +12,11 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-import memory
+from infra import colocation, memory, weight_sync
 from config import Config
-from policy import sequence_logprobs
+from infra.policy import sequence_logprobs
 from tests.helpers import train
-from vllm_server import server_command
+from infra.vllm_server import server_command
 
 # (hidden, MLP width, heads, key/value heads, head_dim): query width equal to, above and below hidden
 SHAPES = [(128, 256, 2, 1, 64), (192, 384, 4, 1, 64), (256, 512, 8, 2, 32)]
@@ -91,9 +91,9 @@ def test_trainer_items_by_hand():
     plan = memory.trainer_plan(several, mc, meta_model(mc), 2, cuda=False)
     assert plan["gradients"] == 4 * total and plan["activations"] == 48 * plan["per_token"]
     # the weight sync holds one part of the serving copy and the next tensor (the largest: an MLP matrix)
-    with unittest.mock.patch.object(memory, "PART_BYTES", 1000):  # a part is one tensor past the budget
+    with unittest.mock.patch.object(weight_sync, "PART_BYTES", 1000):  # a part is one tensor past the budget
         assert memory.trainer_plan(cfg, mc, meta_model(mc), 2, cuda=False)["weight_sync"] == 2 * 4 * 128 * 256
-    with unittest.mock.patch.object(memory, "PART_BYTES", 300_000):
+    with unittest.mock.patch.object(weight_sync, "PART_BYTES", 300_000):
         assert memory.trainer_plan(cfg, mc, meta_model(mc), 2, cuda=False)["weight_sync"] == 300_000 + 4 * 128 * 256
     lora = dataclasses.replace(cfg, lora_rank=8, lora_weight_sync="merged")  # LoRA's merge: the whole state dict
     assert memory.sync_part(lora, mc, meta_model(mc)) == 2 * 4 * total
@@ -103,7 +103,7 @@ def test_trainer_items_by_hand():
 def test_the_plan_counts_the_server_processes_its_placement_starts(monkeypatch):
     """A CPU server on every core runs its model in the engine's process: two processes' runtime; one on
     half the cores (async), one whose cores the user bound, or with vLLM's variable set to 1: three."""
-    import vllm_server
+    from infra import vllm_server
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU"):
@@ -179,13 +179,13 @@ def test_a_colocated_server_gets_what_a_rank_holds_between_steps_leaves():
                    gathered=1e9, lm_head=1e8, weight_sync=0, per_token=1)
     server = dict(weights=14e9, kv_cache=8e9, runtime=0)
     cfg = Config(vllm_gpu_memory_utilization=0.9)
-    assert memory.colocated_fraction(cfg, trainer, server, 8, 80e9) == pytest.approx(0.825)
-    assert memory.colocated_fraction(dataclasses.replace(cfg, vllm_gpu_memory_utilization=0.5), trainer, server, 8,
+    assert colocation.fraction(cfg, trainer, server, 8, 80e9) == pytest.approx(0.825)
+    assert colocation.fraction(dataclasses.replace(cfg, vllm_gpu_memory_utilization=0.5), trainer, server, 8,
                                      80e9) == 0.5
     with pytest.raises(ValueError, match=r"^memory plan: a trainer rank holds 10.0 GB of a 24.0 GB GPU between "
                                          r"steps, leaving the colocated vLLM server less than its 15.0 GB"):
-        memory.colocated_fraction(cfg, trainer, server, 8, 24e9)  # 0.53 x 24 < 1.2 x (14 + 1)
-    assert memory.colocated_fraction(dataclasses.replace(cfg, vllm_tensor_parallel_size=2), trainer, server, 8,
+        colocation.fraction(cfg, trainer, server, 8, 24e9)  # 0.53 x 24 < 1.2 x (14 + 1)
+    assert colocation.fraction(dataclasses.replace(cfg, vllm_tensor_parallel_size=2), trainer, server, 8,
                                      24e9) == pytest.approx(1 - 10 / 24 - 0.05)  # 7 + 1 GB a GPU fits
 
 

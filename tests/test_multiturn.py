@@ -20,7 +20,7 @@ from config import Config
 from envs.chat import ChatTokens
 from envs.environment import Environment
 from loss import grpo_loss
-from policy import sequence_logprobs
+from infra.policy import sequence_logprobs
 from episodes import Sample
 from helpers import documented, IM_END, ScriptedClient, with_prompts
 
@@ -312,7 +312,7 @@ def test_the_documented_environment_runs(tiny_model_dir, tmp_path):
     from transformers import AutoTokenizer
 
     from rollout import score
-    from worker_pool import RewardPool
+    from infra.worker_pool import RewardPool
 
     (tmp_path / "guess.py").write_text(documented("Guess"))
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -354,7 +354,7 @@ def test_the_documented_guess_pays_a_right_last_guess_for_every_max_turns(tiny_m
     from transformers import AutoTokenizer
 
     from rollout import score
-    from worker_pool import RewardPool
+    from infra.worker_pool import RewardPool
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     script = ["50"] * (max_turns - 1) + ["42"]
@@ -428,7 +428,7 @@ def test_the_first_environment_failure_of_a_step_is_printed(tiny_model_dir, caps
     from transformers import AutoTokenizer
 
     from rollout import sample_groups
-    from worker_pool import RewardPool
+    from infra.worker_pool import RewardPool
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     cfg = Config(environment="envs.calculator:calculator", tool_workers=0, max_prompt_length=300, response_length=64,
@@ -586,7 +586,7 @@ def test_a_failed_play_closes_its_episodes(tiny_model_dir, tmp_path, monkeypatch
     from transformers import AutoTokenizer
 
     from envs import calls
-    from faults import VLLMError
+    from infra.faults import VLLMError
 
     monkeypatch.setenv("CLOSE_LOG", str(tmp_path / "log"))
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -684,9 +684,9 @@ def test_a_reward_that_fails_on_every_sample_stops_the_run_in_one_line(tiny_mode
     from transformers import AutoTokenizer
 
     from data import PromptSampler
-    from faults import Refused
+    from infra.faults import Refused
     from rollout import rollout_batch
-    from worker_pool import RewardPool
+    from infra.worker_pool import RewardPool
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     cfg = Config(response_length=8, num_samples_per_prompt_rollout=2, num_unique_prompts_rollout=1)
@@ -718,9 +718,9 @@ def test_the_stop_rule_counts_the_groups_of_the_whole_step(tiny_model_dir):
     round stopped it), and with one more group lost, 5 of 8, it stops."""
     from transformers import AutoTokenizer
 
-    from faults import Refused
+    from infra.faults import Refused
     from rollout import rollout_batch
-    from worker_pool import RewardPool
+    from infra.worker_pool import RewardPool
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     cfg = Config(response_length=8, num_samples_per_prompt_rollout=2, num_unique_prompts_rollout=4,
@@ -862,7 +862,7 @@ def test_an_environments_reward_that_hangs_is_a_reward_timeout(tiny_model_dir, t
     worker", counted nowhere, and never stopped the run)."""
     from transformers import AutoTokenizer
 
-    from faults import Refused
+    from infra.faults import Refused
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     with pytest.raises(Refused, match=r"1 of 1 groups left the batch with episodes that could not be scored "
@@ -879,7 +879,7 @@ def test_a_sample_whose_two_rewards_fail_counts_once(tiny_model_dir, tmp_path):
     (the two failures of one sample used to be counted as two samples)."""
     from transformers import AutoTokenizer
 
-    from worker_pool import RewardPool
+    from infra.worker_pool import RewardPool
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     (tmp_path / "env.py").write_text(FAILING_REWARDS)
@@ -905,7 +905,7 @@ def test_openenv_a_last_turn_action_refuses_is_the_policys_mistake():
 def test_the_stop_rule_at_its_edges(stop, lost, stops):
     """More than unscored_stop of the step's groups; 1 (the old default) still stops a step that lost every
     group, and only that; above 1 never stops."""
-    from faults import Refused
+    from infra.faults import Refused
     from rollout import check_lost
 
     rounds = [dict(unscored_groups=lost, groups=4, first_unscored="the reward: KeyError")]

@@ -17,9 +17,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-import vllm_client
-import vllm_server
-import weight_sync
+from infra import vllm_client
+from infra import vllm_server
+from infra import weight_sync
+import train
 from config import Config
 from helpers import logprob_diff, prompt_logprobs, trainer_logprobs
 
@@ -94,7 +95,7 @@ def test_nccl_sync_of_perturbed_weights(tiny_model_dir, tmp_path):
     proc, url = vllm_server.launch_server(served, cfg, str(tmp_path / "vllm.log"), port=8071)
     try:
         client = vllm_client.VLLMClient([url], served, proc=proc, log_path=str(tmp_path / "vllm.log"))
-        sync = weight_sync.make_weight_sync(cfg, client, 0, torch.device("cuda"), vllm_server.server_dtype(cfg))
+        sync = train.make_sync(cfg)(client, 0, torch.device("cuda"))
         seqs = [[7, 8, 9, 10, 11, 12], [20, 21, 22, 23]]
         with torch.no_grad():
             for p in model.parameters():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import packing
-import policy
+from infra import attention, policy
 from config import Config, flash_attention_available
 from loss import grpo_loss
 from episodes import Sample
@@ -231,8 +231,8 @@ def test_packed_rows_keep_the_sliding_window(arch):
 def test_window_mask_by_hand():
     """Row i attends to columns i-2..i with a window of 3; none when the sequence fits."""
     expected = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 1, 1, 1]], dtype=torch.bool)
-    assert torch.equal(policy.window_mask(4, 3, "cpu")[0, 0], expected)
-    assert policy.window_mask(3, 3, "cpu") is None and policy.window_mask(9, None, "cpu") is None
+    assert torch.equal(attention.window_mask(4, 3, "cpu")[0, 0], expected)
+    assert attention.window_mask(3, 3, "cpu") is None and attention.window_mask(9, None, "cpu") is None
 
 
 def groups(n_groups, size, seed, prompt=(2, 12), completion=(1, 30), env_turns=True):
@@ -269,7 +269,7 @@ def test_shared_layout_by_hand():
         assert torch.equal(got[k], whole[k]), k
     assert packing.cost([a, b], share=True) == 2 + 3 + 4 == got["input_ids"].shape[1] - 3
     assert packing.cost([a, b], share=False) == 11
-    assert policy.runs(got["position_ids"]) == [(0, 5, 0), (5, 9, 2), (9, 12, 0)]
+    assert attention.runs(got["position_ids"]) == [(0, 5, 0), (5, 9, 2), (9, 12, 0)]
 
 
 def sharing_results(model, samples, head_size=3):
@@ -312,7 +312,7 @@ def test_shared_prompts_match_the_unshared_row(models, arch):
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "mistral", "gemma3"])
 def test_the_one_call_kernel_of_a_gpu_gives_the_two_pass_forward(models, arch):
-    """policy.flex_row (shared prompts on a GPU: one flex_attention call per layer with the row's
+    """attention.flex_row (shared prompts on a GPU: one flex_attention call per layer with the row's
     block mask) against packed_sdpa's per-run calls, the rows of the test above: logp, entropy and
     the top-3 to 1e-5, grouped KV heads, sliding windows and Gemma-3's scale included. Forward only:
     flex_attention has no backward on a CPU; its GPU run is untested here."""
@@ -320,8 +320,8 @@ def test_the_one_call_kernel_of_a_gpu_gives_the_two_pass_forward(models, arch):
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     def one_call(module, query, key, value, attention_mask, position_ids=None, sliding_window=None, **kwargs):
-        spans = policy.layout(position_ids)
-        return policy.flex_row(query, key, value, position_ids, sliding_window, spans, kwargs.get("scaling")), None
+        spans = attention.layout(position_ids)
+        return attention.flex_row(query, key, value, position_ids, sliding_window, spans, kwargs.get("scaling")), None
     AttentionInterface.register("flex_row", one_call)
     AttentionMaskInterface.register("flex_row", sdpa_mask)
     model = models[arch] if arch in models else windowed_model(arch)
@@ -334,7 +334,7 @@ def test_the_one_call_kernel_of_a_gpu_gives_the_two_pass_forward(models, arch):
             got[kernel] = policy.sequence_logprobs(model, b["input_ids"], b["mask"], 1.0,
                                                    position_ids=b["position_ids"], head_size=3)
     model.config._attn_implementation = "sdpa"
-    assert any(first for _, _, first in policy.runs(b["position_ids"]))
+    assert any(first for _, _, first in attention.runs(b["position_ids"]))
     for two_pass, one in zip(got["packed_sdpa"], got["flex_row"]):
         assert torch.allclose(one.float(), two_pass.float(), atol=1e-5, rtol=0)
 
@@ -370,7 +370,7 @@ def test_a_sample_cut_from_its_prompt_would_differ(models):
     with torch.no_grad():
         logp = policy.sequence_logprobs(model, b["input_ids"], b["mask"], 1.0, position_ids=b["position_ids"])[0]
         cut = b["position_ids"].clone()
-        for lo, hi, first in policy.runs(cut):
+        for lo, hi, first in attention.runs(cut):
             cut[0, lo:hi] -= first  # every run its own sequence, positions from 0
         alone = policy.sequence_logprobs(model, b["input_ids"], b["mask"], 1.0, position_ids=cut)[0]
     model.config._attn_implementation = "sdpa"

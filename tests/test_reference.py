@@ -43,7 +43,7 @@ def worker(model_dir, out):
     import train
     from config import Config
     from reference import EMAReference, local
-    from weight_sync import full_state_dict
+    from infra.weight_sync import full_state_dict
 
     cfg = Config(model_name_or_path=model_dir, beta=0.1, alpha=ALPHA, ref_policy_update_freq=1)
     _, _, device, mesh = train.setup_distributed(cfg)
@@ -72,6 +72,6 @@ def worker(model_dir, out):
 if __name__ == "__main__":
     sys.path.insert(0, ROOT)
     worker(*sys.argv[1:3])
-    from parallel import close_distributed
+    from infra.parallel import close_distributed
 
     close_distributed()

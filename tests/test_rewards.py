@@ -9,10 +9,10 @@ import pytest
 
 import data
 import rewards
-import user_code
+from infra import user_code
 from config import Config
 from helpers import recompute
-from worker_pool import RewardPool
+from infra.worker_pool import RewardPool
 
 GSM8K_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gsm8k_sample.jsonl")
 
@@ -147,7 +147,7 @@ def test_the_reward_form_is_read_off_the_signature(fn, form):
                                     "def r(**kwargs):\n    return [1.0]\n"])
 def test_a_reward_that_fits_neither_form_is_refused_at_load(tmp_path, source):
     """Before: accepted, and every sample of every step failed with a TypeError while the run went on."""
-    from worker_pool import RewardPool
+    from infra.worker_pool import RewardPool
 
     f = tmp_path / "r.py"
     f.write_text(source)

@@ -11,7 +11,7 @@ from episodes import Completions
 from config import Config
 from data import PromptSampler
 from rollout import rollout_batch
-from worker_pool import RewardPool
+from infra.worker_pool import RewardPool
 
 
 class ScriptedServer:

@@ -3,7 +3,7 @@ tracker; a resumed run keeps the rows up to its checkpoint."""
 
 import json
 
-import tracking
+from infra import tracking
 
 
 def rows(step):

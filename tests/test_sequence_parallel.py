@@ -113,7 +113,7 @@ def test_world_and_heads_must_divide():
 
     from config import Config
     from packing import batch_plan
-    from parallel import mesh_shape
+    from infra.parallel import mesh_shape
     from sequence_parallel import check_heads
 
     cfg = Config(sequence_parallel_size=2, fsdp_shard_size=2)

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import rewards
-import vllm_server
+from infra import vllm_server
 from config import Config
 from helpers import free_port, recompute, ROOT, serve, train
 
@@ -159,7 +159,7 @@ def test_smollm2_shared_prompts_match_the_unshared_row(smollm2):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import packing
-    import policy
+    from infra import policy
     from episodes import Sample
 
     tok = AutoTokenizer.from_pretrained(smollm2)

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from config import Config
-from faults import VLLMError
-from vllm_client import VLLMClient
-from weight_sync import FilesystemSync, make_weight_sync, within
+from infra.faults import VLLMError
+from infra.vllm_client import VLLMClient
+from infra.weight_sync import FilesystemSync, make_weight_sync
+from nccl_sync import within
 
 
 @pytest.fixture
@@ -44,7 +45,7 @@ def test_reload_request_times_out_with_weight_sync_timeout(slow_server, tmp_path
     client = VLLMClient([slow_server], model="m", timeout=120.0, max_retries=0)
     client.post(slow_server, "/reset_prefix_cache")  # the request timeout (120 s) is not what bounds the reload
     cfg = Config(weight_sync_timeout=0.5, output_dir=str(tmp_path), weight_sync_dir=str(tmp_path / "shared"))
-    sync = make_weight_sync(cfg, client, 0, torch.device("cpu"), "float32")
+    sync = make_weight_sync(cfg, client, 0, torch.device("cpu"))
     assert isinstance(sync, FilesystemSync) and sync.timeout == 0.5 and sync.dir.startswith(str(tmp_path / "shared"))
     t0 = time.monotonic()
     with pytest.raises(VLLMError, match=r"weight_sync_timeout=0.5s; raise it"):

@@ -17,10 +17,10 @@ import types
 
 import pytest
 
-import vllm_client
-import vllm_server
+from infra import vllm_client
+from infra import vllm_server
 from config import Config
-from tracking import claim_output_dir
+from infra.tracking import claim_output_dir
 from helpers import EAGER, ENV, ROOT, generate, serve
 
 MODEL = "output/demo/vllm_model"

@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import vllm_client
-import vllm_server
-import weight_sync
+from infra import vllm_client
+from infra import vllm_server
+from infra import weight_sync
 from config import Config
 from helpers import VLLM_CFG, generate, logprob_diff, prompt_logprobs, serve, trainer_logprobs
 

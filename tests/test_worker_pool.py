@@ -12,7 +12,7 @@ import time
 import pytest
 
 import rewards
-from worker_pool import RewardPool
+from infra.worker_pool import RewardPool
 
 pytestmark = pytest.mark.subprocess  # every test here starts processes (ranks, workers)
 

@@ -24,7 +24,8 @@ own signal timeout fails outside the main thread (and with async_steps, scoring 
 on a thread), so rewards.py turns it off and this pool is the guard.
 
 Workers come from a forkserver: a clean process started once, not a fork of the
-multi-threaded trainer, with the training script, rewards.py and math-verify preloaded
+multi-threaded trainer, with the training script (rewards.py with it), math-verify and what its
+caller names preloaded
 so that a replacement worker starts in milliseconds. The function reaches a worker pickled
 (a module-level function, or an object that loads itself when unpickled, like
 envs.calls.Calls), or as the `--reward_fn` string, which each worker loads itself (a
@@ -44,8 +45,8 @@ import tempfile
 import threading
 import time
 
-from tracking import private_dir
-from user_code import Reward, load_object, to_float
+from infra.tracking import private_dir
+from infra.user_code import Reward, load_object, to_float
 
 STARTUP_TIMEOUT = 120.0  # seconds for a new worker to load the function and say it is ready
 MAX_EARLY_DEATHS = 3  # workers killed by a signal before "ready", in a row, before loading is called broken
@@ -123,14 +124,15 @@ class CallPool:
     """fn(*args) of many argument tuples in `workers` processes, each call under `timeout`;
     check(value) validates what fn returned, fallback stands in for a call that failed."""
 
-    def __init__(self, fn, workers=2, timeout=10.0, kind="reward", check=to_float, fallback=0.0):
+    def __init__(self, fn, workers=2, timeout=10.0, kind="reward", check=to_float, fallback=0.0, preload=()):
         self.spec, self.timeout, self.kind, self.check, self.fallback = fn, timeout, kind, check, fallback
         self.fn = resolve(fn)  # for workers=0, and to fail here, in one line, on a bad name
         self.lock = threading.Lock()  # with async_steps, evaluation and the rollout thread share the pool
         self.workers = []
         if workers:
             self.ctx = multiprocessing.get_context("forkserver")
-            self.ctx.set_forkserver_preload(["__main__", "rewards", "worker_pool", "envs.calls", "math_verify"])
+            # preload: the modules fn's callers know it needs (envs.calls); the first pool's list is the forkserver's
+            self.ctx.set_forkserver_preload(["__main__", "infra.worker_pool", "math_verify", *preload])
             # The forkserver and its workers ignore SIGTERM (an ignored signal stays ignored across
             # fork and exec): torchrun and schedulers signal the trainer's whole process group, and
             # the trainer finishes its step, scores included, before it stops. They still end with

@@ -17,9 +17,9 @@ A trainer rank, FSDP2 over `shard` ranks, the parameters held in float32 (parall
 - activations: what the forward keeps for backward (activation_values: measured, below), in the
   compute dtype; with activation checkpointing each layer keeps its input and one layer
   at a time the rest;
-- LM head: policy.token_logprobs' (256, V) float32 logits and their gradient;
+- LM head: policy.token_logprobs' (policy.CHUNK, V) float32 logits and their gradient;
 - weight sync: rank 0's part of the serving copy in host memory (weight_sync.serving_parts: at
-  most PART_BYTES, or one larger tensor, and the next tensor), each step; with LoRA's merge the
+  most weight_sync.PART_BYTES, or one larger tensor, and the next tensor), each step; with LoRA's merge the
   whole float32 state dict and its merged copy; on a GPU it is host memory, not the GPU's;
 - runtime: on a CPU what the process holds before any weight loads (the libraries, the tokenizer,
   the prompts), read from /proc; on a GPU the CUDA context, about 0.5 GB beside the allocator.
@@ -35,8 +35,9 @@ import os
 
 import torch
 
+from infra import policy, weight_sync  # what they hold: the logprob kernel's chunk, the sync's part
+
 GB = 1e9
-PART_BYTES = 2**27  # 128 MiB: rank 0 holds one part of the serving copy at a time (weight_sync.serving_parts)
 # Measured with saved-tensor hooks on this code's forward (policy.sequence_logprobs, sdpa, float32 CPU),
 # Llama layers at six shapes and Qwen2 layers at four, every figure exact: a token and decoder layer keeps
 # 6 h + 2 q + 4 i + 2 kv + heads + 2 values (h hidden, q = heads x head_dim, i the MLP's width, kv the
@@ -46,7 +47,6 @@ PART_BYTES = 2**27  # 128 MiB: rank 0 holds one part of the serving copy at a ti
 CPU_SERVER_RUNTIME = 2.7 * GB
 CPU_SERVER_RUNTIME_TWO_PROCESSES = 2.0 * GB
 CUDA_CONTEXT = 0.5 * GB
-CHUNK = 256  # policy.token_logprobs' chunk_size
 
 
 def shape(mc):
@@ -98,7 +98,7 @@ def trainer_plan(cfg, mc, meta_model, world_size, cuda):
                 optimizer=0 if offloaded else 8 * trainable // shard,
                 reference=4 * total // shard if separate_ref and not (cuda and cfg.offload_ref_policy) else 0,
                 activations=tokens * per_token,
-                lm_head=2 * CHUNK * mc.vocab_size * 4,
+                lm_head=2 * policy.CHUNK * mc.vocab_size * 4,
                 weight_sync=0 if cuda else sync_part(cfg, mc, meta_model),
                 runtime=CUDA_CONTEXT if cuda else resident_bytes(),
                 per_token=per_token)
@@ -113,7 +113,7 @@ def sync_part(cfg, mc, meta_model):
     largest = 4 * max(p.numel() for p in meta_model.parameters())
     if cfg.lora_rank:
         return 2 * whole if cfg.lora_weight_sync == "merged" else 0
-    return min(whole, max(PART_BYTES, largest) + largest)
+    return min(whole, max(weight_sync.PART_BYTES, largest) + largest)
 
 
 def kv_cache_bytes(cfg, mc, cuda):
@@ -138,25 +138,9 @@ def server_sequences(cfg):
 
 
 def server_plan(cfg, mc, meta_model, cuda):
-    """{item: bytes} of the servers we launch: the policy's (none with vllm_server_urls: yours) and a
-    teacher's (distill/), planned as the policy's on its own config, with the prompt logits it holds
-    beside them, which vLLM's memory profile leaves out: a whole sequence's logits over the vocabulary
-    and their log-softmax in float32 (vLLM computes them one request at a time)."""
-    plan = {} if cfg.vllm_server_urls else model_server(cfg, mc, meta_model, cuda)
-    if cfg.teacher_model_name_or_path:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        tc = AutoConfig.from_pretrained(cfg.teacher_model_name_or_path)
-        with torch.device("meta"):
-            teacher = AutoModelForCausalLM.from_config(tc)
-        plan |= {f"teacher_{k}": v for k, v in model_server(cfg, tc, teacher, cuda).items()}
-        plan["teacher_prompt_logits"] = 2 * 4 * teacher_context(cfg) * tc.vocab_size
-    return plan
-
-
-def teacher_context(cfg):
-    """A teacher's context: one token past the longest sample, whose request asks for one (max_tokens=1)."""
-    return (cfg.vllm_max_model_len or cfg.max_prompt_length + cfg.response_length) + 1
+    """{item: bytes} of the policy's server we launch (none with vllm_server_urls: yours); a teacher's
+    (distill/teacher.py) is its own plan's, joined to this one by train.py."""
+    return {} if cfg.vllm_server_urls else model_server(cfg, mc, meta_model, cuda)
 
 
 def model_server(cfg, mc, meta_model, cuda):
@@ -250,23 +234,6 @@ def check(cfg, trainer, server, local_ranks, cuda, device_bytes=None):
         what = f"{local_ranks} trainer rank(s) and the vLLM server need {need / GB:.1f} GB of this machine's"
     if need > limit:
         raise ValueError(f"memory plan: {what} {limit / GB:.1f} GB; {knob(cfg, trainer, server)}")
-
-
-def colocated_fraction(cfg, trainer, server, gpus, gpu_bytes):
-    """The share of each GPU a colocated server gets: what a trainer rank holds between steps (its
-    shards, AdamW state, reference and runtime; the server sleeps while the activations come and go)
-    leaves, less 5% for the allocators, at most vllm_gpu_memory_utilization (single_gpu_mode takes that
-    as it is). Refused in one line when it cannot hold its part of the weights and KV cache."""
-    if cfg.single_gpu_mode:
-        return cfg.vllm_gpu_memory_utilization
-    held = sum(trainer[k] for k in ("parameters", "optimizer", "reference", "runtime"))
-    fraction = min(cfg.vllm_gpu_memory_utilization, 1 - held / gpu_bytes - 0.05)
-    need = server["weights"] / cfg.vllm_tensor_parallel_size + server["kv_cache"] / gpus
-    if fraction * gpu_bytes < 1.2 * need:
-        raise ValueError(f"memory plan: a trainer rank holds {held / GB:.1f} GB of a {gpu_bytes / GB:.1f} GB GPU "
-                         f"between steps, leaving the colocated vLLM server less than its {need / GB:.1f} GB; "
-                         f"{knob(cfg, trainer, server)}, or give the servers GPUs of their own (scripts/launch_8gpu.sh)")
-    return fraction
 
 
 def describe(trainer, server):

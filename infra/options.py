@@ -1,6 +1,6 @@
 """A Config field's facts and the checks each field takes alone. Its doors: config.py declares every
 field with `option` and calls `check_fields` first in Config.__post_init__; cli.py prints each field's
-help, checkpoint.RESUMABLE reads which fields a resumed run may change. Pure Python, no torch.
+help, checkpoint.resumable reads which fields a resumed run may change. Pure Python, no torch.
 """
 
 import math
@@ -12,7 +12,7 @@ def option(default, help, low=None, above=None, high=None, below=None, note="", 
     """A Config field and its facts (field metadata): the default, the line `train.py --help` prints,
     its bounds (value >= low or > above, <= high or < below; None passes; `note` says what an edge
     means), the field that must be set for it to act (only_with: left at its default otherwise),
-    and whether a resumed run may change it (resumable; checkpoint.RESUMABLE).
+    and whether a resumed run may change it (resumable; checkpoint.resumable).
     check_fields checks them."""
     meta = dict(help=help, low=low, above=above, high=high, below=below, note=note, only_with=only_with,
                 resumable=resumable)

@@ -1,5 +1,5 @@
 """The command line and TOML file of train.py: --key value, --key=value, --config FILE.toml;
-the names are Config's fields.
+the names are the fields of the dataclass it is handed (config.Config: train.py hands it).
 
     python train.py --config run.toml --learning_rate 3e-4 --beta=0.0 --vllm_server_urls a,b
     python train.py --help    # every field, its default and its help (config.py)
@@ -17,14 +17,13 @@ import textwrap
 import tomllib
 import typing
 
-from config import Config
-from options import default
+from infra.options import default
 
 
-def field_types() -> dict:
+def field_types(cls) -> dict:
     """Each field's type by name, annotations resolved (Optional[int], list[str], ...)."""
-    hints = typing.get_type_hints(Config)
-    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
 def convert(name: str, text, tp):
@@ -61,11 +60,11 @@ def convert(name: str, text, tp):
     raise ValueError(f"--{name} expects {tp.__name__}, got {text!r}")
 
 
-def help_text() -> str:
+def help_text(cls) -> str:
     lines = ["usage: train.py [--config FILE.toml] [--key value | --key=value ...]", "",
-             "Every field of Config (also valid as a key in the TOML file; flags override it):"]
-    for f in dataclasses.fields(Config):
-        lines.append(f"  --{f.name} (default {default(Config, f.name)!r})")
+             f"Every field of {cls.__name__} (also valid as a key in the TOML file; flags override it):"]
+    for f in dataclasses.fields(cls):
+        lines.append(f"  --{f.name} (default {default(cls, f.name)!r})")
         lines += textwrap.wrap(f.metadata["help"], 100, initial_indent=" " * 6, subsequent_indent=" " * 6)
     return "\n".join(lines)
 
@@ -147,29 +146,30 @@ def merge(pairs: list, types: dict) -> dict:
     return values
 
 
-def parse_args(argv=None) -> Config:
-    """`--key value`, `--key=value`, bare `--flag` for booleans, `--config FILE.toml` (flags win).
+def parse_args(cls, argv=None):
+    """A `cls` (config.Config) from `--key value`, `--key=value`, bare `--flag` for booleans, `--config
+    FILE.toml` (flags win).
 
     Unknown keys and values of the wrong type exit with status 2 and one line on stderr;
-    contradictions between fields raise ValueError from Config.
+    contradictions between fields raise ValueError from cls.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     if "-h" in argv or "--help" in argv:
-        print(help_text())
+        print(help_text(cls))
         raise SystemExit(0)
-    types = field_types()
+    types = field_types(cls)
     kwargs = {}
     for key, value in merge(split_argv(argv, types), types).items():
         try:
             kwargs[key] = convert(key, value, types[key])
         except ValueError as e:
             fail(str(e))
-    return Config(**kwargs)
+    return cls(**kwargs)
 
 
-def parse_args_or_exit(argv=None) -> Config:
-    """train.py's entry: parse_args, with Config's refusals too as one `error:` line and exit status 2."""
+def parse_args_or_exit(cls, argv=None):
+    """train.py's entry: parse_args, with cls's refusals too as one `error:` line and exit status 2."""
     try:
-        return parse_args(argv)
+        return parse_args(cls, argv)
     except ValueError as e:  # a contradiction between fields, or a value out of range: before anything starts
         fail(str(e))

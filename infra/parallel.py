@@ -21,8 +21,9 @@ open-instruct's GRPO distributed knobs (DeepSpeed terms) and what they are here:
 | single_gpu_mode                        | single_gpu_mode (vLLM sleep mode, vllm_server.py)       |
 | backend_timeout                        | backend_timeout (the process group)                     |
 
-With lora_rank the adapters are injected before the sharding (lora/adapters.py, imported only then); the
-reference is then an adapter of the policy's own module, and load_model never builds a second model.
+load_model takes what the loop hands it: the attention (sequence parallelism registers its own) and a
+converter that changes the model before the sharding (LoRA injects its adapters there: each adapter is
+then sharded with its layer, and the reference is an adapter of the policy's own module).
 
 The reference gets the policy's mesh and placements, so its shards sit beside the
 policy's (the EMA update stays local); it never runs backward, so it is never
@@ -42,7 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
                                     register_fsdp_forward_method)
 
-from policy import check_architecture, sequence_logprobs
+from infra.policy import check_architecture, sequence_logprobs
 
 
 def mesh_shape(cfg, world_size: int) -> tuple:
@@ -82,9 +83,6 @@ def setup_distributed(cfg):
     # so the all-gathers stay on the fast links and only the gradient all-reduce crosses nodes.
     mesh = init_device_mesh(device.type, (shard,), mesh_dim_names=("shard",)) if replicas == 1 else \
         init_device_mesh(device.type, (replicas, shard), mesh_dim_names=("replicate", "shard"))
-    if cfg.sequence_parallel_size > 1:  # consecutive ranks too: inside a shard group
-        import sequence_parallel
-        sequence_parallel.init_groups(cfg.sequence_parallel_size)
     return dist.get_rank(), dist.get_world_size(), device, mesh
 
 
@@ -116,23 +114,18 @@ def close_distributed():
     gc.collect()  # FSDP2 modules sit in reference cycles: free them, and the group with them
 
 
-def load_model(cfg, device, mesh, reference=False):
+def load_model(cfg, device, mesh, reference=False, attn=None, convert=None):
     """The HF model, sharded with FSDP2 on `mesh`: each decoder layer, then the root.
     reference=True builds the EMA reference: same sharding, no activation checkpointing,
-    offloaded with offload_ref_policy instead of offload_params."""
+    offloaded with offload_ref_policy instead of offload_params. attn: the attention implementation
+    (cfg.attn_implementation when None); convert(model): a change before the wrappers and the sharding."""
     from transformers import AutoModelForCausalLM
 
-    attn, sp = cfg.attn_implementation, cfg.sequence_parallel_size
-    if sp > 1:  # packed_sdpa over whole rows, between two all-to-alls: every model built here runs it
-        import sequence_parallel
-        attn = sequence_parallel.register_attention()
-    model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=torch.float32, attn_implementation=attn)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=torch.float32,
+                                                 attn_implementation=attn or cfg.attn_implementation)
     check_architecture(model)
-    if sp > 1:
-        sequence_parallel.check_heads(model.config, sp)  # train.check_model checked it already
-    if cfg.lora_rank and not reference:  # before the wrappers and the sharding: each adapter is sharded with its layer
-        from lora import adapters  # noqa: PLC0415 - the optional concept's door
-        adapters.add_adapters(model, cfg)
+    if convert is not None:
+        convert(model)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" \
         else MixedPrecisionPolicy()
     offload = cfg.offload_ref_policy if reference else cfg.offload_params

@@ -32,24 +32,24 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from config import Config
-from options import default
-from weight_sync import full_state_dict
+from infra.options import default
+from infra.weight_sync import full_state_dict
 
 COMPLETE = re.compile(r"^step_(\d{8})$")
 
-# Config fields a resumed run may change (resumable=True in config.py): where and how often it
-# writes, logs and evaluates, how long it waits, which servers it talks to, and how the same
-# computation is laid out on ranks and memory. Every other change would make the resumed run another
-# run; num_training_steps only with lr_scheduler_type="constant" (a decaying schedule's length is its shape).
-RESUMABLE = {f.name for f in dataclasses.fields(Config) if f.metadata["resumable"]}
+def resumable(cfg):
+    """The config fields a resumed run may change (resumable=True in config.py): where and how often it
+    writes, logs and evaluates, how long it waits, which servers it talks to, and how the same
+    computation is laid out on ranks and memory. Every other change would make the resumed run another
+    run; num_training_steps only with lr_scheduler_type="constant" (a decaying schedule's length is its shape)."""
+    return {f.name for f in dataclasses.fields(cfg) if f.metadata["resumable"]}
 
 
 def check_resumable(saved, cfg, path):
     """Refuse, in one line naming the fields, to resume from a checkpoint whose saved config
-    (a dict) differs from cfg in a field outside RESUMABLE."""
-    now = asdict(cfg)
-    changed = [k for k in now if k not in RESUMABLE and saved.get(k, default(cfg, k)) != now[k]]
+    (a dict) differs from cfg in a field outside resumable(cfg)."""
+    now, free = asdict(cfg), resumable(cfg)
+    changed = [k for k in now if k not in free and saved.get(k, default(cfg, k)) != now[k]]
     if cfg.lr_scheduler_type != "constant" and saved.get("num_training_steps") != cfg.num_training_steps:
         changed.append("num_training_steps")
     if changed:
@@ -184,18 +184,17 @@ def remove_partials(root):
                 shutil.rmtree(os.path.join(root, n), ignore_errors=True)
 
 
-def export(cfg, policy, tokenizer, rank, name):
+def export(cfg, policy, tokenizer, rank, name, transform=None):
     """A Hugging Face directory of the full policy in output_dir/name, replaced atomically (gathered on every
-    rank, written by rank 0); with LoRA the adapter merged in, and PEFT's adapter directory in
-    output_dir/name_adapter."""
+    rank, written by rank 0). transform(state_dict, name) -> state_dict runs first on rank 0: train.py hands
+    LoRA's (the adapter merged in, and PEFT's adapter directory in output_dir/name_adapter)."""
     from safetensors.torch import save_file
 
     full = full_state_dict(policy)
     if rank != 0:
         return
-    if cfg.lora_rank:
-        from lora import sync as lora_sync  # noqa: PLC0415 - the optional concept's door
-        full = lora_sync.export(full, cfg, os.path.join(cfg.output_dir, f"{name}_adapter"))
+    if transform is not None:
+        full = transform(full, name)
     sd = {k: v.contiguous() for k, v in full.items()}
     if getattr(policy.config, "tie_word_embeddings", False):
         sd.pop("lm_head.weight", None)  # stored once; from_pretrained ties it back

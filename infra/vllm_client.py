@@ -19,7 +19,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from faults import VLLMError
+from infra.faults import VLLMError
 
 
 # What every request pins besides temperature and top_p. A server started without

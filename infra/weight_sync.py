@@ -1,26 +1,24 @@
 """Weight sync: the trainer's sharded weights into the vLLM server (update.py checks that a sync took:
 the logprobs vLLM reports against the trainer's, before the step's first optimizer step).
 
-Two transports behind one call, `make_weight_sync(cfg, ...).sync(model)`, made on every
-rank and called on every rank (the gathers are collectives). Each also gives a server we launch
-what it starts from (launch_state_dict), its flags (server_flags) and whether a sync comes first:
+Two transports behind one call, `sync(model)`, made on every rank and called on every rank (the
+gathers are collectives); train.make_sync picks one. Each also gives a server we launch what it
+starts from (launch_state_dict), its flags (server_flags) and whether a sync comes first:
 
 - filesystem (default, CPU and GPU): gather the weights part by part (serving_parts: about
-  memory.PART_BYTES at a time), rank 0 writes each part as a safetensors file to memory-backed /dev/shm
+  PART_BYTES at a time), rank 0 writes each part as a safetensors file to memory-backed /dev/shm
   (or weight_sync_dir, a directory every server can read: servers on other nodes need a shared
   filesystem) with the index that names them, asks each server to `reload_weights` through
   /collective_rpc and resets its prefix cache. Rank 0 holds one part at a time (LoRA's merge and
   the copy a launched server starts from take the whole state dict).
 - nccl (GPU servers started with --weight-transfer-config '{"backend": "nccl"}'): vLLM's
-  native weight-transfer API, in the server's dtype (vllm_server.server_dtype, handed in by the
-  caller). Its NCCL calls are untested on the CPU machines this project is built on; its error
-  path is tested with the server faked.
+  native weight-transfer API, in the server's dtype: nccl_sync.py, an optional file of its own.
 
 Both are bounded by weight_sync_timeout: the reload request is an HTTP timeout; the NCCL
 transfer, which would otherwise wait forever for a peer that is gone, runs in a thread
 that is abandoned with a TimeoutError when it takes longer.
 
-LoRA's syncs (the adapter, or the merged weights) are lora/sync.py's, picked by generator.make_sync.
+LoRA's syncs (the adapter, or the merged weights) are lora/sync.py's, picked by train.make_sync.
 
 Tied embeddings: the CPU server's `reload_weights` does not refresh a tied LM head
 ("ParallelLMHead: Failed to load weights"), so the server always gets an untied copy:
@@ -29,17 +27,14 @@ input embedding. It costs the server one vocab x hidden matrix.
 """
 
 import json
-import math
 import os
 import re
 import shutil
-import threading
 
-import torch
+from infra.faults import VLLMError
+from infra.tracking import private_dir
 
-import memory
-from faults import VLLMError
-from tracking import private_dir
+PART_BYTES = 2**27  # 128 MiB: rank 0 holds one part of the serving copy at a time (serving_parts; the memory plan's)
 
 
 def full_state_dict(model):
@@ -68,11 +63,11 @@ def untie(state_dict):
 
 def serving_parts(model, rank, budget=None, dtype=None, device=None):
     """Every rank: the serving copy of the model's weights in parts of about `budget` bytes
-    (memory.PART_BYTES; a larger tensor is a part of its own), each a {name: tensor} dict in CPU memory
+    (PART_BYTES; a larger tensor is a part of its own), each a {name: tensor} dict in CPU memory
     (in `dtype` if given) on rank 0, nothing on the others. Each DTensor is gathered whole by a
     collective (on `device` if given), in state-dict order, one at a time, so every rank runs it
     to the end. lm_head.weight is a tensor of its own, as untie makes it."""
-    budget = memory.PART_BYTES if budget is None else budget
+    budget = PART_BYTES if budget is None else budget
     sd = model.state_dict()
     if "lm_head.weight" not in sd and "model.embed_tokens.weight" in sd:  # a tied head left out
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
@@ -199,101 +194,6 @@ class FilesystemSync:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-class NCCLSync:
-    """GPU servers: vLLM's native weight-transfer API over NCCL (server launched with
-    --weight-transfer-config '{"backend": "nccl"}'). The NCCL calls are untested on the CPU
-    machines this project is developed on (tests/test_nccl_sync.py fakes the server's HTTP side).
-    Every rank gathers the weights tensor by tensor, in the same order (each full_tensor() is a
-    collective): a rank holds one full float32 tensor on its device at a time, and rank 0 keeps
-    each one cast to the server's dtype in CPU memory. Only then does rank 0 send, one tensor at a
-    time back on its GPU into vLLM's packed buffers: a gather interleaved with the broadcast would
-    leave the other ranks waiting inside a gather that rank 0, stuck in a failed transfer, never
-    joins. Supports one server with one worker (tensor parallel size 1)."""
-
-    server_flags, sync_at_start = (), False  # its server's --weight-transfer-config is server_command's
-
-    def __init__(self, client, rank, master_address, master_port, device, timeout, dtype=torch.bfloat16):
-        self.client, self.rank, self.device, self.engine, self.timeout = client, rank, device, None, timeout
-        self.master_address, self.master_port = master_address, master_port  # this trainer's rendezvous
-        self.dtype = dtype  # the server's: a bfloat16 copy of float32 weights in a float32 server fails the check
-
-    def launch_state_dict(self, model):
-        return full_state_dict(model)
-
-    # the four calls vLLM's trainer engine makes on its client (VLLMWeightSyncClient)
-    # (the two that wait for the NCCL transfer get weight_sync_timeout, not the request timeout)
-    def init_weight_transfer_engine(self, init_info):
-        self.client.broadcast("/init_weight_transfer_engine", {"init_info": init_info}, timeout=self.timeout)
-
-    def start_weight_update(self):
-        self.client.broadcast("/start_weight_update")
-
-    def update_weights(self, update_info):
-        self.client.broadcast("/update_weights", {"update_info": update_info}, timeout=self.timeout)
-
-    def finish_weight_update(self, weight_version=None):
-        self.client.broadcast("/finish_weight_update", {"weight_version": weight_version})
-
-    def gather(self, model):
-        """Every rank: the serving copy's tensors, in the server's dtype and CPU memory, on rank 0
-        (empty on the others). On the device first: offloaded (offload_params) shards are in CPU
-        memory, and NCCL gathers GPU tensors."""
-        return next(serving_parts(model, self.rank, math.inf, self.dtype, self.device), {})
-
-    def sync(self, model):
-        """Returns the bytes sent (rank 0) or 0. A failed transfer (an HTTP error, a timeout, an
-        NCCL error) raises VLLMError on every rank, so all can save a checkpoint first; unless a
-        server we launched died: then the next rollout restarts it and pushes the weights again."""
-        full = self.gather(model)  # every gather on every rank before any send
-        nbytes, error = 0, None
-        if self.rank == 0:
-            try:
-                nbytes = self.send(full)
-            except Exception as e:  # noqa: BLE001 -- whatever it was, every rank must hear of it
-                error = failure(self.client, e)
-                self.close()  # its NCCL group is unusable: vLLM leaves the tear-down to the caller
-        del full
-        raise_on_every_rank(error)
-        return nbytes
-
-    def send(self, full):
-        """Rank 0: the gathered tensors into the server over NCCL."""
-        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-        from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerInitInfo,
-                                                                   NCCLTrainerWeightTransferEngine)
-        device = self.device
-
-        class Gathered(WeightSource):
-            def metadata(self):
-                return [ParamMeta(k, v.dtype, tuple(v.shape)) for k, v in full.items()]
-
-            def __iter__(self):  # one tensor at a time on the GPU; vLLM copies it into its packed buffers
-                return ((k, v.to(device)) for k, v in full.items())
-
-        with self.client.updating():  # in-flight generations finish on the old weights; new ones wait
-            self.client.pause()
-            try:
-                if self.engine is None:
-                    info = NCCLTrainerInitInfo(master_address=self.master_address, master_port=self.master_port,
-                                               world_size=2, rank=0)
-                    self.engine = within(self.timeout, lambda: NCCLTrainerWeightTransferEngine.trainer_init(
-                        info, client=self, source=Gathered()), "the NCCL rendezvous with the vLLM server", device)
-                self.engine.source = Gathered()
-                within(self.timeout, self.engine.send_weights, "the NCCL weight transfer", device)
-            finally:
-                self.client.resume()
-            self.client.broadcast("/reset_prefix_cache")
-        return sum(v.numel() * v.element_size() for v in full.values())
-
-    def close(self):
-        engine, self.engine = self.engine, None
-        if engine is not None:
-            try:  # a failed engine may hang or raise on the way down: neither may hide the first error
-                within(self.timeout, engine.shutdown, "shutting down the NCCL weight-transfer engine")
-            except Exception as e:  # noqa: BLE001
-                print(f"weight sync: the NCCL engine did not shut down cleanly: {e}", flush=True)
-
-
 def failure(client, e):
     """Rank 0's message for a failed sync, printed; None when a server we launched died (the
     next rollout restarts it and pushes the weights again, so the run goes on)."""
@@ -316,35 +216,7 @@ def raise_on_every_rank(error):
         raise VLLMError(box[0])
 
 
-def make_weight_sync(cfg, client, rank, device, dtype):
-    """The configured transport; `.sync(model)` on every rank after each step. `dtype` is the
-    server's (vllm_server.server_dtype: a torch dtype's name), in which NCCL sends."""
-    if cfg.weight_sync_transport == "nccl":
-        return NCCLSync(client, rank, cfg.weight_sync_master_address, cfg.weight_sync_master_port, device,
-                        cfg.weight_sync_timeout, getattr(torch, dtype))
+def make_weight_sync(cfg, client, rank, device):
+    """The filesystem transport; `.sync(model)` on every rank after each step (the NCCL one is
+    nccl_sync.py's, LoRA's lora/sync.py's: train.make_sync picks)."""
     return FilesystemSync(client, rank, cfg.output_dir, cfg.weight_sync_timeout, cfg.weight_sync_dir, device=device)
-
-
-def within(seconds, fn, what, device=None):
-    """fn() in a daemon thread, given up after `seconds` with a TimeoutError: an NCCL call
-    whose peer has gone waits forever, and NCCL takes no timeout of its own. The stuck
-    thread cannot be stopped; the error ends the run (a daemon thread does not hold exit)."""
-    out = {}
-
-    def run():
-        try:
-            if device is not None and device.type == "cuda":
-                torch.cuda.set_device(device)  # the current device is per thread
-            out["value"] = fn()
-        except BaseException as e:  # handed to the caller's thread
-            out["error"] = e
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        raise TimeoutError(f"weight sync: {what} did not finish within weight_sync_timeout={seconds:g}s; the server "
-                           "may be stuck or gone (see its log). Raise weight_sync_timeout if the transfer is only slow")
-    if "error" in out:
-        raise out["error"]
-    return out.get("value")

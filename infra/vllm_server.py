@@ -14,16 +14,7 @@ run (vllm_server_urls, or scripts/serve.py, this server's command line) listens 
 VLLM_API_KEY, exported to it and to train.py, closes its /v1 routes (completions, models, the
 LoRA load and unload routes); its dev routes stay open to every local process.
 
-Colocated (vllm_colocate; by default on GPUs without vllm_server_urls; untested on GPUs here: it
-needs a GPU build of vLLM): rank 0 launches one server over this node's GPUs, the trainers' own,
-with --enable-sleep-mode and the GPU fraction the memory plan leaves it (colocate_flags). Each step
-the generator puts it to sleep before training (POST /sleep?level=1: weights to host memory, KV
-cache freed), then wakes its weights (POST /wake_up?tags=weights), syncs, and wakes its KV cache
-(?tags=kv_cache) before evaluation and the next generation: the weights are woken before the sync
-so that the sync's are the ones it serves (the sync check compares every step). Level 1, not 2: a
-step without samples syncs nothing, and must still find the weights it left. single_gpu_mode is
-the one-GPU case, at vllm_gpu_memory_utilization. On a CPU the same calls run (vLLM's CPU build
-logs that it cannot sleep and does nothing), which is how the order is tested here.
+A server on the training GPUs, asleep while the policy trains, is infra/colocation.py's.
 """
 
 import http.client
@@ -38,10 +29,10 @@ import urllib.error
 
 import torch
 
-import memory
-from faults import VLLMError
-from vllm_client import fetch, log_tail
-from tracking import private_dir
+from infra import memory
+from infra.faults import VLLMError
+from infra.vllm_client import fetch, log_tail
+from infra.tracking import private_dir
 
 
 def die_with_parent():
@@ -53,46 +44,6 @@ def die_with_parent():
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # SIGTERM: it then stops its engine too
     except (OSError, AttributeError):
         pass  # not Linux: stop_server and the finally in train.py still stop it on a clean exit
-
-
-def colocated(cfg, cuda: bool) -> bool:
-    """Whether the server we launch shares the training devices, asleep while the policy trains:
-    vllm_colocate, or by default on GPUs without vllm_server_urls (single_gpu_mode: on one GPU)."""
-    if cfg.vllm_colocate is not None:
-        return cfg.vllm_colocate
-    return cfg.single_gpu_mode or (cuda and not cfg.vllm_server_urls)
-
-
-def check_launch(cfg, cuda: bool):
-    """Refuse, before any model loads, a GPU run whose server has nowhere to go (vllm_colocate=False and
-    no vllm_server_urls), and a colocated one that cannot sleep while the policy trains."""
-    if cuda and not cfg.vllm_server_urls and not colocated(cfg, cuda):
-        raise ValueError("vllm_colocate=False on GPUs without vllm_server_urls leaves our vLLM server no GPU; "
-                         "give the servers GPUs of their own with bash scripts/launch_8gpu.sh (or pass "
-                         "vllm_server_urls of servers you run), or leave vllm_colocate unset to share the training "
-                         "GPUs")
-    if colocated(cfg, cuda) and (cfg.async_steps or cfg.weight_sync_transport == "nccl"):
-        raise ValueError("our vLLM server shares the training GPUs (no vllm_server_urls) and sleeps while the policy "
-                         "trains: set async_steps=0 and weight_sync_transport='filesystem', or give the servers GPUs "
-                         "of their own with bash scripts/launch_8gpu.sh")
-    gpus = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if cuda and colocated(cfg, cuda) and int(os.environ.get("WORLD_SIZE", 1)) != gpus:
-        raise ValueError("several nodes would share one colocated server on the first node's GPUs; give the servers "
-                         "GPUs of their own (bash scripts/launch_multinode.sh) and pass vllm_server_urls")
-    if cuda and colocated(cfg, cuda) and gpus % cfg.vllm_tensor_parallel_size:
-        raise ValueError(f"vllm_tensor_parallel_size={cfg.vllm_tensor_parallel_size} does not divide this node's "
-                         f"{gpus} GPUs; pick a divisor of {gpus}")
-
-
-def colocate_flags(cfg, fraction):
-    """The flags of a server on the training GPUs (vllm_colocate): sleep mode, the GPU fraction the memory
-    plan leaves it (single_gpu_mode: vllm_gpu_memory_utilization), and its layout over this node's GPUs:
-    replicas of vllm_tensor_parallel_size GPUs each. None on a CPU, where there is nothing to free."""
-    if not torch.cuda.is_available():
-        return []
-    gpus, tp = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), cfg.vllm_tensor_parallel_size  # check_launch: tp | gpus
-    return ["--enable-sleep-mode", "--gpu-memory-utilization", f"{fraction:.3f}", "--tensor-parallel-size", str(tp),
-            "--data-parallel-size", str(gpus // tp)]
 
 
 def server_dtype(cfg):

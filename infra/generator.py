@@ -1,44 +1,37 @@
 """The trainer's side of vLLM: the server, the weights in it, and each step's batch on every rank.
 
-    gen = Generator(cfg, policy, tokenizer, sampler, pool, rank, device, player, memory_plan)
-    samples, m = gen.batch(step, policy)   # every rank; rank 0 asks vLLM, scores, broadcasts
+    gen = Generator(cfg, policy, tokenizer, rank, device, make_batch, make_sync, sampler, player, memory_plan)
+    samples, m = gen.batch(step, policy)   # every rank; rank 0 has make_batch(client, step) ask vLLM and score
     gen.sync(policy)                       # every rank: the policy's weights into the server
     gen.close()
 
-The server is ours (launched on an untied copy of the policy, stopped on close) or the
-user's (vllm_server_urls, given our weights first). A server we launched that dies is
-restarted, up to vllm_max_restarts times, given the current weights, and asked for the
-same step's prompts again; any other failure raises VLLMError on every rank.
+The loop hands it what a batch is (make_batch: rollout.rollout_batch, which plays, scores and
+groups) and how weights move (make_sync: weight_sync.py's, or LoRA's); the generator owns when
+batches are made (in step, or async_steps ahead on a thread: Rollouts), which are too stale to
+train on (drop_stale), and the server. The server is ours (launched on an untied copy of the
+policy, stopped on close) or the user's (vllm_server_urls, given our weights first). A server we
+launched that dies is restarted, up to vllm_max_restarts times, given the current weights, and
+asked for the same step's prompts again; any other failure raises VLLMError on every rank.
 """
 
 import os
+import threading
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import memory
-import vllm_client
-import vllm_server
-from faults import Refused, VLLMError
-from model_files import stop_token_ids
-from rollout import Rollouts, drop_stale, evaluate, rollout_batch
-from tracking import claim_output_dir
-from weight_sync import make_weight_sync, raise_on_every_rank, write_serving_dir
-
-
-def make_sync(cfg, client, rank, device):
-    """The weight sync the config asks for (weight_sync.py); with LoRA the adapter's, or the merged
-    weights' (lora/sync.py, LoRA's door: imported only then)."""
-    if cfg.lora_rank:
-        from lora import sync as lora_sync  # noqa: PLC0415 - the optional concept's door
-        return lora_sync.make_weight_sync(cfg, client, rank)
-    return make_weight_sync(cfg, client, rank, device, vllm_server.server_dtype(cfg))
+from infra import colocation, vllm_client, vllm_server
+from infra.faults import Refused, VLLMError
+from infra.model_files import stop_token_ids
+from infra.weight_sync import raise_on_every_rank, write_serving_dir
 
 
 class Generator:
-    def __init__(self, cfg, policy, tokenizer, sampler, pool, rank, device, player, memory_plan=None):
-        self.cfg, self.tokenizer, self.sampler, self.pool, self.rank, self.device = cfg, tokenizer, sampler, pool, rank, device
+    def __init__(self, cfg, policy, tokenizer, rank, device, make_batch, make_sync, sampler, player, memory_plan=None):
+        self.cfg, self.tokenizer, self.rank, self.device = cfg, tokenizer, rank, device
+        # make_batch(client, step) -> (samples, metrics), rank 0; make_sync(client, rank, device) -> a weight sync
+        self.make_batch, self.make_sync, self.sampler = make_batch, make_sync, sampler
         self.player = player  # what plays the episodes (episodes.Player), chosen at start-up
         if rank == 0:
             try:
@@ -49,25 +42,20 @@ class Generator:
         self.restarts, self.position = 0, sampler.position  # the sampler's position after the last batch taken
         self.max_staleness = cfg.async_steps if cfg.max_sample_staleness is None else cfg.max_sample_staleness
         self.log_path = os.path.join(cfg.output_dir, "vllm.log")
-        self.colocated = vllm_server.colocated(cfg, device.type == "cuda")  # asleep while the policy trains
+        self.colocated = colocation.colocated(cfg, device.type == "cuda")  # asleep while the policy trains
         self.memory_plan = memory_plan
         self.served = os.path.join(cfg.output_dir, "vllm_model")
         try:
             # the model's every end-of-sequence id, sent with each request: the server we launch
             # ignores generation_config.json (--generation-config vllm), and its serving copy has none
-            stop_ids = stop_token_ids(tokenizer, cfg.model_name_or_path)
-            if rank == 0:  # before the serving copy and the log below are written (train.load_inputs may have claimed it)
-                try:
-                    claim_output_dir(cfg.output_dir)
-                except ValueError as e:
-                    raise SystemExit(f"error: {e}") from None
+            stop_ids = stop_token_ids(tokenizer, cfg.model_name_or_path)  # (output_dir is rank 0's: train.load_inputs)
             if rank == 0 and cfg.vllm_server_urls:
                 # the key from the environment, not the config: the config is saved in run_info.json and
                 # every checkpoint, and a flag is visible to every local user in ps
                 self.client = vllm_client.VLLMClient(cfg.vllm_server_urls, None, cfg.vllm_request_timeout,
                                                  cfg.vllm_max_retries, stop_token_ids=stop_ids,
                                                  api_key=os.environ.get("VLLM_API_KEY"))
-            self.weight_sync = make_sync(cfg, self.client, rank, device)  # it says what our server starts from
+            self.weight_sync = make_sync(self.client, rank, device)  # it says what our server starts from
             full = self.weight_sync.launch_state_dict(policy)  # a collective: every rank takes part
             if rank == 0 and not cfg.vllm_server_urls:
                 write_serving_dir(full, policy.config, tokenizer, self.served)
@@ -83,9 +71,6 @@ class Generator:
             self.close()
             raise
 
-    def make_batch(self, step):
-        return rollout_batch(self.cfg, self.client, self.sampler, step, self.pool, self.tokenizer, self.player)
-
     def batch(self, step, policy):
         """(samples, metrics) of `step` on every rank: rank 0 takes them from vLLM (generated ahead
         with async_steps), drops stale samples and broadcasts them. Restarts a dead server of ours."""
@@ -94,8 +79,8 @@ class Generator:
             if self.rank == 0:
                 try:
                     if self.rollouts is None:  # from the first step asked for (again, after a restart)
-                        self.rollouts = Rollouts(self.make_batch, step, self.cfg.num_training_steps,
-                                                 self.cfg.async_steps)
+                        self.rollouts = Rollouts(lambda j: self.make_batch(self.client, j), step,
+                                                 self.cfg.num_training_steps, self.cfg.async_steps)
                     samples, m = self.rollouts.get(step)
                     samples, stale = drop_stale(samples, self.client.version, self.max_staleness,
                                                 self.cfg.num_samples_per_prompt_rollout)
@@ -131,18 +116,18 @@ class Generator:
                                                          extra_args=self.server_flags())
             self.client.proc, self.client.urls = self.server, [url]  # a new socket
         self.weight_sync.close()
-        self.weight_sync = make_sync(self.cfg, self.client, self.rank, self.device)
+        self.weight_sync = self.make_sync(self.client, self.rank, self.device)
         self.weight_sync.sync(policy)
 
     def server_flags(self):
-        """The flags of the server we launch: the weight sync's, and a colocated server's (vllm_server.py)."""
+        """The flags of the server we launch: the weight sync's, and a colocated server's (colocation.py)."""
         if not self.colocated:
             return tuple(self.weight_sync.server_flags)
         gpu = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
         gpus = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        fraction = (memory.colocated_fraction(self.cfg, *self.memory_plan, gpus, gpu) if gpu and self.memory_plan
+        fraction = (colocation.fraction(self.cfg, *self.memory_plan, gpus, gpu) if gpu and self.memory_plan
                     else self.cfg.vllm_gpu_memory_utilization)  # memory_plan: train.py's (memory.py)
-        return tuple(self.weight_sync.server_flags) + tuple(vllm_server.colocate_flags(self.cfg, fraction))
+        return tuple(self.weight_sync.server_flags) + tuple(colocation.flags(self.cfg, fraction))
 
     def sleep(self):
         """A colocated server frees the GPUs for training."""
@@ -175,12 +160,6 @@ class Generator:
                 error = None if self.server is not None and self.server.poll() is not None else str(e)
         raise_on_every_rank(error)
 
-    def evaluate(self, eval_rows):
-        """Rank 0: greedy accuracy on the held-out prompts (and with episodes of several turns the
-        fraction that called a tool), as metrics."""
-        accuracy, tool_calls = evaluate(self.client, eval_rows, self.pool, self.player)
-        return dict(eval_accuracy=accuracy, **({"eval_tool_calls": tool_calls} if self.player.multi_turn else {}))
-
     def close(self):
         if self.rollouts:
             self.rollouts.close()
@@ -189,3 +168,68 @@ class Generator:
         if self.rank == 0:
             self.player.close()
             vllm_server.stop_server(self.server)
+
+
+def drop_stale(samples, version, max_staleness, n):
+    """Label each sample with its staleness (weight updates since the weights that sampled its
+    first turn; 0 in the synchronous loop) and drop the groups (n samples in a row, as
+    rollout_batch returns them) whose oldest sample is older than max_staleness: a group is kept
+    or dropped whole, though a weight update may fall between the first turns of its episodes."""
+    for s in samples:
+        s.staleness = version - s.version
+    groups = [samples[i:i + n] for i in range(0, len(samples), n)]
+    kept = [s for g in groups if max(s.staleness for s in g) <= max_staleness for s in g]
+    return kept, dict(staleness_mean=sum(s.staleness for s in samples) / max(len(samples), 1),
+                      stale_dropped=len(samples) - len(kept))
+
+
+class Rollouts:
+    """Batches for steps first..last from make(step). With ahead=k > 0 a thread makes
+    batch j as soon as the trainer has taken batch j - k, so the batches of the next k steps
+    are generated while the current one trains; with ahead=0, get(step) makes it in place.
+    An exception in make() is raised by get() for that step, and the thread stops there."""
+
+    def __init__(self, make, first, last, ahead):
+        self.make, self.ahead, self.last, self.taken, self.ready = make, ahead, last, first - 1, {}
+        self.cond, self.closed, self.thread = threading.Condition(), False, None
+        if ahead:
+            self.thread = threading.Thread(target=self.produce, args=(first,), daemon=True)
+            self.thread.start()
+
+    def produce(self, j):
+        while j <= self.last:
+            with self.cond:
+                self.cond.wait_for(lambda: self.closed or j <= self.taken + self.ahead)
+                if self.closed:
+                    return
+            try:
+                out = self.make(j)
+            except Exception as e:  # noqa: BLE001 - handed to the trainer, which decides
+                out = e
+            with self.cond:
+                self.ready[j] = out
+                self.cond.notify_all()
+            if isinstance(out, Exception):
+                return
+            j += 1
+
+    def get(self, step):
+        """The batch for `step` (steps are taken in order); waits for it if it is not made yet."""
+        if not self.ahead:
+            self.taken = step
+            return self.make(step)
+        with self.cond:
+            self.cond.wait_for(lambda: step in self.ready)
+            out = self.ready.pop(step)
+            self.taken = step
+            self.cond.notify_all()
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def close(self):
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        if self.thread:  # a request in flight may take up to vllm_request_timeout; the thread is a daemon
+            self.thread.join(timeout=10)

@@ -1,0 +1,84 @@
+"""Colocation: the vLLM server we launch on the training GPUs, asleep while the policy trains.
+
+    colocated(cfg, cuda)                       whether it shares the training devices
+    check_launch(cfg, cuda)                    where our server may go, refused before any model loads
+    fraction(cfg, trainer, server, gpus, gpu)  the share of each GPU the memory plan leaves it
+    flags(cfg, fraction)                       its command line's part: sleep mode, that share, its layout
+
+Colocated (vllm_colocate; by default on GPUs without vllm_server_urls; untested on GPUs here: it
+needs a GPU build of vLLM): rank 0 launches one server over this node's GPUs, the trainers' own,
+with --enable-sleep-mode and the GPU fraction the memory plan leaves it (flags). Each step
+the generator puts it to sleep before training (POST /sleep?level=1: weights to host memory, KV
+cache freed), then wakes its weights (POST /wake_up?tags=weights), syncs, and wakes its KV cache
+(?tags=kv_cache) before evaluation and the next generation: the weights are woken before the sync
+so that the sync's are the ones it serves (the sync check compares every step). Level 1, not 2: a
+step without samples syncs nothing, and must still find the weights it left. single_gpu_mode is
+the one-GPU case, at vllm_gpu_memory_utilization. On a CPU the same calls run (vLLM's CPU build
+logs that it cannot sleep and does nothing), which is how the order is tested here.
+
+The generator (infra/generator.py) drives it: sleep before the update, the two-tag wake around the
+weight sync, each asked by rank 0 and told to every rank.
+"""
+
+import os
+
+import torch
+
+from infra import memory
+
+
+def colocated(cfg, cuda: bool) -> bool:
+    """Whether the server we launch shares the training devices, asleep while the policy trains:
+    vllm_colocate, or by default on GPUs without vllm_server_urls (single_gpu_mode: on one GPU)."""
+    if cfg.vllm_colocate is not None:
+        return cfg.vllm_colocate
+    return cfg.single_gpu_mode or (cuda and not cfg.vllm_server_urls)
+
+
+def check_launch(cfg, cuda: bool):
+    """Refuse, before any model loads, a GPU run whose server has nowhere to go (vllm_colocate=False and
+    no vllm_server_urls), and a colocated one that cannot sleep while the policy trains."""
+    if cuda and not cfg.vllm_server_urls and not colocated(cfg, cuda):
+        raise ValueError("vllm_colocate=False on GPUs without vllm_server_urls leaves our vLLM server no GPU; "
+                         "give the servers GPUs of their own with bash scripts/launch_8gpu.sh (or pass "
+                         "vllm_server_urls of servers you run), or leave vllm_colocate unset to share the training "
+                         "GPUs")
+    if colocated(cfg, cuda) and (cfg.async_steps or cfg.weight_sync_transport == "nccl"):
+        raise ValueError("our vLLM server shares the training GPUs (no vllm_server_urls) and sleeps while the policy "
+                         "trains: set async_steps=0 and weight_sync_transport='filesystem', or give the servers GPUs "
+                         "of their own with bash scripts/launch_8gpu.sh")
+    gpus = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if cuda and colocated(cfg, cuda) and int(os.environ.get("WORLD_SIZE", 1)) != gpus:
+        raise ValueError("several nodes would share one colocated server on the first node's GPUs; give the servers "
+                         "GPUs of their own (bash scripts/launch_multinode.sh) and pass vllm_server_urls")
+    if cuda and colocated(cfg, cuda) and gpus % cfg.vllm_tensor_parallel_size:
+        raise ValueError(f"vllm_tensor_parallel_size={cfg.vllm_tensor_parallel_size} does not divide this node's "
+                         f"{gpus} GPUs; pick a divisor of {gpus}")
+
+
+def flags(cfg, fraction):
+    """The flags of a server on the training GPUs (vllm_colocate): sleep mode, the GPU fraction the memory
+    plan leaves it (single_gpu_mode: vllm_gpu_memory_utilization), and its layout over this node's GPUs:
+    replicas of vllm_tensor_parallel_size GPUs each. None on a CPU, where there is nothing to free."""
+    if not torch.cuda.is_available():
+        return []
+    gpus, tp = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), cfg.vllm_tensor_parallel_size  # check_launch: tp | gpus
+    return ["--enable-sleep-mode", "--gpu-memory-utilization", f"{fraction:.3f}", "--tensor-parallel-size", str(tp),
+            "--data-parallel-size", str(gpus // tp)]
+
+
+def fraction(cfg, trainer, server, gpus, gpu_bytes):
+    """The share of each GPU a colocated server gets: what a trainer rank holds between steps (its
+    shards, AdamW state, reference and runtime; the server sleeps while the activations come and go)
+    leaves, less 5% for the allocators, at most vllm_gpu_memory_utilization (single_gpu_mode takes that
+    as it is). Refused in one line when it cannot hold its part of the weights and KV cache."""
+    if cfg.single_gpu_mode:
+        return cfg.vllm_gpu_memory_utilization
+    held = sum(trainer[k] for k in ("parameters", "optimizer", "reference", "runtime"))
+    fraction = min(cfg.vllm_gpu_memory_utilization, 1 - held / gpu_bytes - 0.05)
+    need = server["weights"] / cfg.vllm_tensor_parallel_size + server["kv_cache"] / gpus
+    if fraction * gpu_bytes < 1.2 * need:
+        raise ValueError(f"memory plan: a trainer rank holds {held / memory.GB:.1f} GB of a {gpu_bytes / memory.GB:.1f} GB GPU "
+                         f"between steps, leaving the colocated vLLM server less than its {need / memory.GB:.1f} GB; "
+                         f"{memory.knob(cfg, trainer, server)}, or give the servers GPUs of their own (scripts/launch_8gpu.sh)")
+    return fraction
