@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/gpu_checks.sh            # about 8 minutes on one H100 or H200
 #
-# 1. Shared prompts, one flex_attention call per layer (policy.flex_row) against unshared rows:
+# 1. Shared prompts, one flex_attention call per layer (attention.flex_row) against unshared rows:
 #    time of the training phase and exactness, at SmolLM2-135M's and Qwen2.5-0.5B's shapes, on the
 #    math and tools demos' batches and on 2,000-token prompts (benchmarks/bench_prefix.py).
 # 2. The trainer's step at Qwen2.5-0.5B's and -1.5B's shapes in bf16 on one GPU: time, MFU, and

@@ -13,7 +13,6 @@ import signal
 import sys
 
 from infra import checkpoint
-from infra import generator
 from infra.generator import Generator
 from infra import vllm_client
 import train
@@ -28,7 +27,7 @@ if __name__ == "__main__":  # the reward pool's workers import this script again
 
     if kind == "nan_loss":
         now = {}
-        real_rollout, real_loss = generator.rollout_batch, update.grpo_loss
+        real_rollout, real_loss = train.rollout_batch, update.grpo_loss  # train.py's batch maker calls it
 
         def rollout_batch(cfg, client, sampler, step, *a, **k):  # rank 0 knows the step here
             now["step"] = step
@@ -38,7 +37,7 @@ if __name__ == "__main__":  # the reward pool's workers import this script again
             loss, metrics = real_loss(*a, **k)
             return (loss * float("nan") if now.get("step") in steps else loss), metrics
 
-        generator.rollout_batch, update.grpo_loss = rollout_batch, grpo_loss
+        train.rollout_batch, update.grpo_loss = rollout_batch, grpo_loss
     elif kind == "kill_in_checkpoint":
         real_fsync = checkpoint.fsync
 

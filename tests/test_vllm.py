@@ -193,7 +193,7 @@ def test_the_directories_of_a_killed_trainer_go_with_the_next_run(tmp_path, monk
     import shutil
     import tempfile
 
-    code = ("import time, vllm_server, weight_sync\n"
+    code = ("import time\nfrom infra import vllm_server, weight_sync\n"
             f"print(vllm_server.private_socket(), weight_sync.FilesystemSync(None, 0, {str(tmp_path / 'a')!r}).dir)\n"
             "print(flush=True)\ntime.sleep(600)\n")
     tmp = tempfile.mkdtemp(dir="/tmp")  # not tmp_path: vLLM's socket paths in the directory must fit in 107 bytes

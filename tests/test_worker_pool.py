@@ -244,7 +244,7 @@ def test_the_scratch_of_a_killed_trainer_goes_with_the_next_pool(tmp_path, monke
     """A trainer killed by SIGKILL cannot remove its workers' scratch directories; the next pool made on
     the machine removes them (their owner is dead), and not those of a pool whose owner lives.
     Before: each killed run left them in /tmp."""
-    code = ("import time, worker_pool\n"
+    code = ("import time\nfrom infra import worker_pool\n"
             "pool = worker_pool.RewardPool('rewards:number_reward', workers=1)\n"
             "print(pool.workers[0].scratch, flush=True)\ntime.sleep(600)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, TMPDIR=str(tmp_path)), cwd=ROOT,
