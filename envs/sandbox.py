@@ -284,10 +284,11 @@ class Interpreter:
         """Stop the sandbox until the next cell, from outside: the interpreter stopped (SIGSTOP, every thread
         of it in state T) and every other process of the sandbox killed. The interpreter kills them itself
         after each cell, but a thread of the cell's can fork after that, and the new process would run on
-        between cells, and could wake the interpreter (SIGCONT). False when it did not hold within a second."""
+        between cells, and could wake the interpreter (SIGCONT). False when it did not hold within 5 s (a
+        thread waiting for a CPU on a loaded machine stops when it next runs)."""
         if self.python is None:  # unisolated: nothing to stop it with (its warning says so)
             return True
-        deadline = time.monotonic() + 1.0
+        deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
             self.signal(signal.SIGSTOP)
             others = [p for p in tree(self.pid1) if p not in (self.pid1, self.pid)]

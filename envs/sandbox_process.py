@@ -270,12 +270,12 @@ def cpu_seconds(pid):
 
 
 def stopped(pid):
-    """Whether every thread of process pid is stopped (state T): none of it runs."""
+    """Whether every thread of process pid is stopped (state T) or gone (Z, X): none of it runs."""
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return False
-    return all((fields := stat(f"{pid}/task/{t}")) is None or fields[0] == "T" for t in tasks)
+    return all((fields := stat(f"{pid}/task/{t}")) is None or fields[0] in "TZX" for t in tasks)
 
 
 def run_delay(pid):
