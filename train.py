@@ -49,7 +49,7 @@ from packing import batch_plan
 from reference import make_reference
 from rollout import evaluate, rollout_batch
 from update import TrainState, check_health, make_optimizer, train_on_batch
-from infra import checkpoint, colocation, memory, tracking, vllm_client
+from infra import checkpoint, colocation, memory, ranks, tracking, vllm_client
 from infra.cli import parse_args_or_exit
 from infra.faults import Refused, SyncError, VLLMError
 from infra.generator import Generator
@@ -171,27 +171,6 @@ def announce(cfg, plan, memory_plan, world_size, device, data, player, resumed_f
         print(f"resumed from {resumed_from} (step {start})")
 
 
-class Sigterm:
-    """SIGTERM (a scheduler, torchrun stopping the job): before the loop it unwinds like an
-    exception, so main's finally stops the vLLM server we started; inside the loop the current
-    step finishes, a checkpoint is written, and then the run exits."""
-
-    def __init__(self):
-        self.in_loop = self.requested = False
-        signal.signal(signal.SIGTERM, self.handle)
-
-    def handle(self, *_):
-        if not self.in_loop:
-            sys.exit(128 + signal.SIGTERM)
-        self.requested = True
-
-    def on_any_rank(self, device):
-        """Whether some rank got a SIGTERM (a collective, so every rank stops after the same step)."""
-        flag = torch.tensor([float(self.requested)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-
 def model_doors(cfg):
     """What load_model is handed: the attention and the policy's converter. With sequence parallelism
     (sequence_parallel.py, its door) its rank groups, made now, and packed_sdpa over whole rows between two
@@ -219,19 +198,19 @@ def build_state(cfg, device, mesh, plan):
 
 def resume(cfg, rank, state, sampler):
     """Load the newest complete checkpoint, if there is one. Returns (its path or None, its step)."""
-    path = [None]
+    path = None
     if rank == 0 and cfg.checkpoint_state_dir:
         checkpoint.remove_partials(cfg.checkpoint_state_dir)
-        path = [checkpoint.latest(cfg.checkpoint_state_dir)]
-    dist.broadcast_object_list(path, src=0)
-    if not path[0]:
+        path = checkpoint.latest(cfg.checkpoint_state_dir)
+    path = ranks.share(path)
+    if not path:
         return None, 0
     try:
-        saved = checkpoint.load(path[0], state, cfg)
+        saved = checkpoint.load(path, state, cfg)
     except ValueError as e:  # nothing is started or overwritten yet
         raise SystemExit(f"error: {e}") from None
     sampler.position = saved["sampler_position"]
-    return path[0], saved["step"]
+    return path, saved["step"]
 
 
 def train_step(cfg, state, samples, plan, gen, world_size, device):
@@ -314,12 +293,31 @@ def save(cfg, state, step, position, tokenizer, rank, stopping):
     return saved
 
 
+def keep_trained(cfg, state, log, m, trained, saved, position):
+    """A run that stops inside a step: log the step if it trained (m: its metrics, else None) and checkpoint the
+    last trained step (not twice: the last checkpoint may be it). Every rank calls it. Returns the step saved."""
+    if log is not None and m is not None:
+        m.pop("micro_batch_tokens", None)
+        log.write(m)
+    if cfg.checkpoint_state_dir and saved < trained:
+        checkpoint.save(cfg.checkpoint_state_dir, trained, state, position, cfg, cfg.keep_last_n_checkpoints)
+        return trained
+    return saved
+
+
+def stopped(cfg, rank, step):
+    """A SIGTERM's (or a gone launcher's) end: one line on rank 0, exit status 143."""
+    if rank == 0:
+        print(f"SIGTERM: stopped after step {step}" + (f", checkpoint in {cfg.checkpoint_state_dir}"
+                                                        if cfg.checkpoint_state_dir else ""))
+    return 128 + signal.SIGTERM
+
+
 def main(cfg: Config):
     """One run; returns the exit status (0, or 143 after a SIGTERM). The caller then calls
     close_distributed(), once the run's models are out of scope."""
     tokenizer, player, data, memory_plan, tracker = load_inputs(cfg)
     train_rows, eval_rows, skipped, reward_fn = data
-    sigterm = Sigterm()
     rank, world_size, device, mesh = setup_distributed(cfg)
     plan = batch_plan(cfg, world_size)
     torch.manual_seed(cfg.seed)  # before the models: LoRA's lora_A is drawn, the same on every rank
@@ -339,7 +337,7 @@ def main(cfg: Config):
         gen = Generator(cfg, state.policy, tokenizer, rank, device, batch, make_sync(cfg), sampler, player, memory_plan)
         if rank == 0 and cfg.eval_freq > 0 and eval_rows and not start:  # a resumed run has its step 0 logged
             log.write({"step": 0, **evaluation(gen, eval_rows, pool, player), "skipped_rows": skipped})
-        sigterm.in_loop = True
+        ranks.R.in_loop = True  # a SIGTERM now stops every rank after a step (infra/ranks.py), not at once
         for step in tqdm(range(start + 1, cfg.num_training_steps + 1), disable=rank != 0, desc="grpo",
                          initial=start, total=cfg.num_training_steps):
             started, position = time.perf_counter(), gen.position  # the sampler after the last trained step
@@ -363,30 +361,25 @@ def main(cfg: Config):
                 # --- weight sync into vLLM
                 with timed(m, "time_sync"):  # a colocated server's wake-ups too, synced or not
                     gen.sync(state.policy, trained=bool(samples))
-            except (VLLMError, SyncError, Refused):  # a server we cannot repair, a sync that did not take (found
-                # before the step's update: vLLM would go on sampling from other weights than these, and training
-                # on its samples would be off-policy unseen), or a step nobody could score: log and checkpoint
-                # what was trained (not twice: the last checkpoint may be this step's), then stop
-                if rank == 0 and trained == step:
-                    m.pop("micro_batch_tokens", None)
-                    log.write(m)
-                if cfg.checkpoint_state_dir and saved < trained:
-                    checkpoint.save(cfg.checkpoint_state_dir, trained, state,
-                                    gen.position if trained == step else position, cfg, cfg.keep_last_n_checkpoints)
-                raise
+            except (VLLMError, SyncError, Refused, ranks.Stop) as e:  # a server we cannot repair, a sync that did
+                # not take (found before the step's update: vLLM would go on sampling from other weights than
+                # these, and training on its samples would be off-policy unseen), a step nobody could score, or a
+                # SIGTERM while rank 0 drove the server: keep what was trained, then stop
+                saved = keep_trained(cfg, state, log, m if trained == step else None, trained, saved,
+                                     gen.position if trained == step else position)
+                if not isinstance(e, ranks.Stop):
+                    raise
+                return stopped(cfg, rank, trained)
             # --- checkpoint and export. A SIGTERM reaches the ranks at different moments; asking them all
             # (a collective) stops every rank after the same step, where one rank alone would leave the
             # others waiting in the next step's collectives
-            stopping = sigterm.on_any_rank(device)
+            stopping = ranks.stopping()
             saved = step if save(cfg, state, step, gen.position, tokenizer, rank, stopping) else saved
             if rank == 0:  # --- evaluation and log
                 finish_log(cfg, log, m, lambda: evaluation(gen, eval_rows, pool, player), step == cfg.num_training_steps,
                            started, device, memory_plan[0])
             if stopping:
-                if rank == 0:
-                    print(f"SIGTERM: stopped after step {step}" + (f", checkpoint in {cfg.checkpoint_state_dir}"
-                                                                    if cfg.checkpoint_state_dir else ""))
-                return 128 + signal.SIGTERM
+                return stopped(cfg, rank, step)
     finally:
         if gen:
             gen.close()
@@ -398,9 +391,17 @@ if __name__ == "__main__":
     try:
         status = main(cfg)
     except (Refused, VLLMError, SyncError) as e:  # nobody could score, a server not up or past repair, a sync that
-        # did not take: one line (main wrote the last good step's checkpoint)
+        # did not take: every rank is here (infra/ranks.py carried it), rank 0 says it in one line (main wrote
+        # the last good step's checkpoint)
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr)
         status = 1
+    except ranks.Ended as e:  # another rank failed (and said why), or our launcher is gone: no barrier to meet
+        ranks.exit_now(e.status)
+    except BaseException:  # this rank failed: every other rank ends within seconds, this one says why
+        if ranks.failed_elsewhere():  # or another rank did first, and this is the echo (a peer's closed socket)
+            ranks.exit_now(1)
+        ranks.abort()
+        raise
     close_distributed()  # main's models are gone: the process group goes with them, before exit
     sys.exit(status)

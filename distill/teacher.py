@@ -32,14 +32,9 @@ import atexit
 import os
 import time
 
-import torch.distributed as dist
-
-from infra import memory
-from infra import vllm_client
-from infra import vllm_server
+from infra import memory, ranks, vllm_client, vllm_server
 from infra.faults import VLLMError
 from infra.model_files import load_model_config
-from infra.weight_sync import raise_on_every_rank
 
 
 def teacher_context(cfg):
@@ -138,21 +133,22 @@ class Teacher:
         self.topk = cfg.kl_estimator == "topk"
         self.k = cfg.kl_topk if self.topk else 0
         self.server = self.client = None
-        error = None
-        if rank == 0:
-            log = os.path.join(cfg.output_dir, "teacher_vllm.log")
-            try:
-                context = teacher_context(cfg)
-                self.server, url = vllm_server.launch_server(
-                    cfg.teacher_model_name_or_path, cfg, log,
-                    extra_args=("--max-logprobs", str(max(self.k, 1)), "--max-model-len", str(context),
-                                "--max-num-batched-tokens", str(max(2048, context, memory.server_sequences(cfg)))))
-                atexit.register(self.close)
-                self.client = vllm_client.VLLMClient([url], cfg.teacher_model_name_or_path, cfg.vllm_request_timeout,
-                                                     cfg.vllm_max_retries, proc=self.server, log_path=log)
-            except VLLMError as e:
-                error = f"the teacher's server: {e}"
-        raise_on_every_rank(error)
+        ranks.from_rank0(lambda: self.launch(cfg))  # one that does not start ends every rank in one line
+
+    def launch(self, cfg):
+        """Rank 0: the teacher's server, stopped at exit, and its client."""
+        log = os.path.join(cfg.output_dir, "teacher_vllm.log")
+        context = teacher_context(cfg)
+        try:
+            self.server, url = vllm_server.launch_server(
+                cfg.teacher_model_name_or_path, cfg, log,
+                extra_args=("--max-logprobs", str(max(self.k, 1)), "--max-model-len", str(context),
+                            "--max-num-batched-tokens", str(max(2048, context, memory.server_sequences(cfg)))))
+        except VLLMError as e:
+            raise VLLMError(f"the teacher's server: {e}") from None
+        atexit.register(self.close)
+        self.client = vllm_client.VLLMClient([url], cfg.teacher_model_name_or_path, cfg.vllm_request_timeout,
+                                             cfg.vllm_max_retries, proc=self.server, log_path=log)
 
     def ask(self, samples):
         """Rank 0: every sample's scores (a list of dicts, scores()), from one request per sequence."""
@@ -167,22 +163,21 @@ class Teacher:
             answers[i].append(entries)
         return [scores(s, a, self.k) for s, a in zip(samples, answers)]
 
+    def scored(self, samples):
+        """Rank 0: ask(samples), any failure of the teacher's server or its answers a VLLMError (which
+        ends every rank in one line)."""
+        try:
+            return self.ask(samples)
+        except VLLMError as e:
+            raise VLLMError(f"the teacher's server: {e}") from None
+        except (KeyError, IndexError, TypeError, ValueError) as e:  # an answer not of the form asked for
+            raise VLLMError(f"the teacher's server answered what it was not asked ({type(e).__name__}: {e})") from None
+
     def prepare(self, samples):
         """Every rank: each sample's `ref` (the teacher's scores of its policy tokens); rank 0 asks the
         server and broadcasts them. VLLMError on every rank when it cannot. Returns the seconds it took."""
-        start, box = time.perf_counter(), [None]
-        if self.rank == 0:
-            try:
-                box = [self.ask(samples)]
-            except VLLMError as e:
-                box = [f"the teacher's server: {e}"]
-            except (KeyError, IndexError, TypeError, ValueError) as e:  # an answer not of the form asked for
-                box = [f"the teacher's server answered what it was not asked ({type(e).__name__}: {e})"]
-        if dist.is_initialized():
-            dist.broadcast_object_list(box, src=0)
-        if isinstance(box[0], str):
-            raise VLLMError(box[0])
-        for s, ref in zip(samples, box[0]):
+        start = time.perf_counter()
+        for s, ref in zip(samples, ranks.from_rank0(lambda: self.scored(samples))):  # the others wait on the CPU
             s.ref = ref
         return dict(time_teacher=time.perf_counter() - start)
 

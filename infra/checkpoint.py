@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
+from infra import ranks
 from infra.options import default
 from infra.weight_sync import full_state_dict
 
@@ -111,7 +112,7 @@ def save(root, step, train_state, position, cfg, keep_last):
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
-    dist.barrier()
+    ranks.barrier()
     dcp.save(sharded_state(train_state), checkpoint_id=partial)  # fsyncs its files
     files = [(os.path.join(partial, f"rng_{rank}.pt"), rng_state())]
     if rank == 0:
@@ -121,14 +122,14 @@ def save(root, step, train_state, position, cfg, keep_last):
     for path, obj in files:
         torch.save(obj, path)
         fsync(path)
-    dist.barrier()  # every rank's shards are on disk
+    ranks.barrier()  # every rank's shards are on disk
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)  # a re-run of the same step replaces it
         os.rename(partial, final)
         fsync(root)
         for old in complete(root)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    ranks.barrier()
     return final
 
 

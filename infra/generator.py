@@ -14,17 +14,17 @@ launched that dies is restarted, up to vllm_max_restarts times, given the curren
 asked for the same step's prompts again; any other failure raises VLLMError on every rank.
 """
 
+import functools
 import os
 import threading
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
-from infra import colocation, vllm_client, vllm_server
+from infra import colocation, ranks, vllm_client, vllm_server
 from infra.faults import Refused, VLLMError
 from infra.model_files import stop_token_ids
-from infra.weight_sync import raise_on_every_rank, write_serving_dir
+from infra.weight_sync import write_serving_dir
 
 
 class Generator:
@@ -33,11 +33,9 @@ class Generator:
         # make_batch(client, step) -> (samples, metrics), rank 0; make_sync(client, rank, device) -> a weight sync
         self.make_batch, self.make_sync, self.sampler = make_batch, make_sync, sampler
         self.player = player  # what plays the episodes (episodes.Player), chosen at start-up
-        if rank == 0:
-            try:
-                player.start()  # an environment's calls, an agent's programs: in worker processes
-            except ValueError as e:  # it cannot run here (a sandbox without bwrap): one line, before training
-                raise SystemExit(f"error: {e}") from None
+        # an environment's calls, an agent's programs: in worker processes; one that cannot run here (a sandbox
+        # without bwrap) ends every rank in one line, before training
+        ranks.from_rank0(lambda: start_player(player))
         self.client = self.server = self.weight_sync = self.rollouts = None
         self.restarts, self.position = 0, sampler.position  # the sampler's position after the last batch taken
         self.max_staleness = cfg.async_steps if cfg.max_sample_staleness is None else cfg.max_sample_staleness
@@ -57,13 +55,8 @@ class Generator:
                                                  api_key=os.environ.get("VLLM_API_KEY"))
             self.weight_sync = make_sync(self.client, rank, device)  # it says what our server starts from
             full = self.weight_sync.launch_state_dict(policy)  # a collective: every rank takes part
-            if rank == 0 and not cfg.vllm_server_urls:
-                write_serving_dir(full, policy.config, tokenizer, self.served)
-                self.server, url = vllm_server.launch_server(self.served, cfg, self.log_path,
-                                                             extra_args=self.server_flags())
-                self.client = vllm_client.VLLMClient([url], self.served, cfg.vllm_request_timeout, cfg.vllm_max_retries,
-                                                 proc=self.server, log_path=self.log_path, stop_token_ids=stop_ids)
-                self.weight_sync.client = self.client
+            if not cfg.vllm_server_urls:  # rank 0 starts our server; the others wait on the CPU (infra/ranks.py)
+                ranks.from_rank0(functools.partial(self.start_server, full, policy, stop_ids))
             del full
             if cfg.vllm_server_urls or self.weight_sync.sync_at_start:
                 self.weight_sync.sync(policy)  # the user's server starts from our weights; requests name our adapter
@@ -71,53 +64,61 @@ class Generator:
             self.close()
             raise
 
+    def start_server(self, full, policy, stop_ids):
+        """Rank 0: our server on the serving copy `full`, and its client."""
+        write_serving_dir(full, policy.config, self.tokenizer, self.served)
+        self.server, url = vllm_server.launch_server(self.served, self.cfg, self.log_path, extra_args=self.server_flags())
+        self.client = vllm_client.VLLMClient([url], self.served, self.cfg.vllm_request_timeout,
+                                             self.cfg.vllm_max_retries, proc=self.server, log_path=self.log_path,
+                                             stop_token_ids=stop_ids)
+        self.weight_sync.client = self.client
+
     def batch(self, step, policy):
         """(samples, metrics) of `step` on every rank: rank 0 takes them from vLLM (generated ahead
         with async_steps), drops stale samples and broadcasts them. Restarts a dead server of ours."""
         while True:
-            payload = [None]
-            if self.rank == 0:
-                try:
-                    if self.rollouts is None:  # from the first step asked for (again, after a restart)
-                        self.rollouts = Rollouts(lambda j: self.make_batch(self.client, j), step,
-                                                 self.cfg.num_training_steps, self.cfg.async_steps)
-                    samples, m = self.rollouts.get(step)
-                    samples, stale = drop_stale(samples, self.client.version, self.max_staleness,
-                                                self.cfg.num_samples_per_prompt_rollout)
-                    payload = [(samples, dict(m, **stale, vllm_restarts=self.restarts))]
-                except VLLMError as e:
-                    died = self.server is not None and self.server.poll() is not None
-                    payload = [dict(error=str(e), restart=died and self.restarts < self.cfg.vllm_max_restarts)]
-                except Refused as e:  # episodes nobody could score, an environment's answer the policy cannot see
-                    payload = [dict(error=str(e), restart=False, refused=True)]
-            dist.broadcast_object_list(payload, src=0)
-            if isinstance(payload[0], tuple):
-                samples, m = payload[0]
+            got = ranks.from_rank0(lambda: self.take(step))  # the other ranks wait on the CPU meanwhile
+            if got != "restart":
+                samples, m = got
                 self.position = m["prompts_seen"]  # what a checkpoint of this step records
                 return samples, m
-            if payload[0].get("refused"):  # every rank stops (train.py checkpoints, then says why in one line)
-                raise Refused(payload[0]["error"])
-            if not payload[0]["restart"]:
-                raise VLLMError(payload[0]["error"])
             self.restart(step, policy)
+
+    def take(self, step):
+        """Rank 0: `step`'s (samples, metrics), or "restart" when our server died and may be restarted.
+        Another VLLMError, or Refused (episodes nobody could score), ends the run on every rank."""
+        try:
+            if self.rollouts is None:  # from the first step asked for (again, after a restart)
+                self.rollouts = Rollouts(lambda j: self.make_batch(self.client, j), step,
+                                         self.cfg.num_training_steps, self.cfg.async_steps)
+            samples, m = self.rollouts.get(step)
+        except VLLMError:
+            if self.server is not None and self.server.poll() is not None and self.restarts < self.cfg.vllm_max_restarts:
+                return "restart"
+            raise
+        samples, stale = drop_stale(samples, self.client.version, self.max_staleness,
+                                    self.cfg.num_samples_per_prompt_rollout)
+        return samples, dict(m, **stale, vllm_restarts=self.restarts)
 
     def restart(self, step, policy):
         """Relaunch our dead server, give it the current weights, and ask for `step`'s prompts again."""
         self.restarts += 1
         if self.colocated and self.device.type == "cuda":
             torch.cuda.empty_cache()  # a colocated server's start-up wants its share of the GPU free
-        if self.rank == 0:
-            tqdm.write(f"step {step}: the vLLM server died; restart {self.restarts} of {self.cfg.vllm_max_restarts}")
-            self.rollouts.close()
-            self.rollouts = None
-            self.sampler.position = self.position  # this step's prompts again
-            vllm_server.stop_server(self.server)
-            self.server, url = vllm_server.launch_server(self.served, self.cfg, self.log_path,
-                                                         extra_args=self.server_flags())
-            self.client.proc, self.client.urls = self.server, [url]  # a new socket
+        ranks.from_rank0(lambda: self.relaunch(step))  # one that does not start ends every rank, in one line
         self.weight_sync.close()
         self.weight_sync = self.make_sync(self.client, self.rank, self.device)
         self.weight_sync.sync(policy)
+
+    def relaunch(self, step):
+        """Rank 0: a new server in place of the dead one, for `step`'s prompts again."""
+        tqdm.write(f"step {step}: the vLLM server died; restart {self.restarts} of {self.cfg.vllm_max_restarts}")
+        self.rollouts.close()
+        self.rollouts = None
+        self.sampler.position = self.position  # this step's prompts again
+        vllm_server.stop_server(self.server)
+        self.server, url = vllm_server.launch_server(self.served, self.cfg, self.log_path, extra_args=self.server_flags())
+        self.client.proc, self.client.urls = self.server, [url]  # a new socket
 
     def server_flags(self):
         """The flags of the server we launch: the weight sync's, and a colocated server's (colocation.py)."""
@@ -132,7 +133,7 @@ class Generator:
     def sleep(self):
         """A colocated server frees the GPUs for training."""
         if self.colocated:
-            self.ask_server(self.client.sleep if self.rank == 0 else None)
+            self.ask_server(lambda: self.client.sleep())
 
     def sync(self, policy, trained=True):
         """The policy's weights into every server (every rank takes part), when the step trained; VLLMError if
@@ -142,23 +143,25 @@ class Generator:
         if self.colocated:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            self.ask_server((lambda: self.client.wake_up("weights")) if self.rank == 0 else None)
+            ranks.barrier()  # every rank's cache handed back before the server takes memory again
+            self.ask_server(lambda: self.client.wake_up("weights"))
         if trained:
             self.weight_sync.sync(policy)
         if self.colocated:
-            self.ask_server((lambda: self.client.wake_up("kv_cache")) if self.rank == 0 else None)
+            self.ask_server(lambda: self.client.wake_up("kv_cache"))
 
     def ask_server(self, call):
-        """Rank 0 makes `call` to the colocated server; every rank learns how it went (a collective, so no
-        rank trains before the server slept, and a failure stops every rank alike, each able to save its
-        checkpoint). A server of ours that died is no failure here: the next batch restarts it."""
-        error = None
-        if call:
+        """Rank 0 makes `call` to the colocated server while the other ranks wait on the CPU; every rank
+        learns how it went (so no rank trains before the server slept, and a failure stops every rank
+        alike, each able to save its checkpoint). A server of ours that died is no failure here: the next
+        batch restarts it."""
+        def checked():
             try:
                 call()
-            except VLLMError as e:
-                error = None if self.server is not None and self.server.poll() is not None else str(e)
-        raise_on_every_rank(error)
+            except VLLMError:
+                if self.server is None or self.server.poll() is None:
+                    raise
+        ranks.from_rank0(checked)
 
     def close(self):
         if self.rollouts:
@@ -168,6 +171,14 @@ class Generator:
         if self.rank == 0:
             self.player.close()
             vllm_server.stop_server(self.server)
+
+
+def start_player(player):
+    """Rank 0: the player's workers; a player that cannot run here is a one-line error on every rank."""
+    try:
+        player.start()
+    except ValueError as e:
+        raise Refused(str(e)) from None
 
 
 def drop_stale(samples, version, max_staleness, n):

@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
                                     register_fsdp_forward_method)
 
+from infra import ranks
 from infra.policy import check_architecture, sequence_logprobs
 
 
@@ -78,6 +79,7 @@ def setup_distributed(cfg):
     if device.type == "cuda" and (cfg.offload_params or cfg.offload_ref_policy):
         backend = "cuda:nccl,cpu:gloo"  # offloaded gradients are CPU tensors: their norm is reduced over gloo
     dist.init_process_group(backend, timeout=timedelta(minutes=cfg.backend_timeout))
+    ranks.start(cfg.backend_timeout)  # the CPU group the waits for rank 0 use, SIGTERM, the watch (infra/ranks.py)
     replicas, shard = mesh_shape(cfg, dist.get_world_size())
     # Consecutive ranks share a shard group: with torchrun they are the GPUs of one node,
     # so the all-gathers stay on the fast links and only the gradient all-reduce crosses nodes.
@@ -103,7 +105,7 @@ def close_distributed():
     is whole."""
     if not dist.is_initialized():
         return
-    dist.barrier()
+    ranks.barrier()
     dist.destroy_process_group()
     # DTensor's caches keep device meshes alive past the run, and a mesh holds its groups.
     # (type(), not isinstance: DeviceMesh's metaclass reads each object's __class__, and the deprecated

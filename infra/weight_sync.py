@@ -206,14 +206,13 @@ def failure(client, e):
 
 def raise_on_every_rank(error):
     """Rank 0's error (or None) to every rank, raised there as VLLMError, so every rank can save a
-    checkpoint of the last finished step. The broadcast is also the barrier: the weights are in place."""
-    import torch.distributed as dist
+    checkpoint of the last finished step. The broadcast (on the CPU: infra/ranks.py) is also the barrier:
+    the weights are in place."""
+    from infra import ranks
 
-    box = [error]
-    if dist.is_initialized():
-        dist.broadcast_object_list(box, src=0)
-    if box[0]:
-        raise VLLMError(box[0])
+    error = ranks.share(error)
+    if error:
+        raise VLLMError(error)
 
 
 def make_weight_sync(cfg, client, rank, device):

@@ -1,0 +1,253 @@
+"""Every rank together: rank 0 talks to the servers while the other ranks wait for it on the CPU,
+and a failure or a stop on any rank ends every rank within seconds.
+
+    ranks.start(backend_timeout)   every rank, after init_process_group: the CPU group, SIGTERM, the watch
+    value = ranks.from_rank0(fn)   rank 0 runs fn(); every rank returns its value, or raises its failure
+    ranks.share(obj)               rank 0's obj on every rank
+    ranks.barrier()                every rank here
+    ranks.stopping()               whether any rank was told to stop (a collective: every rank asks)
+    ranks.abort()                  this rank failed: every other rank ends (exit 1) within seconds
+    ranks.failed_elsewhere()       whether another rank failed first (this rank's error is its echo)
+
+Why not broadcast_object_list on the default group: on GPUs that is an NCCL collective, and a rank
+waiting in one spins a kernel on the GPU that rank 0's colocated vLLM server computes on, for as long
+as rank 0 generates, sleeps, wakes or reloads. It also never returns to Python: a SIGTERM's handler
+waits until rank 0 is done, and an error that only rank 0 sees (a server that did not start) leaves the
+other ranks in the collective until backend_timeout (30 min). Here the waiting ranks wait in a gloo
+group (CPU memory, CPU sockets), on work they poll from Python every POLL seconds, so a signal's
+handler runs at once, and a rank that is gone ends the wait with gloo's error.
+
+A rank told to stop (torchrun's SIGTERM, or its launcher gone): before the loop it unwinds at once
+(SystemExit 143: finally blocks stop the servers we launched); inside it, rank 0 drops the step it is
+generating (Stop, raised in fn), every rank learns it from from_rank0, and train.py checkpoints the last
+trained step; during training the step finishes and stopping() stops every rank after it. A rank stuck
+in native code (a collective whose peer is gone) gets STUCK seconds to come back to Python, then exits.
+
+A failure: what rank 0 raises inside from_rank0 reaches every rank (our faults as the same exception,
+printed once by rank 0; anything else as Ended on the other ranks, which exit quietly while rank 0's
+own error is printed). A failure anywhere else (a rank's out-of-memory in the update) is posted by
+abort() to the store every rank watches; the others end within POLL + STUCK seconds.
+"""
+
+import atexit
+import os
+import pickle
+import select
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from infra.faults import Refused, SyncError, VLLMError
+
+POLL = 0.05  # seconds between two looks at a collective we wait on
+WATCH = 1.0  # seconds between two looks at the store and the launcher
+STUCK = 10.0  # seconds a rank told to end has to come back to Python before it exits from the watch
+CARRIED = (VLLMError, Refused, SyncError)  # raised on every rank as they were on rank 0
+
+
+class Stop(BaseException):
+    """A rank was told to stop while rank 0 drove a server: every rank stops at the same point."""
+
+
+class Ended(BaseException):
+    """Another rank failed (it says why), or our launcher is gone: end quietly with `status`."""
+
+    def __init__(self, status=1):
+        super().__init__(status)
+        self.status = status
+
+
+class Ranks:
+    """This process's part: the CPU group, the stop and end flags, the watch thread."""
+
+    def __init__(self):
+        self.group = None  # the gloo group every wait for rank 0 uses
+        self.in_loop = self.stop = self.in_fn = False  # the training loop; told to stop; rank 0 inside fn
+        self.ended = None  # status an Ended raises, once the watch saw another rank fail
+        self.pending = None  # since when a SIGTERM waits for its handler (None: none waits)
+        self.handled = 0.0  # when the handler last ran
+
+
+R = Ranks()
+
+
+def start(backend_timeout_minutes):
+    """Every rank, after init_process_group: the gloo group the waits use, SIGTERM's handler, and (in a
+    world of several ranks) the thread that watches the store, the launcher and a stuck main thread."""
+    R.group = dist.new_group(backend="gloo", timeout=timedelta(minutes=backend_timeout_minutes))
+    signal.signal(signal.SIGTERM, handle)
+    if dist.get_world_size() > 1:
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        signal.set_wakeup_fd(write, warn_on_full_buffer=False)  # the C handler writes here even when the
+        # main thread is inside a collective and cannot run the Python one
+        threading.Thread(target=watch, args=(read, os.getppid()), daemon=True, name="ranks-watch").start()
+
+
+def handle(*_):
+    """SIGTERM (and the watch's interruptions) on the main thread."""
+    R.handled = time.monotonic()
+    if R.ended is not None:
+        raise Ended(R.ended)
+    if not R.in_loop:
+        sys.exit(128 + signal.SIGTERM)
+    R.stop = True
+    if R.in_fn:  # rank 0 drops the generation, the sleep or the wake it is in: every rank stops with it
+        raise Stop()
+
+
+def from_rank0(fn):
+    """Rank 0 calls fn(); every rank returns its value. What fn raises on rank 0 is raised on every rank:
+    our faults (CARRIED) as themselves, Stop as Stop; anything else rank 0 raises as it is, and the
+    other ranks end quietly (Ended). The other ranks wait on the CPU group, responsive to signals."""
+    if not dist.is_initialized():
+        return fn()
+    outcome, error = None, None
+    if dist.get_rank() == 0:
+        R.in_fn = True
+        try:
+            outcome = ("ok", fn())
+        except Stop as e:
+            outcome, error = ("stop", None), e
+        except CARRIED as e:
+            outcome, error = ("carried", (type(e).__name__, str(e))), e
+        except BaseException as e:  # noqa: BLE001 - every rank must hear of it; rank 0 raises it below
+            outcome, error = ("failed", None), e
+        finally:
+            R.in_fn = False
+    kind, value = share(outcome)
+    if error is not None:
+        raise error
+    if kind == "ok":
+        return value
+    if kind == "stop":
+        raise Stop()
+    if kind == "carried":
+        raise {c.__name__: c for c in CARRIED}[value[0]](value[1])
+    raise Ended(1)
+
+
+def share(obj=None):
+    """Rank 0's obj on every rank (pickled), over the CPU group; the others wait polling."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    rank0 = dist.get_rank() == 0
+    data = pickle.dumps(obj) if rank0 else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    wait(dist.broadcast(size, src=0, group=R.group, async_op=True))
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank0 else torch.empty(int(size), dtype=torch.uint8)
+    wait(dist.broadcast(buf, src=0, group=R.group, async_op=True))
+    return obj if rank0 else pickle.loads(buf.numpy().tobytes())
+
+
+def barrier():
+    """Every rank here, waiting on the CPU group."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        wait(dist.barrier(group=R.group, async_op=True))
+
+
+def stopping():
+    """Whether any rank was told to stop (every rank asks, after the same step)."""
+    flag = torch.tensor([float(R.stop)])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        wait(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=R.group, async_op=True))
+    return bool(flag.item())
+
+
+def wait(work):
+    """Until `work` completes, back in Python every POLL seconds (a signal's handler runs). A peer that is
+    gone ends it with gloo's error: this rank ends quietly, the failed one says why."""
+    while not work.is_completed():
+        time.sleep(POLL)
+    try:
+        work.wait()
+    except RuntimeError:  # DistBackendError and gloo's "connection closed by peer" among them
+        raise Ended(1) from None
+
+
+def abort():
+    """This rank failed: post it where every rank's watch looks (best effort: the store may be gone)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        try:
+            store().set(key("abort"), str(dist.get_rank()))
+        except Exception:  # noqa: BLE001 - the launcher and its store are gone: so are the others
+            pass
+
+
+def failed_elsewhere():
+    """Whether another rank posted its failure (this rank's error, then, is only the echo of it: gloo's
+    "connection closed by peer")."""
+    if R.ended is not None:
+        return True
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    try:
+        return store().check([key("abort")])
+    except Exception:  # noqa: BLE001 - the store is gone with the launcher
+        return False
+
+
+def exit_now(status):
+    """End this process without the interpreter's shutdown (another rank failed: no barrier to meet, and
+    gloo's threads must not be torn down under a finalizing interpreter); atexit's calls run first (a
+    teacher's server is stopped there)."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def key(name):
+    """A store key of this run and restart (torchrun keeps its store across --max_restarts)."""
+    return f"flatgrpo/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{name}"
+
+
+def store():
+    """A client of the rendezvous store of our own (MASTER_ADDR:MASTER_PORT: torchrun's agent holds it)."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=10), wait_for_workers=False)
+
+
+def watch(signals, parent):
+    """The watch thread: every WATCH seconds, another rank's abort, a stop told to another rank, and the
+    launcher (our parent process, and its store); a SIGTERM whose handler cannot run. Ends the process
+    itself when the main thread does not come back to Python within STUCK seconds of being told."""
+    client, posted, told_seen, gone_seen = store(), False, False, False
+    looked = time.monotonic()  # a signal's byte read now was written after this
+    while True:
+        ready = select.select([signals], [], [], WATCH)[0]
+        if ready and signal.SIGTERM in os.read(signals, 64) and R.pending is None:
+            R.pending = looked
+        looked = time.monotonic()
+        gone = os.getppid() != parent
+        failed = told = False
+        try:
+            if client is not None:
+                failed, told = client.check([key("abort")]), client.check([key("stop")])
+                if R.stop and not posted:  # the others stop after the same step
+                    client.set(key("stop"), str(dist.get_rank()))
+                    posted = True
+        except Exception:  # noqa: BLE001 - the store is the launcher's: it is gone
+            client, gone = None, True
+        if failed and R.ended is None:
+            R.ended = 1
+            interrupt()  # the handler raises Ended
+        if (gone and not gone_seen) or (told and not R.stop and not told_seen):
+            gone_seen, told_seen = gone_seen or gone, told_seen or told
+            interrupt()  # as a SIGTERM: stop (or, before the loop, exit)
+        if R.pending is not None and R.handled >= R.pending:
+            R.pending = None  # the handler ran since
+        elif R.pending is not None and time.monotonic() - R.pending > STUCK:
+            exit_now(R.ended or 128 + signal.SIGTERM)  # in native code since: a collective whose peer is gone
+
+
+def interrupt():
+    """SIGTERM's handler on the main thread: a signal to that thread, which ends a system call it waits in
+    (a socket's, a sleep) where _thread.interrupt_main would wait for the call to return."""
+    R.pending = R.pending or time.monotonic()
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
