@@ -403,5 +403,7 @@ if __name__ == "__main__":
             ranks.exit_now(1)
         ranks.abort()
         raise
+    finally:
+        ranks.ending()  # torchrun's SIGTERM, once a rank has exited, no longer breaks into this one's exit
     close_distributed()  # main's models are gone: the process group goes with them, before exit
     sys.exit(status)

@@ -133,7 +133,9 @@ class Teacher:
         self.topk = cfg.kl_estimator == "topk"
         self.k = cfg.kl_topk if self.topk else 0
         self.server = self.client = None
-        ranks.from_rank0(lambda: self.launch(cfg))  # one that does not start ends every rank in one line
+        # rank 0 launches it (one that does not start ends every rank in one line); a Teacher(rank=1) without a
+        # process group has no server (the tests' teacher)
+        ranks.from_rank0(lambda: self.launch(cfg) if rank == 0 else None)
 
     def launch(self, cfg):
         """Rank 0: the teacher's server, stopped at exit, and its client."""

@@ -8,6 +8,7 @@ and a failure or a stop on any rank ends every rank within seconds.
     ranks.stopping()               whether any rank was told to stop (a collective: every rank asks)
     ranks.abort()                  this rank failed: every other rank ends (exit 1) within seconds
     ranks.failed_elsewhere()       whether another rank failed first (this rank's error is its echo)
+    ranks.ending()                 the run is over here: a late SIGTERM lets the exit finish
 
 Why not broadcast_object_list on the default group: on GPUs that is an NCCL collective, and a rank
 waiting in one spins a kernel on the GPU that rank 0's colocated vLLM server computes on, for as long
@@ -69,6 +70,7 @@ class Ranks:
         self.group = None  # the gloo group every wait for rank 0 uses
         self.in_loop = self.stop = self.in_fn = False  # the training loop; told to stop; rank 0 inside fn
         self.ended = None  # status an Ended raises, once the watch saw another rank fail
+        self.ending = False  # the run is over: its exit (atexit's calls among it) is not to be interrupted
         self.pending = None  # since when a SIGTERM waits for its handler (None: none waits)
         self.handled = 0.0  # when the handler last ran
 
@@ -92,6 +94,8 @@ def start(backend_timeout_minutes):
 def handle(*_):
     """SIGTERM (and the watch's interruptions) on the main thread."""
     R.handled = time.monotonic()
+    if R.ending:  # the process is already on its way out (torchrun stops the others once one exits)
+        return
     if R.ended is not None:
         raise Ended(R.ended)
     if not R.in_loop:
@@ -177,6 +181,12 @@ def abort():
             store().set(key("abort"), str(dist.get_rank()))
         except Exception:  # noqa: BLE001 - the launcher and its store are gone: so are the others
             pass
+
+
+def ending():
+    """The run is over on this rank: a SIGTERM now (torchrun's, once another rank has exited) lets the exit
+    finish, atexit's calls included, instead of breaking into them with a traceback."""
+    R.ending = True
 
 
 def failed_elsewhere():
