@@ -138,6 +138,9 @@ class Config:
                                                        "old; None = async_steps")
     vllm_max_restarts: int = option(3, "times a server we launched is restarted after it dies; a server you run is "
                                        "never restarted", low=0, note=" (0: never restart the server)", resumable=True)
+    vllm_any_version: bool = option(False, "start with a vLLM other than the one pinned (infra/vllm_server.py "
+                                           "VLLM_VERSION): installed here, or a server you run's /version; at your "
+                                           "own risk", resumable=True)
     weight_sync_transport: Literal["filesystem", "nccl"] = option("filesystem",
         "filesystem (safetensors + reload_weights, CPU and GPU) or nccl (GPU servers)")
     weight_sync_master_address: str = option("127.0.0.1", "nccl: address of trainer rank 0 as the vLLM server sees it",

@@ -6,7 +6,14 @@ through vLLM's native weight-transfer API, in the server's dtype (vllm_server.se
 
 Optional: `rm nccl_sync.py` leaves a trainer whose filesystem sync (infra/weight_sync.py) is whole.
 Its one door is train.py:make_sync. Its NCCL calls are untested on the CPU machines this project is
-built on; its error path is tested with the server faked (tests/test_nccl_sync.py).
+built on; its error path is tested with the server faked, and its two halves of vLLM's contract (the
+WeightSource, the client) against the pinned vLLM's own classes (tests/test_nccl_sync.py).
+
+The contract is vLLM 0.32's (vllm/distributed/weight_transfer/base.py), the release pyproject.toml
+pins (infra/vllm_server.py VLLM_VERSION): a WeightSource with a `metadata()` method and `__iter__`,
+and a client of four methods (VLLMWeightSyncClient) that NCCLTrainerWeightTransferEngine drives.
+vLLM 0.33 changed it: `metadata` must be a functools.cached_property (a method is a TypeError when
+the class is made) and the broadcast reads `iter_full()`. The pin keeps us on 0.32's.
 
 The transfer, which would otherwise wait forever for a peer that is gone, runs in a thread that is
 abandoned with a TimeoutError past weight_sync_timeout (within).
@@ -41,8 +48,9 @@ class NCCLSync:
     def launch_state_dict(self, model):
         return full_state_dict(model)
 
-    # the four calls vLLM's trainer engine makes on its client (VLLMWeightSyncClient)
-    # (the two that wait for the NCCL transfer get weight_sync_timeout, not the request timeout)
+    # the four calls vLLM's trainer engine makes on its client (VLLMWeightSyncClient), sent as vLLM's own
+    # HTTPVLLMWeightSyncClient sends them (the two that wait for the NCCL transfer get weight_sync_timeout,
+    # not the request timeout)
     def init_weight_transfer_engine(self, init_info):
         self.client.broadcast("/init_weight_transfer_engine", {"init_info": init_info}, timeout=self.timeout)
 
@@ -53,7 +61,8 @@ class NCCLSync:
         self.client.broadcast("/update_weights", {"update_info": update_info}, timeout=self.timeout)
 
     def finish_weight_update(self, weight_version=None):
-        self.client.broadcast("/finish_weight_update", {"weight_version": weight_version})
+        self.client.broadcast("/finish_weight_update", None if weight_version is None else
+                              {"weight_version": weight_version})
 
     def gather(self, model):
         """Every rank: the serving copy's tensors, in the server's dtype and CPU memory, on rank 0
@@ -79,18 +88,9 @@ class NCCLSync:
 
     def send(self, full):
         """Rank 0: the gathered tensors into the server over NCCL."""
-        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
         from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerInitInfo,
                                                                    NCCLTrainerWeightTransferEngine)
-        device = self.device
-
-        class Gathered(WeightSource):
-            def metadata(self):
-                return [ParamMeta(k, v.dtype, tuple(v.shape)) for k, v in full.items()]
-
-            def __iter__(self):  # one tensor at a time on the GPU; vLLM copies it into its packed buffers
-                return ((k, v.to(device)) for k, v in full.items())
-
+        source = gathered_source(full, self.device)
         with self.client.updating():  # in-flight generations finish on the old weights; new ones wait
             self.client.pause()
             try:
@@ -98,9 +98,9 @@ class NCCLSync:
                     info = NCCLTrainerInitInfo(master_address=self.master_address, master_port=self.master_port,
                                                world_size=2, rank=0)
                     self.engine = within(self.timeout, lambda: NCCLTrainerWeightTransferEngine.trainer_init(
-                        info, client=self, source=Gathered()), "the NCCL rendezvous with the vLLM server", device)
-                self.engine.source = Gathered()
-                within(self.timeout, self.engine.send_weights, "the NCCL weight transfer", device)
+                        info, client=self, source=source), "the NCCL rendezvous with the vLLM server", self.device)
+                self.engine.source = source  # send_weights replays the engine's source: this round's tensors
+                within(self.timeout, self.engine.send_weights, "the NCCL weight transfer", self.device)
             finally:
                 self.client.resume()
             self.client.broadcast("/reset_prefix_cache")
@@ -113,6 +113,23 @@ class NCCLSync:
                 within(self.timeout, engine.shutdown, "shutting down the NCCL weight-transfer engine")
             except Exception as e:  # noqa: BLE001
                 print(f"weight sync: the NCCL engine did not shut down cleanly: {e}", flush=True)
+
+
+def gathered_source(full, device):
+    """vLLM 0.32's WeightSource over rank 0's gathered tensors: `metadata()` declares each one (name,
+    dtype, shape) without moving it, and each pass (`__iter__`, fresh every time) yields them in the
+    same order, one at a time on `device`, where vLLM copies each into its packed buffers. vLLM is
+    imported here, on rank 0 of an NCCL sync only."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    class Gathered(WeightSource):
+        def metadata(self):
+            return [ParamMeta(k, v.dtype, tuple(v.shape)) for k, v in full.items()]
+
+        def __iter__(self):
+            return ((k, v.to(device)) for k, v in full.items())
+
+    return Gathered()
 
 
 def within(seconds, fn, what, device=None):

@@ -49,7 +49,7 @@ from packing import batch_plan
 from reference import make_reference
 from rollout import evaluate, rollout_batch
 from update import TrainState, check_health, make_optimizer, train_on_batch
-from infra import checkpoint, colocation, memory, ranks, tracking, vllm_client
+from infra import checkpoint, colocation, memory, ranks, tracking, vllm_server
 from infra.cli import parse_args_or_exit
 from infra.faults import Refused, SyncError, VLLMError
 from infra.generator import Generator
@@ -121,7 +121,7 @@ def load_inputs(cfg):
         model_config, meta_model = check_model(cfg, tokenizer, cuda)
         tracking.make_dirs(cfg)  # output_dir claimed: a second run into it stops here
         if rank0:
-            vllm_client.check_servers(cfg.vllm_server_urls, cfg.vllm_request_timeout)
+            vllm_server.check_vllm(cfg)  # the servers you run answer; every vLLM is the pinned one
         player, env = choose_player(cfg, tokenizer)
         train_rows, eval_rows, skipped, reward_fn = load_prompts(cfg, tokenizer, env)
         plan = (memory.trainer_plan(cfg, model_config, meta_model, world, cuda),

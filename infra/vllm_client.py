@@ -74,15 +74,34 @@ def fetch(url, route, data=None, headers=None, timeout=120.0):
     return body
 
 
-def check_servers(urls, timeout):
-    """Servers the user runs (vllm_server_urls), asked for /health before anything starts: ValueError
-    with one line naming the fix for one that does not answer."""
+def check_servers(urls, timeout, vllm_version=None):
+    """Servers the user runs (vllm_server_urls), asked for /health before anything starts, and for
+    /version (vLLM's route, open without a key) when `vllm_version` is the one they must run: ValueError
+    with one line naming the fix for one that does not answer or runs another vLLM."""
     for url in urls:
         try:
             urllib.request.urlopen(url + "/health", timeout=timeout).close()
         except (urllib.error.URLError, OSError) as e:
             raise ValueError(f"vllm_server_urls: {url} does not answer /health ({getattr(e, 'reason', e)}); "
                              "start the server first or fix the URL") from None
+        if vllm_version is None:
+            continue
+        try:
+            with urllib.request.urlopen(url + "/version", timeout=timeout) as r:
+                served = str(json.loads(r.read())["version"])
+            said = f"the server at {url} runs vLLM {served}"
+        except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as e:
+            why = f"HTTP {e.code}" if isinstance(e, urllib.error.HTTPError) else getattr(e, "reason", e)
+            served, said = None, f"the server at {url} does not say its vLLM version (GET /version: {why})"
+        check_version(served, vllm_version, said)
+
+
+def check_version(found, pinned, said):
+    """ValueError, one line opening with `said`, unless `found` (a vLLM version; None: none known) is
+    `pinned`; a build label (0.32.0+cu130) counts as its release."""
+    if found is None or found.split("+")[0] != pinned:
+        raise ValueError(f"{said}, not vLLM {pinned}, the one this trainer runs (pyproject.toml's gpu and cpu extras "
+                         "pin it): install that, or set --vllm_any_version true to run another at your own risk")
 
 
 class VLLMClient:

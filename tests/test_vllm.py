@@ -269,6 +269,22 @@ def test_launched_server_computes_on_every_core(untied):
 
 
 @pytest.mark.slow
+def test_the_server_starts_from_vllms_launcher_and_says_the_pinned_version(untied):
+    """The server as server_command starts it (vLLM's launchers.api_server.entry: one API server, not the
+    deprecated openai.api_server) answers /version with the pinned release: check_servers lets it
+    through, and refuses it in one line to a trainer pinned to another."""
+    _, client = untied
+    with open(f"/proc/{client.proc.pid}/cmdline") as f:
+        assert f.read().split("\0")[1:3] == ["-m", "vllm.entrypoints.launchers.api_server.entry"]
+    with open(client.log_path) as f:
+        assert "vllm.entrypoints.openai.api_server" not in f.read()  # its two DeprecationWarnings
+    vllm_client.check_servers(client.urls, 10, vllm_server.VLLM_VERSION)
+    with pytest.raises(ValueError, match=rf"^the server at {re.escape(client.urls[0])} runs vLLM "
+                                         rf"{re.escape(vllm_server.VLLM_VERSION)}, not vLLM 0\.33\.0, .*vllm_any_version"):
+        vllm_client.check_servers(client.urls, 10, "0.33.0")
+
+
+@pytest.mark.slow
 def test_an_eager_server_samples_what_the_compiled_one_does(untied, tiny_model_dir, tmp_path):
     """vllm_enforce_eager (every other server of the tests runs eager, helpers.EAGER): no torch.compile
     warm-up, and the same seeded samples as the compiled server, token for token, logprobs within 1e-4."""
