@@ -164,7 +164,7 @@ def test_a_concept_deleted_leaves_the_trainer_working(concept, tmp_path):
 PLAIN_RUN = ["config", "data", "episodes", "infra", "infra.attention", "infra.checkpoint", "infra.cli", "infra.colocation",
              "infra.faults",
              "infra.generator", "infra.memory", "infra.model_files", "infra.options", "infra.parallel", "infra.policy",
-             "infra.tracking", "infra.user_code", "infra.vllm_client", "infra.vllm_server", "infra.weight_sync",
+             "infra.ranks", "infra.tracking", "infra.user_code", "infra.vllm_client", "infra.vllm_server", "infra.weight_sync",
              "infra.worker_pool", "loss", "packing", "reference", "rewards", "rollout", "train", "update"]
 
 
