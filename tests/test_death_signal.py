@@ -53,17 +53,14 @@ def alive(pid):
         return False
 
 
-def test_the_prefix_is_setpriv_with_a_parent_death_signal_where_setpriv_has_it():
+@pytest.mark.subprocess  # death_signal_prefix tries setpriv once
+def test_a_child_started_through_the_prefix_gets_sigterm_when_its_parent_is_killed(tmp_path):
     prefix = death_signal_prefix()
     assert prefix in ([], ["setpriv", "--pdeathsig", "TERM", "--"])
-    if os.path.exists("/usr/bin/setpriv"):  # util-linux, essential in Debian and Ubuntu
-        assert prefix, "setpriv is installed but its --pdeathsig did not run"
-
-
-@pytest.mark.subprocess
-@pytest.mark.skipif(not death_signal_prefix(), reason="no setpriv with --pdeathsig here: the child outlives its "
-                    "parent's SIGKILL, by design")
-def test_a_child_started_through_the_prefix_gets_sigterm_when_its_parent_is_killed(tmp_path):
+    if not prefix:
+        assert not os.path.exists("/usr/bin/setpriv"), "setpriv is installed but its --pdeathsig did not run"
+        pytest.skip("no setpriv here (util-linux, essential in Debian and Ubuntu): the child outlives a SIGKILLed "
+                    "parent, as death_signal_prefix says")
     got, ready = tmp_path / "signal", tmp_path / "ready"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD, str(got), str(ready)], cwd=root,
