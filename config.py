@@ -149,8 +149,10 @@ class Config:
                                           low=1, high=65535, resumable=True)
     weight_sync_dir: Optional[str] = option(None, "filesystem: where rank 0 writes weights for every server to read; "
                                                   "None = /dev/shm (servers on its node)", resumable=True)
-    vllm_logp_tolerance: float = option(1e-2, "max |trainer - vLLM| logprob after a sync before it counts as failed",
-                                        above=0, note=" (1e-2 catches a sync that did not take)", resumable=True)
+    vllm_logp_tolerance: Optional[float] = option(None, "max mean |trainer - vLLM| logprob after a sync before it "
+                                                        "counts as failed; None = by dtype: 1e-2 in float32 (CPU), "
+                                                        "0.07 with bfloat16 on either side (update.sync_tolerance)",
+                                                  above=0, note=" (None: by dtype)", resumable=True)
     # --- batch
     num_unique_prompts_rollout: int = option(16, "prompts per step", low=1)
     num_samples_per_prompt_rollout: int = option(8, "completions per prompt (the GRPO group)",

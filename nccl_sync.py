@@ -103,7 +103,7 @@ class NCCLSync:
                 within(self.timeout, self.engine.send_weights, "the NCCL weight transfer", self.device)
             finally:
                 self.client.resume()
-            self.client.broadcast("/reset_prefix_cache")
+            self.client.reset_prefix_cache()
         return sum(v.numel() * v.element_size() for v in full.values())
 
     def close(self):

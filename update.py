@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from infra.faults import SyncError
+from infra.vllm_server import server_dtype
 from loss import ess_from_sums, ess_sums, grpo_loss, mismatch_mask, step_denominator
 from packing import TOKENS, micro_batches
 
@@ -125,6 +126,21 @@ def optimizer_step(cfg, state, step_loss):
     return grad_norm.item(), not finite.item()
 
 
+def sync_tolerance(cfg):
+    """The sync check's bound on the mean |trainer - vLLM| logprob: vllm_logp_tolerance, or by the dtypes the
+    two sides compute in (the trainer in bfloat16 on GPUs, parallel.py; the server in server_dtype).
+    float32 on both (a CPU run): 1e-2, where a healthy sync agrees to ~1e-6 and a lost one differs by
+    the step's update. bfloat16 on either side: 0.07. Healthy bf16 trainers against bf16 vLLM measured a
+    mean gap of ~0.015 against 0.201 with stale weights (TRL issue 5312), and an RMS of 0.031 nats at
+    0.5B with a float32 LM head, 0.041 without (Fast-LLM PR 525; a mean |gap| is at most the RMS): 0.07
+    is 4.7x the healthy mean and 2.3x the RMS, and 2.9x below the stale gap. Measure yours on a GPU:
+    the step's vllm_logp_diff_mean."""
+    if cfg.vllm_logp_tolerance is not None:
+        return cfg.vllm_logp_tolerance
+    both_float32 = not torch.cuda.is_available() and server_dtype(cfg) in ("float32", "float")
+    return 1e-2 if both_float32 else 0.07
+
+
 class StepMetrics:
     """One step's statistics: float64 sums over this rank's tokens, reduced over ranks once,
     then divided by the step's tokens; ESS values, gradient norms and skipped updates."""
@@ -157,9 +173,9 @@ class StepMetrics:
         dist.all_reduce(self.vllm_logp_diff_max, op=dist.ReduceOp.MAX)
         total, tokens = self.vllm_diff.tolist()
         self.vllm_logp_diff_mean = total / max(tokens, 1.0)
-        if self.vllm_logp_diff_mean > cfg.vllm_logp_tolerance:
+        if self.vllm_logp_diff_mean > sync_tolerance(cfg):
             raise SyncError(f"trainer and vLLM logprobs differ by {self.vllm_logp_diff_mean:.3g} on average "
-                            f"(> vllm_logp_tolerance={cfg.vllm_logp_tolerance}) before this step's update: the "
+                            f"(> vllm_logp_tolerance={sync_tolerance(cfg):g}) before this step's update: the "
                             f"last weight sync did not take, or the server runs another dtype (vllm_dtype)")
 
     def reduce(self, cfg):

@@ -2,6 +2,7 @@
 
     colocated(cfg, cuda)                       whether it shares the training devices
     check_launch(cfg, cuda)                    where our server may go, refused before any model loads
+    check_compute_modes(answer, visible, gpus) no colocated server on a GPU in EXCLUSIVE_PROCESS mode
     fraction(cfg, trainer, server, gpus, gpu)  the share of each GPU the memory plan leaves it
     flags(cfg, fraction)                       its command line's part: sleep mode, that share, its layout
 
@@ -54,6 +55,40 @@ def check_launch(cfg, cuda: bool):
     if cuda and colocated(cfg, cuda) and gpus % cfg.vllm_tensor_parallel_size:
         raise ValueError(f"vllm_tensor_parallel_size={cfg.vllm_tensor_parallel_size} does not divide this node's "
                          f"{gpus} GPUs; pick a divisor of {gpus}")
+    if cuda and colocated(cfg, cuda) and torch.cuda.is_available():  # this node's GPUs, not a test's cuda=True
+        check_compute_modes(query_compute_modes(), os.environ.get("CUDA_VISIBLE_DEVICES"), gpus)
+
+
+def query_compute_modes():
+    """This node's GPUs as nvidia-smi lists them, one "index, uuid, compute mode" line each; None where
+    nvidia-smi is not there or fails (the check is then skipped: torch does not expose the compute mode).
+    GPU-only, untested here."""
+    import subprocess
+
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,compute_mode", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def check_compute_modes(answer, visible, gpus):
+    """Refuse a colocated server on GPUs in EXCLUSIVE_PROCESS compute mode: such a GPU takes one CUDA
+    context, the trainer rank's, and vLLM's engine would fail to start on it. `answer` is
+    query_compute_modes()'s, `visible` CUDA_VISIBLE_DEVICES (indices or UUIDs; None: all), and the job
+    uses the first `gpus` visible GPUs (rank i on cuda:i; nvidia-smi's indices follow the PCI bus, CUDA's
+    too on a node of identical GPUs). A UUID's prefix names a GPU as it does for CUDA."""
+    if not answer:
+        return
+    rows = [[field.strip() for field in line.split(",")] for line in answer.strip().splitlines()]
+    ids = [v.strip() for v in visible.split(",")] if visible is not None else [row[0] for row in rows]
+    used = [row for i in ids[:gpus] for row in rows if i == row[0] or (i.startswith("GPU-") and row[1].startswith(i))]
+    exclusive = [row for row in used if row[2].lower().startswith("exclusive")]
+    if exclusive:
+        which = ",".join(row[0] for row in exclusive)
+        raise ValueError(f"GPU {which} is in {exclusive[0][2]} compute mode, which admits one process: the colocated "
+                         f"vLLM server cannot start beside the trainer; set it to Default (nvidia-smi -i {which} -c "
+                         "DEFAULT, as root), or give the servers GPUs of their own with bash scripts/launch_8gpu.sh")
 
 
 def flags(cfg, fraction):

@@ -263,15 +263,52 @@ class VLLMClient:
         except VLLMError as e:
             raise VLLMError(f"weight sync: {e}\n(each attempt may take weight_sync_timeout="
                             f"{timeout or self.timeout:g}s; raise it if the server is only slow to reload)") from None
-        self.broadcast("/reset_prefix_cache")
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self):
+        """Each server drops its cached prefixes (computed by the weights before an update). vLLM answers
+        {"success": false} while running requests hold blocks: asked again with backoff, then VLLMError."""
+        for url in self.urls:
+            for attempt in range(self.max_retries + 1):
+                answer = self.post(url, "/reset_prefix_cache")
+                if not isinstance(answer, dict) or answer.get("success", True):  # older vLLMs answer nothing
+                    break
+                time.sleep(min(2.0 ** attempt, 30.0))
+            else:
+                raise VLLMError(f"vLLM server {url} did not reset its prefix cache after {attempt + 1} attempt(s) "
+                                "({'success': false}: requests still hold its blocks); the next batch would reuse "
+                                "prefixes of the old weights")
 
     def sleep(self):
-        """A colocated server frees the GPUs for training (level 1: weights to host memory, KV cache dropped)."""
-        self.broadcast("/sleep", params="?level=1")
+        """A colocated server frees the GPUs for training (level 1: weights to host memory, KV cache dropped),
+        checked on each server (/is_sleeping)."""
+        for url in self.urls:
+            self.check_sleeping(url, "/sleep?level=1", self.post(url, "/sleep", params="?level=1"), True)
 
     def wake_up(self, tags):
-        """Wake the part `tags` names: "weights" or "kv_cache" (vLLM's sleep-mode tags)."""
-        self.broadcast("/wake_up", params=f"?tags={tags}")
+        """Wake the part `tags` names: "weights" or "kv_cache" (vLLM's sleep-mode tags), checked on each server:
+        after the weights it still sleeps (its KV cache does), after the KV cache it is awake."""
+        for url in self.urls:
+            route = f"/wake_up?tags={tags}"
+            self.check_sleeping(url, route, self.post(url, "/wake_up", params=f"?tags={tags}"), tags != "kv_cache")
+
+    def check_sleeping(self, url, route, answer, expected):
+        """VLLMError in one line unless the server at `url` says, after `route` (whose answer was `answer`), that
+        it sleeps (`expected` True) or is awake. vLLM's /is_sleeping is true while any part of the engine sleeps
+        or its scheduling is paused (a /sleep pauses it; the wake of the last part resumes it); its /sleep and
+        /wake_up answer {"status": "sleeping" | "awake", ...}."""
+        said = answer.get("status") if isinstance(answer, dict) else None
+        state = self.get(url, "/is_sleeping").get("is_sleeping")
+        if state is expected and said in (None, "sleeping" if expected else "awake"):
+            return
+        if route.startswith("/sleep"):
+            why = "it did not sleep, and would hold its GPU memory while the policy trains (--enable-sleep-mode?)"
+        elif expected:
+            why = "it was not asleep before this wake (restarted, or woken by another client)"
+        else:
+            why = "a wake did not take (of the weights or the KV cache), and the server would not generate"
+        raise VLLMError(f"vLLM server {url} is {'awake' if expected else 'still asleep'} after {route} (it answered "
+                        f"{answer!r}, /is_sleeping {state!r}): {why}")
 
     def pause(self):
         self.broadcast("/pause", params="?mode=keep")

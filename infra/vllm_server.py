@@ -31,6 +31,7 @@ LoRA load and unload routes); its dev routes stay open to every local process.
 A server on the training GPUs, asleep while the policy trains, is infra/colocation.py's.
 """
 
+import functools
 import http.client
 import json
 import os
@@ -49,15 +50,23 @@ from infra.vllm_client import check_servers, check_version, fetch, log_tail
 from infra.tracking import private_dir
 
 
-def die_with_parent():
-    """In the child before exec: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
-    import ctypes
-    import signal
-
+@functools.cache
+def death_signal_prefix():
+    """The command prefix that has a child get SIGTERM when the thread that started it ends: util-linux's
+    `setpriv --pdeathsig` sets Linux's PR_SET_PDEATHSIG in the child and execs the command (the prctl
+    survives exec). Not Popen's preexec_fn, which runs Python between fork and exec: in a process with
+    threads (rank 0's rollouts, gloo's, tqdm's) that can deadlock on a lock another thread held at the
+    fork. The signal follows the starting *thread*: launch_server is called from the main thread (at
+    start-up and at a restart), which lives as long as the process. [] without a setpriv that has
+    --pdeathsig (util-linux before 2.33): the child then outlives a SIGKILLed parent, and only
+    stop_server and the finally in train.py stop it, on an exit they see. A parent killed between the
+    fork and setpriv's prctl (a few milliseconds) leaves its child running too."""
+    prefix = ["setpriv", "--pdeathsig", "TERM", "--"]  # SIGTERM: vLLM then stops its engine too
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # SIGTERM: it then stops its engine too
-    except (OSError, AttributeError):
-        pass  # not Linux: stop_server and the finally in train.py still stop it on a clean exit
+        ok = subprocess.run(prefix + ["true"], stdin=subprocess.DEVNULL, capture_output=True).returncode == 0
+    except OSError:  # no setpriv
+        ok = False
+    return prefix if ok else []
 
 
 def server_dtype(cfg):
@@ -177,8 +186,8 @@ def launch_server(model_dir, cfg, log_path, port=None, env=None, extra_args=()):
     try:
         # A new session: the server and its engine processes form one group we can stop together.
         # It also dies with the trainer if the trainer is killed (SIGKILL, OOM) and cannot stop it.
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=server_env, start_new_session=True,
-                                preexec_fn=die_with_parent)
+        proc = subprocess.Popen(death_signal_prefix() + cmd, stdout=log, stderr=subprocess.STDOUT, env=server_env,
+                                start_new_session=True)
     except BaseException:
         remove_socket_dir(uds)
         raise

@@ -154,7 +154,7 @@ class AdapterSync(FilesystemSync):
                         self.client.broadcast("/v1/unload_lora_adapter", {"lora_name": self.loaded})
                         shutil.rmtree(os.path.join(self.dir, self.loaded), ignore_errors=True)
                     self.loaded = name
-                    self.client.broadcast("/reset_prefix_cache")
+                    self.client.reset_prefix_cache()
             except Exception as e:  # noqa: BLE001 -- whatever it was, every rank must hear of it
                 error = failure(self.client, e)
         raise_on_every_rank(error)

@@ -13,7 +13,8 @@ from config import Config
 from episodes import max_seed
 from packing import batch_plan
 from infra.parallel import mesh_shape
-from infra.colocation import check_launch
+from infra import colocation
+from infra.colocation import check_compute_modes, check_launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -288,7 +289,14 @@ def test_max_seed_keeps_every_request_seed_in_int64(tiny_model_dir):
     assert max(sent) <= 2**63 - 1 < max(sent) + 2**32  # seed + 1 would overflow
 
 
-def test_a_gpu_run_shares_its_gpus_with_the_server_unless_told_not_to():
+@pytest.fixture
+def any_compute_mode(monkeypatch):
+    """check_launch's rules, not this node's GPUs: on a GPU node check_launch would ask nvidia-smi for
+    their compute mode (test_an_exclusive_process_gpu_refuses_a_colocated_server takes its answers)."""
+    monkeypatch.setattr(colocation, "query_compute_modes", lambda: None)
+
+
+def test_a_gpu_run_shares_its_gpus_with_the_server_unless_told_not_to(any_compute_mode):
     """On GPUs without vllm_server_urls the server we launch shares the training GPUs (colocated,
     asleep while training); with vllm_colocate=False it has nowhere to go: refused naming the launcher."""
     with pytest.raises(ValueError, match="bash scripts/launch_8gpu.sh"):
@@ -305,7 +313,8 @@ def test_a_gpu_run_shares_its_gpus_with_the_server_unless_told_not_to():
     check_launch(dataclasses.replace(bad, vllm_server_urls=["http://gpu-node:8000"]), cuda=True)
 
 
-def test_a_colocated_server_refuses_several_nodes_and_a_tensor_parallel_size_off_the_node(monkeypatch):
+def test_a_colocated_server_refuses_several_nodes_and_a_tensor_parallel_size_off_the_node(monkeypatch,
+                                                                                        any_compute_mode):
     monkeypatch.setenv("WORLD_SIZE", "16")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     with pytest.raises(ValueError, match="several nodes would share one colocated server"):
@@ -315,6 +324,29 @@ def test_a_colocated_server_refuses_several_nodes_and_a_tensor_parallel_size_off
     with pytest.raises(ValueError, match="vllm_tensor_parallel_size=3 does not divide this node's 8 GPUs"):
         check_launch(Config(vllm_tensor_parallel_size=3), cuda=True)
     check_launch(Config(vllm_tensor_parallel_size=4), cuda=True)
+
+
+# nvidia-smi --query-gpu=index,uuid,compute_mode --format=csv,noheader on a node of 4 GPUs, the third exclusive
+SMI = ("0, GPU-a1b2c3d4-0000-0000-0000-000000000000, Default\n"
+       "1, GPU-b2c3d4e5-0000-0000-0000-000000000000, Default\n"
+       "2, GPU-c3d4e5f6-0000-0000-0000-000000000000, Exclusive_Process\n"
+       "3, GPU-d4e5f6a7-0000-0000-0000-000000000000, Default\n")
+
+
+def test_an_exclusive_process_gpu_refuses_a_colocated_server():
+    """A GPU the job uses (the first LOCAL_WORLD_SIZE of CUDA_VISIBLE_DEVICES, by index or UUID) in
+    Exclusive_Process mode is refused in one line naming it and the fix; one it does not use is not."""
+    with pytest.raises(ValueError, match=r"^GPU 2 is in Exclusive_Process compute mode.*nvidia-smi -i 2 -c DEFAULT"):
+        check_compute_modes(SMI, None, 4)
+    check_compute_modes(SMI, None, 2)  # GPUs 0 and 1
+    with pytest.raises(ValueError, match="GPU 2 is in"):
+        check_compute_modes(SMI, "3,2", 2)
+    check_compute_modes(SMI, "3,2", 1)
+    with pytest.raises(ValueError, match="GPU 2 is in"):
+        check_compute_modes(SMI, "GPU-a1b2, GPU-c3d4e5f6", 2)  # UUID prefixes, as CUDA takes them
+    check_compute_modes(SMI.replace("Exclusive_Process", "Default"), None, 4)
+    check_compute_modes(None, None, 4)  # no nvidia-smi: not asked
+    check_compute_modes("", "", 0)
 
 
 @pytest.mark.parametrize("bad,message", [
