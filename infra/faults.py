@@ -61,15 +61,21 @@ FAULTS = {  # the metric that counts it: (whose, what it is)
 class VLLMError(RuntimeError):
     """A server that cannot be reached, answers with an error, or dies (vllm_client.py, vllm_server.py)."""
 
+    every_rank = True  # rank 0's, raised on every rank as itself (infra/ranks.py), printed once
+
 
 class SyncError(RuntimeError):
     """The trainer's logprobs and vLLM's disagree on tokens the current weights sampled: the
     last weight sync did not take (update.StepMetrics.check_sync)."""
 
+    every_rank = True
+
 
 class Refused(RuntimeError):
     """A step that cannot go on (too many groups unscored, an environment's answer the policy would
     never see): the run stops, on every rank, in one line (Generator.batch, train.py)."""
+
+    every_rank = True
 
 
 def ours(kind):

@@ -43,12 +43,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from infra.faults import Refused, SyncError, VLLMError
-
 POLL = 0.05  # seconds between two looks at a collective we wait on
 WATCH = 1.0  # seconds between two looks at the store and the launcher
 STUCK = 10.0  # seconds a rank told to end has to come back to Python before it exits from the watch
-CARRIED = (VLLMError, Refused, SyncError)  # raised on every rank as they were on rank 0
 
 
 class Stop(BaseException):
@@ -107,8 +104,9 @@ def handle(*_):
 
 def from_rank0(fn):
     """Rank 0 calls fn(); every rank returns its value. What fn raises on rank 0 is raised on every rank:
-    our faults (CARRIED) as themselves, Stop as Stop; anything else rank 0 raises as it is, and the
-    other ranks end quietly (Ended). The other ranks wait on the CPU group, responsive to signals."""
+    an exception whose class says `every_rank = True` (our faults, infra/faults.py) as itself, Stop as
+    Stop; anything else rank 0 raises as it is, and the other ranks end quietly (Ended). The other ranks
+    wait on the CPU group, responsive to signals."""
     if not dist.is_initialized():
         return fn()
     outcome, error = None, None
@@ -118,10 +116,8 @@ def from_rank0(fn):
             outcome = ("ok", fn())
         except Stop as e:
             outcome, error = ("stop", None), e
-        except CARRIED as e:
-            outcome, error = ("carried", (type(e).__name__, str(e))), e
         except BaseException as e:  # noqa: BLE001 - every rank must hear of it; rank 0 raises it below
-            outcome, error = ("failed", None), e
+            outcome, error = ("carried", e) if getattr(e, "every_rank", False) else ("failed", None), e
         finally:
             R.in_fn = False
     kind, value = share(outcome)
@@ -132,7 +128,7 @@ def from_rank0(fn):
     if kind == "stop":
         raise Stop()
     if kind == "carried":
-        raise {c.__name__: c for c in CARRIED}[value[0]](value[1])
+        raise value
     raise Ended(1)
 
 

@@ -43,6 +43,7 @@ def test_the_server_cli_runs_what_launch_server_runs(monkeypatch, tmp_path, lora
         seen["cli"] = (cmd, env)
         raise Started
 
+    monkeypatch.setattr(vllm_server, "death_signal_prefix", lambda: [])  # serve.py execs the server: no parent
     monkeypatch.setattr(vllm_server.subprocess, "Popen", popen)
     monkeypatch.setattr(serve.os, "execve", execve)
     cfg = parse_args(Config, flags)
@@ -122,6 +123,7 @@ def test_vllm_engine_sockets_go_into_the_servers_private_directory(monkeypatch, 
         seen.update(cmd=cmd, env=env)
         raise Started
 
+    monkeypatch.setattr(vllm_server, "death_signal_prefix", lambda: [])  # its probe would run the fake Popen
     monkeypatch.setattr(vllm_server.subprocess, "Popen", popen)
     with pytest.raises(Started):
         vllm_server.launch_server("serving/m", parse_args(Config, []), str(tmp_path / "log"))
