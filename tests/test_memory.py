@@ -159,34 +159,40 @@ def test_refusal_names_the_knob_of_the_largest_item(overrides, knob):
     cfg = Config(**{**dict(max_tokens_per_micro_batch=65536, response_length=4096, max_prompt_length=64), **overrides})
     trainer = memory.trainer_plan(cfg, mc, meta_model(mc), 2, cuda=False)
     server = memory.server_plan(cfg, mc, meta_model(mc), False)
+    headroom, host = memory.node_plan(cfg, mc, meta_model(mc), 2, cuda=False, colocated=False)
+    assert headroom == {} and host["sleep_copies"] == host["state_dict"] == 0  # on a CPU: the sync's /dev/shm alone
     sync = trainer["weight_sync"]  # rank 0's alone
-    need = 2 * (memory.rank_total(trainer) - sync) + sync + sum(server.values())
-    memory.check(cfg, trainer, server, 2, cuda=False, device_bytes=need)  # exactly enough: no refusal
+    need = 2 * (memory.rank_total(trainer) - sync) + sync + sum(server.values()) + host["sync_dir"]
+    room = dict(host_bytes=(1e15, "this machine's"), sync_free=1e15)
+    memory.check(cfg, trainer, server, headroom, host, 2, cuda=False, device_bytes=need, **room)  # exactly enough
     with pytest.raises(ValueError, match=f"^memory plan: 2 trainer rank.*{knob}") as e:
-        memory.check(cfg, trainer, server, 2, cuda=False, device_bytes=need - 1)
+        memory.check(cfg, trainer, server, headroom, host, 2, cuda=False, device_bytes=need - 1, **room)
     assert "\n" not in str(e.value)
     gpu = memory.trainer_plan(cfg, mc, meta_model(mc), 2, cuda=True)
     with pytest.raises(ValueError, match=r"^memory plan: a trainer rank needs [0-9.]+ GB of its GPU's 0.0 GB; "):
-        memory.check(cfg, gpu, {}, 2, cuda=True, device_bytes=1)
+        memory.check(cfg, gpu, {}, {}, host, 2, cuda=True, device_bytes=1, **room)
 
 
-def test_a_colocated_server_gets_what_a_rank_holds_between_steps_leaves():
+def test_a_colocated_server_gets_what_a_rank_holds_between_steps_and_the_headroom_leave():
     """80 GB GPUs, 8 of them: a rank holds 10 GB between steps (shards, AdamW, reference, runtime; not its
-    activations, which come while the server sleeps): the server gets 1 - 10/80 - 0.05 = 0.825 of each
-    GPU, at most vllm_gpu_memory_utilization; refused when that cannot hold 1.2 x its weights per tensor-
-    parallel group and its share of the KV cache."""
+    activations, which come while the server sleeps) and 4 GB stay free beside it (vLLM's context, NCCL,
+    the sync's cache): the server gets (80 - 10 - 4) / 80 = 0.825 of each GPU, at most
+    vllm_gpu_memory_utilization; refused when that cannot hold 1.2 x its weights per tensor-parallel group
+    and its share of the KV cache."""
     trainer = dict(parameters=2e9, optimizer=4e9, reference=2e9, runtime=2e9, activations=30e9, gradients=2e9,
                    gathered=1e9, lm_head=1e8, weight_sync=0, per_token=1)
     server = dict(weights=14e9, kv_cache=8e9, runtime=0)
+    headroom, host = dict(vllm_context=0.5e9, nccl_buffers=1.6e9, sync_cache=1.9e9), dict(sleep_copies=1e12)
     cfg = Config(vllm_gpu_memory_utilization=0.9)
-    assert colocation.fraction(cfg, trainer, server, 8, 80e9) == pytest.approx(0.825)
-    assert colocation.fraction(dataclasses.replace(cfg, vllm_gpu_memory_utilization=0.5), trainer, server, 8,
-                                     80e9) == 0.5
+    assert colocation.fraction(cfg, trainer, server, headroom, host, 8, 80e9) == pytest.approx(0.825)
+    assert colocation.fraction(dataclasses.replace(cfg, vllm_gpu_memory_utilization=0.5), trainer, server, headroom,
+                               host, 8, 80e9) == 0.5
     with pytest.raises(ValueError, match=r"^memory plan: a trainer rank holds 10.0 GB of a 24.0 GB GPU between "
-                                         r"steps, leaving the colocated vLLM server less than its 15.0 GB"):
-        colocation.fraction(cfg, trainer, server, 8, 24e9)  # 0.53 x 24 < 1.2 x (14 + 1)
-    assert colocation.fraction(dataclasses.replace(cfg, vllm_tensor_parallel_size=2), trainer, server, 8,
-                                     24e9) == pytest.approx(1 - 10 / 24 - 0.05)  # 7 + 1 GB a GPU fits
+                                         r"steps and 4.0 GB stay free beside it .*, leaving the colocated vLLM server "
+                                         r"less than 1.2 x its 15.0 GB; .*scripts/launch_8gpu.sh\)$"):
+        colocation.fraction(cfg, trainer, server, headroom, host, 8, 24e9)  # 10 GB left < 1.2 x (14 + 1)
+    assert colocation.fraction(dataclasses.replace(cfg, vllm_tensor_parallel_size=2), trainer, server, headroom, host,
+                               8, 24e9) == pytest.approx((24 - 10 - 4) / 24)  # 1.2 x (7 + 1) GB a GPU fits
 
 
 @pytest.mark.subprocess
