@@ -148,9 +148,8 @@ def kv_cache_bytes(cfg, mc, cuda):
 
 
 def served_bytes(cfg, cuda):
-    """Bytes of a value in the served dtype (vllm_server.server_dtype: vllm_dtype, "auto" the trainer's)."""
-    dtype = cfg.vllm_dtype if cfg.vllm_dtype != "auto" else "bfloat16" if cuda else "float32"
-    return torch.finfo(getattr(torch, dtype)).bits // 8
+    """Bytes of a value in the served dtype (weight_sync.served_dtype: vllm_dtype, "auto" the trainer's)."""
+    return torch.finfo(weight_sync.served_dtype(cfg, cuda)).bits // 8
 
 
 def server_sequences(cfg):

@@ -241,10 +241,14 @@ def free_bytes(path):
     return shutil.disk_usage(path).free
 
 
+def served_dtype(cfg, cuda):
+    """The dtype the servers we sync serve in, as vllm_server.server_dtype names it (vllm_dtype; "auto" the
+    trainer's compute dtype), asked here and by the memory plan, which vllm_server imports."""
+    return getattr(torch, cfg.vllm_dtype if cfg.vllm_dtype != "auto" else "bfloat16" if cuda else "float32")
+
+
 def make_weight_sync(cfg, client, rank, device):
     """The filesystem transport, its parts in the served dtype; `.sync(model)` on every rank after each step
     (the NCCL one is nccl_sync.py's, LoRA's lora/sync.py's: train.make_sync picks)."""
-    from infra.vllm_server import server_dtype  # noqa: PLC0415 - vllm_server imports memory, which imports this file
-
     return FilesystemSync(client, rank, cfg.output_dir, cfg.weight_sync_timeout, cfg.weight_sync_dir, device=device,
-                          dtype=getattr(torch, server_dtype(cfg)))
+                          dtype=served_dtype(cfg, torch.cuda.is_available()))
