@@ -348,9 +348,11 @@ def check(cfg, trainer, server, headroom, host, local_ranks, cuda, device_bytes=
         if need > gpu:
             raise ValueError(f"memory plan: a trainer rank needs {need / GB:.1f} GB of its GPU's {gpu / GB:.1f} GB; "
                              f"{knob(cfg, trainer, server)}")
-        need = host["sleep_copies"] + in_memory + host["state_dict"]
-        what = f"this node's host memory needs {need / GB:.1f} GB ({', '.join(f'{k} {v / GB:.1f}' for k, v in host.items())})"
-        fix = host_knob(cfg, dict(host, sync_dir=in_memory))
+        held = dict(host, sync_dir=in_memory)
+        need = sum(held.values())
+        items = ", ".join(f"{k} {v / GB:.1f}" for k, v in held.items())
+        what = f"this node's host memory needs {need / GB:.1f} GB ({items})"
+        fix = host_knob(cfg, held)
     else:
         limit = device_bytes or limit
         # the weight sync's part is rank 0's alone (weight_sync.serving_parts)
@@ -371,8 +373,8 @@ def host_knob(cfg, host):
                 "GPUs of their own (scripts/launch_8gpu.sh)")
     if largest == "sync_dir":
         return "set weight_sync_dir to a directory on a disk"
-    return ("set lora_weight_sync='adapter' (the merge holds two copies)" if cfg.lora_rank else
-            "train with lora_rank, or run on a node with more memory") + " (rank 0 holds the whole float32 state dict)"
+    return ("set lora_weight_sync='adapter' (the merge holds a second copy)" if cfg.lora_rank else
+            "run on a node with more memory") + " (rank 0 holds the whole float32 state dict)"
 
 
 def check_sync_dir(cfg, need, free=None):

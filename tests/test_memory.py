@@ -368,7 +368,8 @@ def test_parts_are_written_in_the_served_dtype(tmp_path, monkeypatch):
     assert weight_sync.make_weight_sync(Config(output_dir=str(tmp_path)), None, 1, None).dtype == torch.float32
     for dtype in ("auto", "float32", "bfloat16"):  # the dtype the server we launch is told
         cmd, _ = server_command("m", Config(vllm_dtype=dtype), uds="/tmp/x.sock")
-        assert weight_sync.served_dtype(Config(vllm_dtype=dtype), cuda=False) == getattr(torch, cmd[cmd.index("--dtype") + 1])
+        told = getattr(torch, cmd[cmd.index("--dtype") + 1])
+        assert weight_sync.served_dtype(Config(vllm_dtype=dtype), cuda=False) == told
     assert weight_sync.make_weight_sync(Config(output_dir=str(tmp_path), vllm_dtype="bfloat16"), None, 1,
                                         None).dtype == torch.bfloat16
     full = weight_sync.write_weights(weight_sync.serving_parts(model, 0, dtype=torch.float32), str(tmp_path / "f32"))
