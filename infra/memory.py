@@ -34,9 +34,10 @@ Beside them (node_plan), what each GPU a colocated server shares keeps free, and
   measures the budget of --gpu-memory-utilization after both exist), and the gathered float32 tensor the
   trainer's allocator keeps cached after a sync (the largest parameter, and its cast to the served dtype):
   colocation.fraction gives the server what the trainer's state and these leave;
-- host: level-1 sleep's pinned copy of the weights, one per data-parallel engine (vLLM 0.32's
-  CuMemAllocator.sleep copies every allocation tagged "weights" to a pinned CPU tensor and drops the KV
-  cache's), the sync's directory (the serving copy in the served dtype and the part being written: host
+- host: level-1 sleep's pinned copy of the weights, one per data-parallel engine (vLLM 0.32's cumem
+  sleep backend offloads the tags "weights", "runtime" and "cudagraph" at level 1, and
+  CuMemAllocator.sleep copies each such allocation to a pinned CPU tensor and drops the rest, the KV
+  cache; the two small pools are not planned), the sync's directory (the serving copy in the served dtype and the part being written: host
   memory when it is /dev/shm), and rank 0's full float32 state dict (the launch copy a server starts from,
   LoRA's merge). Summed: the launch copy is freed before the first sleep, so without LoRA's merge the sum
   is an upper bound.
@@ -380,6 +381,8 @@ def host_knob(cfg, host):
 def check_sync_dir(cfg, need, free=None):
     """Refuse a sync directory without room for what the sync keeps there (sync_dir_bytes): a container's
     /dev/shm is 64 MB unless it is given more. `free`: its free bytes, measured unless given."""
+    if not need:  # the NCCL transport writes no files
+        return
     base = weight_sync.sync_base(cfg.weight_sync_dir, cfg.output_dir)
     free = weight_sync.free_bytes(base) if free is None else free
     if need > free:
