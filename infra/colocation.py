@@ -83,8 +83,8 @@ def fraction(cfg, trainer, server, headroom, host, gpus, gpu_bytes):
     need = server["weights"] / cfg.vllm_tensor_parallel_size + server["kv_cache"] / gpus
     if share * gpu_bytes < 1.2 * need:
         raise ValueError(f"memory plan: a trainer rank holds {held / memory.GB:.1f} GB of a "
-                         f"{gpu_bytes / memory.GB:.1f} GB GPU between steps and {spare / memory.GB:.1f} GB stay free beside it (vLLM's context, "
-                         f"NCCL, the sync's cache), leaving the colocated vLLM server less than 1.2 x its "
-                         f"{need / memory.GB:.1f} GB; {memory.knob(cfg, trainer, server)}, or give the servers GPUs "
-                         "of their own (scripts/launch_8gpu.sh)")
+                         f"{gpu_bytes / memory.GB:.1f} GB GPU between steps and {spare / memory.GB:.1f} GB stay free "
+                         "beside it (vLLM's context, NCCL, the sync's cache), leaving the colocated vLLM server less "
+                         f"than 1.2 x its {need / memory.GB:.1f} GB; {memory.knob(cfg, trainer, server)}, or give the "
+                         "servers GPUs of their own (scripts/launch_8gpu.sh)")
     return share

@@ -340,7 +340,7 @@ def check(cfg, trainer, server, headroom, host, local_ranks, cuda, device_bytes=
     the sync's directory without room for its copy. Measured unless given: device_bytes (the GPU; on a CPU
     the machine), host_bytes (bytes, whose: machine_bytes), sync_free (weight_sync.free_bytes)."""
     limit, whose = host_bytes or machine_bytes()
-    in_memory = 0 if cfg.weight_sync_dir else host["sync_dir"]  # /dev/shm's files are the host's memory
+    in_memory = host["sync_dir"] if weight_sync.sync_base(cfg.weight_sync_dir, cfg.output_dir) == "/dev/shm" else 0
     container = ", or raise the container's memory limit (docker run --memory)" if whose == "its container's" else ""
     if cuda:
         gpu = device_bytes or torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
