@@ -37,9 +37,9 @@ Beside them (node_plan), what each GPU a colocated server shares keeps free, and
 - host: level-1 sleep's pinned copy of the weights, one per data-parallel engine (vLLM 0.32's cumem
   sleep backend offloads the tags "weights", "runtime" and "cudagraph" at level 1, and
   CuMemAllocator.sleep copies each such allocation to a pinned CPU tensor and drops the rest, the KV
-  cache; the two small pools are not planned), the sync's directory (the serving copy in the served dtype and the part being written: host
-  memory when it is /dev/shm), and rank 0's full float32 state dict (the launch copy a server starts from,
-  LoRA's merge). Summed: the launch copy is freed before the first sleep, so without LoRA's merge the sum
+  cache; the two small pools are not planned), the sync's directory (the serving copy in the served
+  dtype and the part being written: host memory when it is /dev/shm), and rank 0's full float32 state
+  dict (the launch copy a server starts from, LoRA's merge). Summed: the launch copy is freed before the first sleep, so without LoRA's merge the sum
   is an upper bound.
 check refuses, each in one line naming the setting that fixes it: a rank against its GPU, this node's
 ranks and server against the machine (a container's cgroup limit in place of the RAM when lower:
