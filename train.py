@@ -125,7 +125,8 @@ def load_inputs(cfg):
         player, env = choose_player(cfg, tokenizer)
         train_rows, eval_rows, skipped, reward_fn = load_prompts(cfg, tokenizer, env)
         plan = (memory.trainer_plan(cfg, model_config, meta_model, world, cuda),
-                server_plan(cfg, model_config, meta_model, cuda))
+                server_plan(cfg, model_config, meta_model, cuda),  # then a colocated GPU's headroom, the host's
+                *memory.node_plan(cfg, model_config, meta_model, world, cuda, colocation.colocated(cfg, cuda)))
         if rank0:  # this node's ranks and our server against its memory, or a rank against its GPU
             memory.check(cfg, *plan, int(os.environ.get("LOCAL_WORLD_SIZE", world)), cuda)
             if cuda and colocation.colocated(cfg, cuda):  # what the plan leaves a server on the training GPUs

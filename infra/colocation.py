@@ -3,7 +3,7 @@
     colocated(cfg, cuda)                       whether it shares the training devices
     check_launch(cfg, cuda)                    where our server may go, refused before any model loads
     check_compute_modes(answer, visible, gpus) no colocated server on a GPU in EXCLUSIVE_PROCESS mode
-    fraction(cfg, trainer, server, gpus, gpu)  the share of each GPU the memory plan leaves it
+    fraction(cfg, *plan, gpus, gpu)            the share of each GPU the memory plan leaves it
     flags(cfg, fraction)                       its command line's part: sleep mode, that share, its layout
 
 Colocated (vllm_colocate; by default on GPUs without vllm_server_urls; untested on GPUs here: it
@@ -102,18 +102,24 @@ def flags(cfg, fraction):
             "--data-parallel-size", str(gpus // tp)]
 
 
-def fraction(cfg, trainer, server, gpus, gpu_bytes):
-    """The share of each GPU a colocated server gets: what a trainer rank holds between steps (its
-    shards, AdamW state, reference and runtime; the server sleeps while the activations come and go)
-    leaves, less 5% for the allocators, at most vllm_gpu_memory_utilization (single_gpu_mode takes that
-    as it is). Refused in one line when it cannot hold its part of the weights and KV cache."""
+def fraction(cfg, trainer, server, headroom, host, gpus, gpu_bytes):
+    """The share of each GPU a colocated server gets (train.py's memory plan, unpacked: `host` is not the
+    GPU's): what a trainer rank holds between steps (its shards, AdamW state, reference and runtime; the
+    server sleeps while the activations come and go) and the plan's headroom (vLLM's CUDA context, NCCL's
+    buffers, the sync's cached tensors: memory.headroom_plan) leave of the GPU, at most
+    vllm_gpu_memory_utilization (single_gpu_mode takes that as it is). vLLM 0.32 wants that share free
+    when it starts (its request_memory). Refused in one line when it cannot hold its part of the weights
+    and KV cache, 1.2 times: its profile's activations and CUDA graphs come out of the same share."""
     if cfg.single_gpu_mode:
         return cfg.vllm_gpu_memory_utilization
     held = sum(trainer[k] for k in ("parameters", "optimizer", "reference", "runtime"))
-    fraction = min(cfg.vllm_gpu_memory_utilization, 1 - held / gpu_bytes - 0.05)
+    spare = sum(headroom.values())
+    share = min(cfg.vllm_gpu_memory_utilization, (gpu_bytes - held - spare) / gpu_bytes)
     need = server["weights"] / cfg.vllm_tensor_parallel_size + server["kv_cache"] / gpus
-    if fraction * gpu_bytes < 1.2 * need:
-        raise ValueError(f"memory plan: a trainer rank holds {held / memory.GB:.1f} GB of a {gpu_bytes / memory.GB:.1f} GB GPU "
-                         f"between steps, leaving the colocated vLLM server less than its {need / memory.GB:.1f} GB; "
-                         f"{memory.knob(cfg, trainer, server)}, or give the servers GPUs of their own (scripts/launch_8gpu.sh)")
-    return fraction
+    if share * gpu_bytes < 1.2 * need:
+        raise ValueError(f"memory plan: a trainer rank holds {held / memory.GB:.1f} GB of a "
+                         f"{gpu_bytes / memory.GB:.1f} GB GPU between steps and {spare / memory.GB:.1f} GB stay free "
+                         "beside it (vLLM's context, NCCL, the sync's cache), leaving the colocated vLLM server less "
+                         f"than 1.2 x its {need / memory.GB:.1f} GB; {memory.knob(cfg, trainer, server)}, or give the "
+                         "servers GPUs of their own (scripts/launch_8gpu.sh)")
+    return share

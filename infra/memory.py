@@ -28,6 +28,22 @@ batch's sequences at max_prompt_length + response_length, in whole blocks), and 
 processes' runtime (measured: CPU_SERVER_RUNTIME, or CPU_SERVER_RUNTIME_TWO_PROCESSES when the model
 runs in the engine's process, engine_runs_model). A teacher's server (distill/) is planned the same
 way on the teacher's config, with the prompt logits it holds beside them (server_plan).
+
+Beside them (node_plan), what each GPU a colocated server shares keeps free, and the host's part:
+- headroom: vLLM's CUDA context and NCCL buffers, outside its fraction (vLLM 0.32's gpu_worker.init_device
+  measures the budget of --gpu-memory-utilization after both exist), and the gathered float32 tensor the
+  trainer's allocator keeps cached after a sync (the largest parameter, and its cast to the served dtype):
+  colocation.fraction gives the server what the trainer's state and these leave;
+- host: level-1 sleep's pinned copy of the weights, one per data-parallel engine (vLLM 0.32's cumem
+  sleep backend offloads the tags "weights", "runtime" and "cudagraph" at level 1, and
+  CuMemAllocator.sleep copies each such allocation to a pinned CPU tensor and drops the rest, the KV
+  cache; the two small pools are not planned), the sync's directory (the serving copy in the served
+  dtype and the part being written: host memory when it is /dev/shm), and rank 0's full float32 state
+  dict (the launch copy a server starts from, LoRA's merge). Summed: the launch copy is freed before the first sleep, so without LoRA's merge the sum
+  is an upper bound.
+check refuses, each in one line naming the setting that fixes it: a rank against its GPU, this node's
+ranks and server against the machine (a container's cgroup limit in place of the RAM when lower:
+machine_bytes), the host's items, and a sync directory without room for its copy.
 """
 
 import math
@@ -46,7 +62,11 @@ GB = 1e9
 # engine and model runner 2.6-2.8 GB; 2.0 with VLLM_ENABLE_V1_MULTIPROCESSING=0 (the runner in the engine)
 CPU_SERVER_RUNTIME = 2.7 * GB
 CPU_SERVER_RUNTIME_TWO_PROCESSES = 2.0 * GB
-CUDA_CONTEXT = 0.5 * GB
+CUDA_CONTEXT = 0.5 * GB  # a process's CUDA context on a GPU, beside its allocator: the trainer's, vLLM's engine's
+# A rank's NCCL buffers for one communicator on 8 NVLink GPUs after its first collectives: about 1.6 GB
+# (NVIDIA/nccl issue 864; 1.06 GB on 8 H100 in issue 1685 before any all-to-all, which took it to 4.3).
+# NCCL allocates them itself, beside torch's allocator; each communicator has its own.
+NCCL_BUFFERS = 1.6 * GB
 
 
 def shape(mc):
@@ -120,12 +140,17 @@ def kv_cache_bytes(cfg, mc, cuda):
     """The launched server's KV cache for the run's own sequences (server_sequences), each in whole
     blocks of max_prompt_length + response_length tokens (no episode grows past it), at least one
     sequence of vllm_max_model_len, and the block vLLM keeps back; keys and values of every layer in
-    the server's dtype (float32 on a CPU)."""
+    the served dtype (served_bytes)."""
     layers, _, _, _, kv, _ = shape(mc)
     block = 16 if cuda else 32  # vllm_server.server_command's --block-size on a CPU, vLLM's default on a GPU
     blocks = server_sequences(cfg) * math.ceil((cfg.max_prompt_length + cfg.response_length) / block)
     blocks = max(blocks, math.ceil((cfg.vllm_max_model_len or 0) / block)) + 1
-    return blocks * block * 2 * layers * kv * (2 if cuda else 4)
+    return blocks * block * 2 * layers * kv * served_bytes(cfg, cuda)
+
+
+def served_bytes(cfg, cuda):
+    """Bytes of a value in the served dtype (weight_sync.served_dtype: vllm_dtype, "auto" the trainer's)."""
+    return torch.finfo(weight_sync.served_dtype(cfg, cuda)).bits // 8
 
 
 def server_sequences(cfg):
@@ -146,8 +171,7 @@ def server_plan(cfg, mc, meta_model, cuda):
 def model_server(cfg, mc, meta_model, cuda):
     """{item: bytes} of a server we launch on the model of config mc: its weights, KV cache and runtime."""
     kv = int(cfg.vllm_kv_cache_space_gb * GB) if cfg.vllm_kv_cache_space_gb else kv_cache_bytes(cfg, mc, cuda)
-    weights = sum(p.numel() for p in meta_model.parameters()) + mc.vocab_size * mc.hidden_size * tied(mc)
-    return dict(weights=weights * (2 if cuda else 4), kv_cache=kv,  # the served copy's head untied
+    return dict(weights=serving_values(mc, meta_model) * served_bytes(cfg, cuda), kv_cache=kv,
                 runtime=0 if cuda else CPU_SERVER_RUNTIME_TWO_PROCESSES
                 if engine_runs_model(cfg, os.environ) else CPU_SERVER_RUNTIME)
 
@@ -172,6 +196,62 @@ def engine_runs_model(cfg, environ):
     return len(bound) == len(cores) and "VLLM_CPU_OMP_THREADS_BIND" not in environ
 
 
+def serving_values(mc, meta_model):
+    """Values of the serving copy: every parameter, the head untied (weight_sync.untie)."""
+    return sum(p.numel() for p in meta_model.parameters()) + mc.vocab_size * mc.hidden_size * tied(mc)
+
+
+def node_plan(cfg, mc, meta_model, world_size, cuda, colocated):
+    """(headroom, host): {item: bytes} of what each GPU a colocated server shares keeps free, and of the
+    host's part (the docstring's items). `colocated`: colocation.colocated's answer."""
+    gpus = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # this node's: one engine of ours on each
+    return (headroom_plan(cfg, meta_model, world_size, cuda, colocated),
+            host_plan(cfg, mc, meta_model, cuda, colocated, gpus))
+
+
+def headroom_plan(cfg, meta_model, world_size, cuda, colocated):
+    """A colocated GPU's headroom (none otherwise): vLLM's CUDA context; NCCL buffers, a set per
+    communicator on the GPU (the trainer's world, HSDP's second dimension, sequence parallelism's, vLLM's
+    own under tensor parallelism); the sync's cache: the largest parameter gathered whole in float32
+    (weight_sync.serving_parts) and its cast to the served dtype, both kept by the allocator."""
+    if not (cuda and colocated):
+        return {}
+    shard = cfg.fsdp_shard_size or world_size
+    communicators = 1 + (shard < world_size) + (cfg.sequence_parallel_size > 1) + (cfg.vllm_tensor_parallel_size > 1)
+    adapter = cfg.lora_rank and cfg.lora_weight_sync == "adapter"  # it gathers the adapter alone
+    largest = max(p.numel() for p in meta_model.parameters() if p.requires_grad or not adapter)
+    cast = served_bytes(cfg, cuda) if served_bytes(cfg, cuda) != 4 and not cfg.lora_rank else 0  # LoRA's: float32
+    return dict(vllm_context=CUDA_CONTEXT, nccl_buffers=communicators * NCCL_BUFFERS, sync_cache=largest * (4 + cast))
+
+
+def host_plan(cfg, mc, meta_model, cuda, colocated, gpus):
+    """The host's items (the docstring's): a colocated server's sleep copies, one per engine (a replica of
+    vllm_tensor_parallel_size GPUs pins its weights once, split over them); the sync's directory; on a GPU
+    rank 0's full float32 state dict (on a CPU the trainer's weight_sync item holds the sync's, and the
+    launch copy comes before any activation)."""
+    copy = serving_values(mc, meta_model)
+    engines = gpus // cfg.vllm_tensor_parallel_size
+    merged = cfg.lora_rank and cfg.lora_weight_sync == "merged"  # the state dict and its merged copy
+    return dict(sleep_copies=engines * copy * served_bytes(cfg, cuda) if cuda and colocated else 0,
+                sync_dir=sync_dir_bytes(cfg, mc, meta_model, cuda),
+                state_dict=(2 if merged else 1) * 4 * copy if cuda else 0)
+
+
+def sync_dir_bytes(cfg, mc, meta_model, cuda):
+    """What the filesystem sync keeps in its directory at most (weight_sync.write_weights): the serving copy
+    in the served dtype and the part being written beside its last version; LoRA's merge writes float32 in
+    one part, its adapter sync the adapter (the new one beside the last)."""
+    if cfg.weight_sync_transport != "filesystem":
+        return 0
+    if cfg.lora_rank and cfg.lora_weight_sync == "adapter":
+        return 2 * 4 * sum(p.numel() for p in meta_model.parameters() if p.requires_grad)
+    if cfg.lora_rank:
+        return 2 * 4 * serving_values(mc, meta_model)
+    served = served_bytes(cfg, cuda)
+    copy = serving_values(mc, meta_model) * served
+    return copy + min(copy, max(weight_sync.PART_BYTES, max(p.numel() for p in meta_model.parameters()) * served))
+
+
 def tied(mc):
     """1 when the model's LM head is its embedding (the served copy then holds the head twice)."""
     return int(bool(getattr(mc, "tie_word_embeddings", False)))
@@ -186,11 +266,44 @@ def resident_bytes():
         return 0
 
 
-def machine_bytes():
-    """This machine's physical memory: what the run may hold at most. Not what is free, which other jobs
-    move from moment to moment: the same run must not be refused on one start and pass on the next.
-    Not a container's limit either (its cgroup's memory.max), which this does not read yet (docs/running.md)."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+def machine_bytes(root="/"):
+    """(bytes, whose) of the memory the run may hold at most: this machine's physical memory, or its
+    container's limit when lower (container_bytes; the kernel's OOM killer enforces it). Not what is free,
+    which other jobs move from moment to moment: the same run must not be refused on one start and pass
+    on the next."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = container_bytes(root)
+    return (limit, "its container's") if limit is not None and limit < physical else (physical, "this machine's")
+
+
+def container_bytes(root="/"):
+    """The memory limit of this process's cgroup, the lowest on its path (a parent's holds too), or None:
+    cgroup v2's memory.max ("max": none), v1's memory.limit_in_bytes (a number near 2**63: none), each
+    under /sys/fs/cgroup at the path /proc/self/cgroup names (inside a container's namespace "/"). Files
+    under `root`: a test gives a tree of the kernel's files."""
+    try:
+        with open(os.path.join(root, "proc/self/cgroup")) as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
+    except OSError:
+        return None
+    limits = []
+    for _, controllers, path in lines:
+        if controllers == "":  # v2: one hierarchy
+            base, name = os.path.join(root, "sys/fs/cgroup"), "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = os.path.join(root, "sys/fs/cgroup/memory"), "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts) + 1):  # the mount's own files too: a container sees its cgroup there
+            try:
+                with open(os.path.join(base, *parts[:depth], name)) as f:
+                    value = f.read().strip()
+            except OSError:
+                continue
+            if value.isdigit() and int(value) < 2**62:
+                limits.append(int(value))
+    return min(limits) if limits else None
 
 
 def rank_total(trainer):
@@ -218,29 +331,74 @@ def knob(cfg, trainer, server):
     return "shard over more ranks, set offload_params=True (GPU), or train adapters with lora_rank"
 
 
-def check(cfg, trainer, server, local_ranks, cuda, device_bytes=None):
-    """Refuse, in one line naming the knob, a plan this machine cannot hold: on a GPU a rank's plan
-    against its GPU (the server's fraction off in single_gpu_mode); on a CPU this node's ranks and
-    the server we launch against the machine's memory."""
+def check(cfg, trainer, server, headroom, host, local_ranks, cuda, device_bytes=None, host_bytes=None,
+          sync_free=None):
+    """Refuse, in one line naming the setting that fixes it, a plan this machine cannot hold: on a GPU a
+    rank's plan and the headroom it keeps while training (vLLM's context, NCCL's buffers) against its GPU
+    (the server's fraction off in single_gpu_mode), and the host's items against its memory; on a CPU this
+    node's ranks, the server we launch and the sync's copy in /dev/shm against the machine's memory; and
+    the sync's directory without room for its copy. Measured unless given: device_bytes (the GPU; on a CPU
+    the machine), host_bytes (bytes, whose: machine_bytes), sync_free (weight_sync.free_bytes)."""
+    limit, whose = host_bytes or machine_bytes()
+    in_memory = host["sync_dir"] if weight_sync.sync_base(cfg.weight_sync_dir, cfg.output_dir) == "/dev/shm" else 0
+    container = ", or raise the container's memory limit (docker run --memory)" if whose == "its container's" else ""
     if cuda:
-        limit = device_bytes or torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        limit *= (1 - cfg.vllm_gpu_memory_utilization) if cfg.single_gpu_mode else 1
-        need, what = rank_total(trainer), f"a trainer rank needs {rank_total(trainer) / GB:.1f} GB of its GPU's"
+        gpu = device_bytes or torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        gpu *= (1 - cfg.vllm_gpu_memory_utilization) if cfg.single_gpu_mode else 1
+        need = rank_total(trainer) + headroom.get("vllm_context", 0) + headroom.get("nccl_buffers", 0)
+        if need > gpu:
+            raise ValueError(f"memory plan: a trainer rank needs {need / GB:.1f} GB of its GPU's {gpu / GB:.1f} GB; "
+                             f"{knob(cfg, trainer, server)}")
+        held = dict(host, sync_dir=in_memory)
+        need = sum(held.values())
+        items = ", ".join(f"{k} {v / GB:.1f}" for k, v in held.items())
+        what = f"this node's host memory needs {need / GB:.1f} GB ({items})"
+        fix = host_knob(cfg, held)
     else:
-        limit = device_bytes or machine_bytes()
+        limit = device_bytes or limit
         # the weight sync's part is rank 0's alone (weight_sync.serving_parts)
         sync = trainer["weight_sync"]
-        need = local_ranks * (rank_total(trainer) - sync) + sync + sum(server.values())
-        what = f"{local_ranks} trainer rank(s) and the vLLM server need {need / GB:.1f} GB of this machine's"
+        need = local_ranks * (rank_total(trainer) - sync) + sync + sum(server.values()) + in_memory
+        what = f"{local_ranks} trainer rank(s) and the vLLM server need {need / GB:.1f} GB"
+        fix = knob(cfg, trainer, server)
     if need > limit:
-        raise ValueError(f"memory plan: {what} {limit / GB:.1f} GB; {knob(cfg, trainer, server)}")
+        raise ValueError(f"memory plan: {what} of {whose} {limit / GB:.1f} GB; {fix}{container}")
+    check_sync_dir(cfg, host["sync_dir"], sync_free)
 
 
-def describe(trainer, server):
-    """The start-up line: a rank's figure and the server's, each with its parts, in GB."""
+def host_knob(cfg, host):
+    """The setting that frees the most of the host's largest item."""
+    largest = max(host, key=host.get)
+    if largest == "sleep_copies":
+        return ("raise vllm_tensor_parallel_size (each replica pins one copy of the weights), or give the servers "
+                "GPUs of their own (scripts/launch_8gpu.sh)")
+    if largest == "sync_dir":
+        return "set weight_sync_dir to a directory on a disk"
+    return ("set lora_weight_sync='adapter' (the merge holds a second copy)" if cfg.lora_rank else
+            "run on a node with more memory") + " (rank 0 holds the whole float32 state dict)"
+
+
+def check_sync_dir(cfg, need, free=None):
+    """Refuse a sync directory without room for what the sync keeps there (sync_dir_bytes): a container's
+    /dev/shm is 64 MB unless it is given more. `free`: its free bytes, measured unless given."""
+    if not need:  # the NCCL transport writes no files
+        return
+    base = weight_sync.sync_base(cfg.weight_sync_dir, cfg.output_dir)
+    free = weight_sync.free_bytes(base) if free is None else free
+    if need > free:
+        fix = ("set weight_sync_dir to a directory on a disk, or give the container a larger /dev/shm (docker run "
+               "--shm-size)" if base == "/dev/shm" else "set weight_sync_dir to a directory with room")
+        raise ValueError(f"memory plan: the weight sync keeps {need / GB:.2f} GB in {base} (the serving copy and the "
+                         f"part it replaces), which has {free / GB:.2f} GB free; {fix}")
+
+
+def describe(trainer, server, headroom=None, host=None):
+    """The start-up line: a rank's figure and the server's, each with its parts, a colocated GPU's headroom
+    and the host's items, in GB."""
     parts = ", ".join(f"{k} {v / GB:.2f}" for k, v in trainer.items() if k != "per_token" and v)
     line = f"memory plan: trainer rank {rank_total(trainer) / GB:.2f} GB ({parts})"
-    if server:
-        line += (f"; vLLM server {sum(server.values()) / GB:.2f} GB ("
-                 + ", ".join(f"{k} {v / GB:.2f}" for k, v in server.items() if v) + ")")
+    for name, items in (("vLLM server", server), ("GPU headroom", headroom), ("host", host)):
+        if items and any(items.values()):
+            line += (f"; {name} {sum(items.values()) / GB:.2f} GB ("
+                     + ", ".join(f"{k} {v / GB:.2f}" for k, v in items.items() if v) + ")")
     return line + "; GB = 1e9 bytes, sequences at full length"

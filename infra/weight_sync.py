@@ -6,11 +6,15 @@ gathers are collectives); train.make_sync picks one. Each also gives a server we
 starts from (launch_state_dict), its flags (server_flags) and whether a sync comes first:
 
 - filesystem (default, CPU and GPU): gather the weights part by part (serving_parts: about
-  PART_BYTES at a time), rank 0 writes each part as a safetensors file to memory-backed /dev/shm
-  (or weight_sync_dir, a directory every server can read: servers on other nodes need a shared
-  filesystem) with the index that names them, asks each server to `reload_weights` through
-  /collective_rpc and resets its prefix cache. Rank 0 holds one part at a time (LoRA's merge and
-  the copy a launched server starts from take the whole state dict).
+  PART_BYTES at a time), rank 0 writes each part as a safetensors file in the served dtype
+  (vllm_server.server_dtype: float32 on a CPU, bfloat16 on GPUs; vLLM's loader copies each tensor
+  into its parameter, casting as it goes) to memory-backed /dev/shm (or weight_sync_dir, a
+  directory every server can read: servers on other nodes need a shared filesystem; sync_base)
+  with the index that names them, asks each server to `reload_weights` through /collective_rpc and
+  resets its prefix cache. Rank 0 holds one part at a time (LoRA's merge and the copy a launched
+  server starts from take the whole state dict). The directory holds the whole serving copy from
+  the first sync on, and a part more while one is written (write_weights); the memory plan
+  checks its free space before the first step (free_bytes).
 - nccl (GPU servers started with --weight-transfer-config '{"backend": "nccl"}'): vLLM's
   native weight-transfer API, in the server's dtype: nccl_sync.py, an optional file of its own.
 
@@ -30,6 +34,8 @@ import json
 import os
 import re
 import shutil
+
+import torch
 
 from infra.faults import VLLMError
 from infra.tracking import private_dir
@@ -94,7 +100,9 @@ def serving_parts(model, rank, budget=None, dtype=None, device=None):
 def write_weights(parts, out_dir):
     """Write the serving copy into out_dir: each part ({name: tensor}; a whole state dict is one
     part, untied here) a safetensors file, then the index that names them, each file replacing
-    its last version atomically. Consumes `parts` (serving_parts streams them); returns the bytes written."""
+    its last version atomically: the last sync's files stay until each is replaced, so the directory
+    holds a whole copy and the part being written (the memory plan's sync_dir). Consumes `parts`
+    (serving_parts streams them); returns the bytes written."""
     from safetensors.torch import save_file
 
     os.makedirs(out_dir, exist_ok=True)
@@ -134,13 +142,13 @@ class FilesystemSync:
     server_flags = ()  # a server we launch needs none for it (lora.sync.AdapterSync's: LoRA on)
     sync_at_start = False  # a server we launch needs no sync before it serves (AdapterSync's does)
 
-    def __init__(self, client, rank, output_dir, timeout=None, base=None, serving=None, device=None):
+    def __init__(self, client, rank, output_dir, timeout=None, base=None, serving=None, device=None, dtype=None):
         self.client, self.rank, self.dir, self.timeout, self.serving = client, rank, None, timeout, serving
         self.device = device  # where shards are gathered: offloaded (offload_params) ones too, over NCCL
-        if rank == 0:  # memory-backed /dev/shm when there is one, unless the servers need a shared directory
+        self.dtype = dtype  # of the parts written (the served dtype); None: as the trainer holds them
+        if rank == 0:
             shared = base is not None  # weight_sync_dir: other machines' runs may write there too
-            if base is None:
-                base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else output_dir
+            base = sync_base(base, output_dir)
             os.makedirs(base, exist_ok=True)
             # named for this process: a run killed by SIGKILL leaves its model copy, which the next run
             # removes (in a shared directory only a run of the machine that made it could tell it was dead)
@@ -159,7 +167,7 @@ class FilesystemSync:
         `gather_failed`: it is the trainer's own error, raised as it is."""
         try:
             if self.serving is None:
-                yield from serving_parts(model, self.rank, device=self.device)
+                yield from serving_parts(model, self.rank, dtype=self.dtype, device=self.device)
                 return
             sd = full_state_dict(model)
         except Exception:
@@ -215,7 +223,31 @@ def raise_on_every_rank(error):
         raise VLLMError(error)
 
 
+def sync_base(weight_sync_dir, output_dir):
+    """Where rank 0 writes the serving copy: weight_sync_dir, else memory-backed /dev/shm when there is one
+    we may write, else output_dir."""
+    if weight_sync_dir is not None:
+        return weight_sync_dir
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else output_dir
+
+
+def free_bytes(path):
+    """Free bytes of the filesystem that holds `path`, or would once it is made (its nearest existing
+    parent: weight_sync_dir may not exist yet). A 64 MB /dev/shm, a container's default, says so here."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+def served_dtype(cfg, cuda):
+    """The dtype the servers we sync serve in, as vllm_server.server_dtype names it (vllm_dtype; "auto" the
+    trainer's compute dtype), asked here and by the memory plan, which vllm_server imports."""
+    return getattr(torch, cfg.vllm_dtype if cfg.vllm_dtype != "auto" else "bfloat16" if cuda else "float32")
+
+
 def make_weight_sync(cfg, client, rank, device):
-    """The filesystem transport; `.sync(model)` on every rank after each step (the NCCL one is
-    nccl_sync.py's, LoRA's lora/sync.py's: train.make_sync picks)."""
-    return FilesystemSync(client, rank, cfg.output_dir, cfg.weight_sync_timeout, cfg.weight_sync_dir, device=device)
+    """The filesystem transport, its parts in the served dtype; `.sync(model)` on every rank after each step
+    (the NCCL one is nccl_sync.py's, LoRA's lora/sync.py's: train.make_sync picks)."""
+    return FilesystemSync(client, rank, cfg.output_dir, cfg.weight_sync_timeout, cfg.weight_sync_dir, device=device,
+                          dtype=served_dtype(cfg, torch.cuda.is_available()))

@@ -159,34 +159,40 @@ def test_refusal_names_the_knob_of_the_largest_item(overrides, knob):
     cfg = Config(**{**dict(max_tokens_per_micro_batch=65536, response_length=4096, max_prompt_length=64), **overrides})
     trainer = memory.trainer_plan(cfg, mc, meta_model(mc), 2, cuda=False)
     server = memory.server_plan(cfg, mc, meta_model(mc), False)
+    headroom, host = memory.node_plan(cfg, mc, meta_model(mc), 2, cuda=False, colocated=False)
+    assert headroom == {} and host["sleep_copies"] == host["state_dict"] == 0  # on a CPU: the sync's /dev/shm alone
     sync = trainer["weight_sync"]  # rank 0's alone
-    need = 2 * (memory.rank_total(trainer) - sync) + sync + sum(server.values())
-    memory.check(cfg, trainer, server, 2, cuda=False, device_bytes=need)  # exactly enough: no refusal
+    need = 2 * (memory.rank_total(trainer) - sync) + sync + sum(server.values()) + host["sync_dir"]
+    room = dict(host_bytes=(1e15, "this machine's"), sync_free=1e15)
+    memory.check(cfg, trainer, server, headroom, host, 2, cuda=False, device_bytes=need, **room)  # exactly enough
     with pytest.raises(ValueError, match=f"^memory plan: 2 trainer rank.*{knob}") as e:
-        memory.check(cfg, trainer, server, 2, cuda=False, device_bytes=need - 1)
+        memory.check(cfg, trainer, server, headroom, host, 2, cuda=False, device_bytes=need - 1, **room)
     assert "\n" not in str(e.value)
     gpu = memory.trainer_plan(cfg, mc, meta_model(mc), 2, cuda=True)
     with pytest.raises(ValueError, match=r"^memory plan: a trainer rank needs [0-9.]+ GB of its GPU's 0.0 GB; "):
-        memory.check(cfg, gpu, {}, 2, cuda=True, device_bytes=1)
+        memory.check(cfg, gpu, {}, {}, host, 2, cuda=True, device_bytes=1, **room)
 
 
-def test_a_colocated_server_gets_what_a_rank_holds_between_steps_leaves():
+def test_a_colocated_server_gets_what_a_rank_holds_between_steps_and_the_headroom_leave():
     """80 GB GPUs, 8 of them: a rank holds 10 GB between steps (shards, AdamW, reference, runtime; not its
-    activations, which come while the server sleeps): the server gets 1 - 10/80 - 0.05 = 0.825 of each
-    GPU, at most vllm_gpu_memory_utilization; refused when that cannot hold 1.2 x its weights per tensor-
-    parallel group and its share of the KV cache."""
+    activations, which come while the server sleeps) and 4 GB stay free beside it (vLLM's context, NCCL,
+    the sync's cache): the server gets (80 - 10 - 4) / 80 = 0.825 of each GPU, at most
+    vllm_gpu_memory_utilization; refused when that cannot hold 1.2 x its weights per tensor-parallel group
+    and its share of the KV cache."""
     trainer = dict(parameters=2e9, optimizer=4e9, reference=2e9, runtime=2e9, activations=30e9, gradients=2e9,
                    gathered=1e9, lm_head=1e8, weight_sync=0, per_token=1)
     server = dict(weights=14e9, kv_cache=8e9, runtime=0)
+    headroom, host = dict(vllm_context=0.5e9, nccl_buffers=1.6e9, sync_cache=1.9e9), dict(sleep_copies=1e12)
     cfg = Config(vllm_gpu_memory_utilization=0.9)
-    assert colocation.fraction(cfg, trainer, server, 8, 80e9) == pytest.approx(0.825)
-    assert colocation.fraction(dataclasses.replace(cfg, vllm_gpu_memory_utilization=0.5), trainer, server, 8,
-                                     80e9) == 0.5
+    assert colocation.fraction(cfg, trainer, server, headroom, host, 8, 80e9) == pytest.approx(0.825)
+    assert colocation.fraction(dataclasses.replace(cfg, vllm_gpu_memory_utilization=0.5), trainer, server, headroom,
+                               host, 8, 80e9) == 0.5
     with pytest.raises(ValueError, match=r"^memory plan: a trainer rank holds 10.0 GB of a 24.0 GB GPU between "
-                                         r"steps, leaving the colocated vLLM server less than its 15.0 GB"):
-        colocation.fraction(cfg, trainer, server, 8, 24e9)  # 0.53 x 24 < 1.2 x (14 + 1)
-    assert colocation.fraction(dataclasses.replace(cfg, vllm_tensor_parallel_size=2), trainer, server, 8,
-                                     24e9) == pytest.approx(1 - 10 / 24 - 0.05)  # 7 + 1 GB a GPU fits
+                                         r"steps and 4.0 GB stay free beside it .*, leaving the colocated vLLM server "
+                                         r"less than 1.2 x its 15.0 GB; .*scripts/launch_8gpu.sh\)$"):
+        colocation.fraction(cfg, trainer, server, headroom, host, 8, 24e9)  # 10 GB left < 1.2 x (14 + 1)
+    assert colocation.fraction(dataclasses.replace(cfg, vllm_tensor_parallel_size=2), trainer, server, headroom, host,
+                               8, 24e9) == pytest.approx((24 - 10 - 4) / 24)  # 1.2 x (7 + 1) GB a GPU fits
 
 
 @pytest.mark.subprocess
@@ -230,3 +236,146 @@ def test_plan_against_the_measured_peak_of_two_ranks(tmp_path):
         assert abs(r["memory_plan_gb"] - r["peak_memory_gb"]) <= 0.25 * r["peak_memory_gb"], r
     plan = json.load(open(tmp_path / "out" / "run_info.json"))["memory_plan"]
     assert plan[0]["activations"] > plan[0]["runtime"] / 2  # activations weigh here, not the libraries alone
+
+
+# Published config.json values of the base models (huggingface.co/Qwen/Qwen2.5-{0.5B,1.5B,7B}): hidden,
+# layers, heads, key/value heads, MLP width, vocabulary, tied head, context
+QWEN = {"0.5B": (896, 24, 14, 2, 4864, 151936, True, 32768),
+        "1.5B": (1536, 28, 12, 2, 8960, 151936, True, 131072),
+        "7B": (3584, 28, 28, 4, 18944, 152064, False, 131072)}
+
+
+def qwen_config(h, layers, heads, kv_heads, i, vocab, tie, context):
+    return Qwen2Config(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                       intermediate_size=i, vocab_size=vocab, tie_word_embeddings=tie, max_position_embeddings=context,
+                       layer_types=["full_attention"] * layers)
+
+
+def colocated_plan(mc, cfg, gpus=8, gpu=80e9):
+    """The plan of train.py's load_inputs for one node of `gpus` GPUs with the server colocated, and the share."""
+    model = meta_model(mc)
+    plan = (memory.trainer_plan(cfg, mc, model, gpus, cuda=True), memory.server_plan(cfg, mc, model, cuda=True),
+            *memory.node_plan(cfg, mc, model, gpus, cuda=True, colocated=True))
+    return plan, colocation.fraction(cfg, *plan, gpus, gpu)
+
+
+@pytest.mark.parametrize("name", list(QWEN))
+def test_qwen_colocated_on_8_h100_by_hand(name, monkeypatch, capsys):
+    """Qwen2.5 at 0.5B, 1.5B and 7B colocated on 8 GPUs of 80 GB in bf16, the default config otherwise: the
+    plan's lines (docs/running.md's table: `pytest -s tests/test_memory.py -k qwen`) and each item the table
+    shows by hand from the published shapes."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    h, layers, heads, kv_heads, i, vocab, tie, _ = QWEN[name]
+    kv = kv_heads * h // heads
+    layer = 3 * h * i + (h * h + h) + 2 * (h * kv + kv) + h * h + 2 * h  # MLP, q (bias), k, v (bias), o, norms
+    total = layers * layer + vocab * h * (1 if tie else 2) + h  # embeddings (and an untied head), final norm
+    serving = total + vocab * h * tie  # the served copy's head untied
+    cfg = Config()
+    (trainer, server, headroom, host), share = colocated_plan(qwen_config(*QWEN[name]), cfg)
+    with capsys.disabled():
+        print(f"\nQwen2.5-{name}, 8 x 80 GB: {memory.describe(trainer, server, headroom, host)}; "
+              f"server share {share:.3f} x 80 GB = {share * 80:.1f} GB")
+    held = 4 * total // 8 + 8 * total // 8 + memory.CUDA_CONTEXT  # parameters, AdamW, runtime (no reference: beta 0)
+    assert headroom == dict(vllm_context=0.5e9, nccl_buffers=1.6e9, sync_cache=vocab * h * (4 + 2))  # the embedding
+    assert share == pytest.approx(min(0.9, (80e9 - held - 0.5e9 - 1.6e9 - 6 * vocab * h) / 80e9))
+    assert server["weights"] == 2 * serving
+    assert host == dict(sleep_copies=8 * 2 * serving, sync_dir=2 * serving + 2 * vocab * h, state_dict=4 * serving)
+    if name == "7B":  # the figures of the table, rounded as it shows them
+        assert (round(memory.rank_total(trainer) / 1e9, 1), round(share, 3)) == (24.1, 0.784)
+        assert [round(v / 1e9, 1) for v in host.values()] == [121.8, 16.3, 30.5]
+
+
+def test_a_container_limit_is_read_from_the_process_cgroup(tmp_path):
+    """The kernel's files in a tree of their own: cgroup v2 (the lowest memory.max on the process's path), v1
+    (memory.limit_in_bytes, its "unlimited" near 2**63), a v1 memory controller beside a v2 hierarchy (this
+    machine's layout), none; machine_bytes takes the limit where it is below the RAM."""
+    def tree(root, cgroup, files):
+        (root / "proc/self").mkdir(parents=True)
+        (root / "proc/self/cgroup").write_text(cgroup)
+        for path, value in files.items():
+            (root / path).parent.mkdir(parents=True, exist_ok=True)
+            (root / path).write_text(value + "\n")
+        return str(root)
+
+    v2 = tree(tmp_path / "v2", "0::/kubepods/pod1\n", {"sys/fs/cgroup/kubepods/memory.max": "8589934592",
+                                                     "sys/fs/cgroup/kubepods/pod1/memory.max": "17179869184"})
+    assert memory.container_bytes(v2) == 8589934592  # the parent's 8 GiB holds its child
+    ns = tree(tmp_path / "ns", "0::/\n", {"sys/fs/cgroup/memory.max": "1000000000"})  # a container's own namespace
+    assert memory.container_bytes(ns) == 1_000_000_000
+    v1 = tree(tmp_path / "v1", "4:memory:/docker/abc\n3:cpu:/docker/abc\n",
+              {"sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712",
+               "sys/fs/cgroup/memory/docker/abc/memory.limit_in_bytes": "2147483648"})
+    assert memory.container_bytes(v1) == 2147483648
+    hybrid = tree(tmp_path / "hybrid", "4:memory:/process_api/x\n0::/\n",
+                  {"sys/fs/cgroup/memory/process_api/x/memory.limit_in_bytes": "9223372036854771712"})
+    assert memory.container_bytes(hybrid) is None  # unlimited
+    assert memory.container_bytes(str(tmp_path / "none")) is None  # no /proc
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert memory.machine_bytes(ns) == (1_000_000_000, "its container's")
+    assert memory.machine_bytes(hybrid) == (physical, "this machine's")
+    assert memory.machine_bytes()[0] <= physical  # this machine's own files
+
+
+def test_a_container_limit_refuses_the_host_plan(tmp_path):
+    """A GPU node's host items against a container's 100 GB: refused in one line naming the container's
+    limit and the setting that frees the largest item (the sleep copies: one a replica)."""
+    mc = qwen_config(*QWEN["7B"])
+    cfg = Config(output_dir=str(tmp_path))
+    (trainer, server, headroom, host), _ = colocated_plan(mc, cfg)
+    need = host["sleep_copies"] + host["sync_dir"] + host["state_dict"]
+    room = dict(device_bytes=80e9, sync_free=1e15)
+    memory.check(cfg, trainer, server, headroom, host, 8, cuda=True, host_bytes=(need, "its container's"), **room)
+    with pytest.raises(ValueError, match=r"^memory plan: this node's host memory needs 168.6 GB \(sleep_copies 121.8, "
+                                         r"sync_dir 16.3, state_dict 30.5\) of its container's 100.0 GB; raise "
+                                         r"vllm_tensor_parallel_size .*, or raise the container's memory limit "
+                                         r"\(docker run --memory\)$"):
+        memory.check(cfg, trainer, server, headroom, host, 8, cuda=True, host_bytes=(100e9, "its container's"), **room)
+    on_disk = dataclasses.replace(cfg, weight_sync_dir=str(tmp_path / "sync"))  # not the host's memory then
+    memory.check(on_disk, trainer, server, headroom, host, 8, cuda=True,
+                 host_bytes=(need - host["sync_dir"], "its container's"), **room)
+
+
+def test_a_small_dev_shm_refuses_the_sync(tmp_path):
+    """A container's 64 MB /dev/shm cannot hold the sync's copy: one line naming weight_sync_dir and docker's
+    --shm-size; a weight_sync_dir without room names it alone. The real /dev/shm is measured where there is one."""
+    cfg = Config(output_dir=str(tmp_path))
+    base = weight_sync.sync_base(None, str(tmp_path))
+    need = memory.sync_dir_bytes(cfg, qwen_config(*QWEN["0.5B"]), meta_model(qwen_config(*QWEN["0.5B"])), cuda=True)
+    assert base == "/dev/shm" and need == 2 * (494_032_768 + 151936 * 896) + 2 * 151936 * 896  # untied: +1 head
+    memory.check_sync_dir(cfg, need, free=need)
+    with pytest.raises(ValueError, match=r"^memory plan: the weight sync keeps 1.53 GB in /dev/shm \(.*\), which has "
+                                         r"0.07 GB free; set weight_sync_dir to a directory on a disk, or give the "
+                                         r"container a larger /dev/shm \(docker run --shm-size\)$"):
+        memory.check_sync_dir(cfg, need, free=64 * 2**20)
+    with pytest.raises(ValueError, match=r"in .*/sync .*; set weight_sync_dir to a directory with room$"):
+        memory.check_sync_dir(dataclasses.replace(cfg, weight_sync_dir=str(tmp_path / "sync")), need, free=0)
+    import shutil
+    assert weight_sync.free_bytes(str(tmp_path / "sync" / "later")) == shutil.disk_usage(tmp_path).free
+    memory.check_sync_dir(cfg, 1)  # measured: this machine's /dev/shm has a byte free
+    with pytest.raises(ValueError, match="which has"):
+        memory.check_sync_dir(cfg, weight_sync.free_bytes("/dev/shm") + 2**30)
+
+
+def test_parts_are_written_in_the_served_dtype(tmp_path, monkeypatch):
+    """bfloat16 parts where the server is bfloat16 (half the bytes in /dev/shm), float32 on a CPU bit for bit
+    as the trainer holds them; make_weight_sync asks vllm_server.server_dtype."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    mc = model_config(128, 256, 2, 1, 64, vocab=100)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(mc).float()
+    assert weight_sync.make_weight_sync(Config(output_dir=str(tmp_path)), None, 1, None).dtype == torch.float32
+    for dtype in ("auto", "float32", "bfloat16"):  # the dtype the server we launch is told
+        cmd, _ = server_command("m", Config(vllm_dtype=dtype), uds="/tmp/x.sock")
+        told = getattr(torch, cmd[cmd.index("--dtype") + 1])
+        assert weight_sync.served_dtype(Config(vllm_dtype=dtype), cuda=False) == told
+    assert weight_sync.make_weight_sync(Config(output_dir=str(tmp_path), vllm_dtype="bfloat16"), None, 1,
+                                        None).dtype == torch.bfloat16
+    full = weight_sync.write_weights(weight_sync.serving_parts(model, 0, dtype=torch.float32), str(tmp_path / "f32"))
+    half = weight_sync.write_weights(weight_sync.serving_parts(model, 0, dtype=torch.bfloat16), str(tmp_path / "bf16"))
+    assert half * 2 == full == 4 * memory.serving_values(mc, meta_model(mc))
+    f32, bf16 = (load_file(str(tmp_path / d / "model-00001.safetensors")) for d in ("f32", "bf16"))
+    for name, p in model.state_dict().items():
+        assert torch.equal(f32[name], p) and bf16[name].dtype == torch.bfloat16
+        assert torch.equal(bf16[name], p.to(torch.bfloat16))
