@@ -111,8 +111,8 @@ class Config:
     vllm_port: int = option(8011, "port of a server `python scripts/serve.py --serve` starts (scripts/launch_8gpu.sh); "
                                   "the one train.py launches takes none (a private Unix socket)",
                             low=1, high=65535, resumable=True)
-    vllm_dtype: str = option("auto", "dtype of the server we launch; auto = the trainer's (float32 on CPU, bfloat16 "
-                                     "on GPU)")
+    vllm_dtype: Literal["auto", "float32", "float", "bfloat16", "float16", "half"] = option(
+        "auto", "dtype of the server we launch (vLLM's --dtype); auto = the trainer's (float32 on CPU, bfloat16 on GPU)")
     vllm_enforce_eager: bool = option(False, "start the server we launch with --enforce-eager: no torch.compile "
                                              "(on a CPU its warm-up is 1 to 2 minutes of every start)", resumable=True)
     vllm_max_model_len: Optional[int] = option(None, "context of the server we launch; None = max_prompt_length + "

@@ -44,7 +44,7 @@ import urllib.error
 
 import torch
 
-from infra import memory
+from infra import memory, weight_sync
 from infra.faults import VLLMError
 from infra.vllm_client import check_servers, check_version, fetch, log_tail
 from infra.tracking import private_dir
@@ -71,8 +71,9 @@ def death_signal_prefix():
 
 def server_dtype(cfg):
     """The server's dtype: vllm_dtype, where "auto" means the trainer's compute dtype. vLLM's own
-    "auto" turns float32 into bfloat16 on CPU, which puts a 1e-3 gap between trainer and server logprobs."""
-    return cfg.vllm_dtype if cfg.vllm_dtype != "auto" else "bfloat16" if torch.cuda.is_available() else "float32"
+    "auto" turns float32 into bfloat16 on CPU, which puts a 1e-3 gap between trainer and server logprobs.
+    The rule is weight_sync.served_dtype's (the sync writes its parts in it): here by the name --dtype takes."""
+    return str(weight_sync.served_dtype(cfg, torch.cuda.is_available())).removeprefix("torch.")
 
 
 def server_command(model_dir, cfg, port=None, uds=None, extra_args=()):
