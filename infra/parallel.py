@@ -106,6 +106,7 @@ def close_distributed():
     if not dist.is_initialized():
         return
     ranks.barrier()
+    ranks.close()
     dist.destroy_process_group()
     # DTensor's caches keep device meshes alive past the run, and a mesh holds its groups.
     # (type(), not isinstance: DeviceMesh's metaclass reads each object's __class__, and the deprecated

@@ -65,6 +65,7 @@ class Ranks:
 
     def __init__(self):
         self.group = None  # the gloo group every wait for rank 0 uses
+        self.watch, self.closed = None, False  # the watch thread, and whether it is to stop
         self.in_loop = self.stop = self.in_fn = False  # the training loop; told to stop; rank 0 inside fn
         self.ended = None  # status an Ended raises, once the watch saw another rank fail
         self.ending = False  # the run is over: its exit (atexit's calls among it) is not to be interrupted
@@ -85,7 +86,19 @@ def start(backend_timeout_minutes):
         os.set_blocking(write, False)
         signal.set_wakeup_fd(write, warn_on_full_buffer=False)  # the C handler writes here even when the
         # main thread is inside a collective and cannot run the Python one
-        threading.Thread(target=watch, args=(read, os.getppid()), daemon=True, name="ranks-watch").start()
+        R.watch = threading.Thread(target=watch, args=(read, os.getppid()), daemon=True, name="ranks-watch")
+        R.watch.start()
+
+
+def close():
+    """Before the process group goes (parallel.close_distributed): the watch stops, and the CPU group is let
+    go, so that nothing holds it past destroy_process_group (a group freed while the interpreter exits
+    aborts the process: parallel.close_distributed says why)."""
+    R.closed = True
+    if R.watch is not None:
+        R.watch.join(timeout=2 * WATCH)
+        R.watch = None
+    R.group = None
 
 
 def handle(*_):
@@ -225,7 +238,7 @@ def watch(signals, parent):
     itself when the main thread does not come back to Python within STUCK seconds of being told."""
     client, posted, told_seen, gone_seen = store(), False, False, False
     looked = time.monotonic()  # a signal's byte read now was written after this
-    while True:
+    while not R.closed:
         ready = select.select([signals], [], [], WATCH)[0]
         if ready and signal.SIGTERM in os.read(signals, 64) and R.pending is None:
             R.pending = looked

@@ -98,6 +98,7 @@ def main():
         ranks.abort()
         raise
     ranks.barrier()
+    ranks.close()
     dist.destroy_process_group()
     sys.exit(status)
 

@@ -50,6 +50,14 @@ def one_line(tmp_path, says):
     assert "error" not in r1.lower(), r1[-2000:]
 
 
+def alive(pid):
+    """Whether process `pid` still runs (a zombie has ended: nobody may have reaped it yet)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def wait_for_step(proc, tmp_path, step, timeout=600):
     deadline = time.monotonic() + timeout
     while not any(r["step"] >= step for r in metrics(tmp_path)):
@@ -96,3 +104,27 @@ def test_a_teachers_server_that_dies_ends_every_rank_in_one_line(tiny_model_dir,
     rc, _ = ended(proc, 240)
     assert rc != 0
     one_line(tmp_path, "the teacher's server")
+
+
+def test_a_launcher_killed_outright_stops_its_ranks_and_our_server(tiny_model_dir, tmp_path):
+    """torchrun SIGKILLed (its ranks, each in a session of its own, were left running and holding their
+    devices): each rank's watch sees its launcher gone and stops as on a SIGTERM, the last trained step
+    checkpointed, and the server we launched goes with rank 0."""
+    proc = launch(tmp_path, "--model_name_or_path", tiny_model_dir, "--num_training_steps", "1000",
+                  "--checkpoint_state_dir", str(tmp_path / "ckpt"), "--checkpoint_state_freq", "500")
+    wait_for_step(proc, tmp_path, 2)
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    served = str(tmp_path / "out" / "vllm_model")
+    server = subprocess.run(["pgrep", "-f", f"model {served} --host"], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2 and server
+    proc.kill()
+    proc.communicate()
+    deadline = time.monotonic() + 90
+    running = lambda pids: [p for p in pids if alive(p)]  # noqa: E731
+    while (running(workers) or running(server)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not running(workers), "a rank outlived its launcher"
+    assert not running(server), "our server outlived the job"
+    last = max(r["step"] for r in metrics(tmp_path))
+    assert os.listdir(tmp_path / "ckpt") == [f"step_{last:08d}"]
+    assert f"SIGTERM: stopped after step {last}" in ranks_said(tmp_path, 0)
