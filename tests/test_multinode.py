@@ -131,13 +131,12 @@ def test_two_nodes_train_two_steps_with_the_sync_check_holding(server, tiny_mode
     assert reloads(log) - before == 3 and os.listdir(tmp_path / "sync") == []
 
 
-@pytest.mark.xfail(strict=False, reason="a rank whose agent is SIGKILLed lives on, orphaned in a session of its own, "
-                                        "and trains on with the other node: no rank watches its launcher yet")
 def test_a_node_that_dies_ends_the_other_within_a_minute(server, tiny_model_dir, tmp_path):
     """SIGKILL the agent of the node that holds rank 1, in the middle of the run: the other node ends within
-    a minute, with a non-zero exit and one `error:` line, or a clean stop. backend_timeout=1 (minute) and the
-    test's own limits keep a hang from holding the suite. Measured before a rank watched its launcher: both
-    ranks alive a minute after the kill, the run gone on from step 2 to 153."""
+    a minute, with a non-zero exit and one `error:` line, or a clean stop (the orphaned rank sees its launcher
+    gone and stops as on a SIGTERM; the other rank stops after the same step, infra/ranks.py). backend_timeout=1
+    (minute) and the test's own limits keep a hang from holding the suite. Before a rank watched its launcher:
+    both ranks alive a minute after the kill, the run gone on from step 2 to 153."""
     (url, _), port = server, free_port()
     long_run = ("--num_training_steps", "2000", "--backend_timeout", "1", "--weight_sync_timeout", "30")
     agents = [node(url, tiny_model_dir, tmp_path, port, *long_run)]
@@ -163,6 +162,7 @@ def test_a_node_that_dies_ends_the_other_within_a_minute(server, tiny_model_dir,
                         f"agent died: ranks alive {alive}, steps logged {step_then} -> {metrics(tmp_path)[-1]['step']}")
         errors = [line for line in out.splitlines() if line.startswith("error:")]
         assert metrics(tmp_path)[-1]["step"] < 2000, "the run went on to its end"
-        assert survivor.returncode in (0, 143) or (survivor.returncode != 0 and len(errors) == 1), out[-4000:]
+        stopped = "SIGTERM: stopped after step" in out  # (tqdm's bar may share its line)
+        assert survivor.returncode == 0 or stopped or len(errors) == 1, out[-4000:]
     finally:
         stop(agents, [pid for _, pid in ranks.values()])
