@@ -49,9 +49,9 @@ The calls run in worker processes (worker_pool.CallPool) under tool_timeout. Who
 is, and how it is counted, is one table, faults.FAULTS (docs/operations.md): a ToolError, or a tool
 function's exception, is the policy's (an "error: ..." tool message, tool_bad_calls: it learns from
 it); any other exception of step, raising tool_calls.Unavailable, a constructor or reset that
-raises, a reset whose messages are not its prompt's, a timeout, a worker that dies is ours: the episode ends there unscored (its group leaves
-the batch), as do the other episodes whose per-episode instances lived in that worker (tool_lost),
-and the step's first one is printed.
+raises, a reset whose messages are not its prompt's, a timeout, a worker that dies is ours: the
+episode ends there unscored (its group leaves the batch), as do the other episodes whose
+per-episode instances lived in that worker (tool_lost), and the step's first one is printed.
 A message longer than tool_output_max_tokens is cut there (to a bounded number of characters
 first, then tokens). The worker is an ordinary process in a process group of its own, ended
 with its children on a timeout or a crash: it keeps a tool from stopping the run; it does not
