@@ -43,7 +43,7 @@ class Drifting:
     """The same messages for its first two resets (start-up's check), another board after."""
 
     def reset(self, row):
-        path = os.environ["RESET_COUNT"]
+        path = os.path.join(os.path.dirname(__file__), "count")  # beside this file: every process counts
         n = int(open(path).read() or 0) + 1 if os.path.exists(path) else 1
         open(path, "w").write(str(n))
         return [{"role": "user", "content": f"{row['prompt']} board {'A' if n <= 2 else 'B'}"}]
@@ -95,11 +95,9 @@ def test_a_seeded_reset_plays_the_board_its_prompt_showed(tiny_model_dir, tmp_pa
 
 
 @pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.subprocess)])
-def test_a_reset_that_drifts_after_start_up_is_caught_in_each_episode(tiny_model_dir, tmp_path, monkeypatch,
-                                                                      workers):
+def test_a_reset_that_drifts_after_start_up_is_caught_in_each_episode(tiny_model_dir, tmp_path, workers):
     """Start-up's two resets agree; the episodes' resets give another board: each episode ends unscored,
     counted as tool_reset_mismatch (ours), naming both boards and the fix."""
-    monkeypatch.setenv("RESET_COUNT", str(tmp_path / "count"))
     env, tok, cfg = load(tmp_path, tiny_model_dir, "Drifting", workers)
     rows, _ = tokenize_rows([dict(prompt="Solve:", answer="x")], tok, cfg, env)
     assert rows[0]["messages"] == [{"role": "user", "content": "Solve: board A"}]
