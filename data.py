@@ -22,6 +22,8 @@ User data: `--dataset` names a local .jsonl/.json/.parquet/.csv file or a hub da
 TRL's forms: a `prompt` of messages, and prompt-completion rows, whose `completion` is the
 gold answer when there is no answer column. A prompt that ends with an assistant message
 (TRL's whole-conversation `messages`) is refused: the answer would be in the prompt.
+A --reward_fn of your own is called once at start-up on the first row and a made-up completion
+(dry_call): a value of the wrong type or length stops the run before any server.
 GSM8K rows (question; answer ending in "#### 72") and MATH rows (problem; solution with
 \\boxed{}) train with `--reward_fn rewards:math_reward`, which reads the gold answer there.
 """
@@ -29,10 +31,11 @@ GSM8K rows (question; answer ending in "#### 72") and MATH rows (problem; soluti
 import json
 import os
 import random
+import threading
 import zlib
 
 from rewards import copy_reward, exact_match, math_reward, number_reward
-from infra.user_code import check_columns, load_reward_fns
+from infra.user_code import Reward, check_columns, load_reward_fns
 
 # --- built-in tasks
 
@@ -266,6 +269,70 @@ def load_prompts(cfg, tokenizer, env=None):
     for fn in reward_fns:  # a TRL reward's named columns
         check_columns(fn, train[0], f"reward_fn={cfg.reward_fn!r}")
     return train, evals, skipped, reward_fns[0] if len(reward_fns) == 1 else reward_fns
+
+
+# --- a user's reward, called once at start-up (train.load_inputs)
+
+
+DRY_COMPLETION = "0"  # the made-up completion of the dry call: an answer, if a wrong one
+
+
+class Raised(Exception):
+    """The reward's own exception in the dry call: the made-up completion may be garbage to it."""
+
+
+def dry_call(spec, weights, row, completion_ids, timeout, multi_turn=False):
+    """Call the reward (--reward_fn: one function or several, either form) once on a real prompt row and a
+    made-up completion, as the pool would call it (user_code.Reward.call), before any server starts, and
+    nothing of it recorded. A value of the wrong type, or a TRL-form list of the wrong length, raises
+    ValueError naming the function and the fix: it would fail on every sample. Returns warning lines:
+    an exception of the reward's own, a None from our form, or no answer within `timeout` (reward_timeout)
+    may come of the made-up completion alone, so each is a warning, not a refusal; a TRL-form None is
+    TRL's "not applicable", and fine."""
+    reward = Reward(spec, weights)  # a reward_weights of the wrong length is refused here too
+    example = dict(row, messages=[*row.get("messages", []), {"role": "assistant", "content": DRY_COMPLETION}]) \
+        if multi_turn else row
+    done, out = threading.Event(), {}
+
+    def run():
+        out["result"] = [one(part, name, row["prompt_text"], example, completion_ids)
+                         for part, name in zip(reward.parts, reward.names)]
+        done.set()
+
+    threading.Thread(target=run, daemon=True, name="dry-reward").start()  # a hang is left behind, a daemon
+    if not done.wait(timeout):
+        return [f"reward_fn={spec!r} did not answer within reward_timeout={timeout:g} s on a made-up completion "
+                f"({DRY_COMPLETION!r}); each sample that slow is unscored (reward_timeouts)"]
+    wrong = [why for kind, why in out["result"] if kind == "wrong"]
+    if wrong:
+        raise ValueError(f"reward_fn={spec!r}: {wrong[0]}, called at start-up on the first prompt and the made-up "
+                         f"completion {DRY_COMPLETION!r}; fix it to return one number per completion")
+    return [f"reward_fn={spec!r}: {why} on the made-up completion {DRY_COMPLETION!r} at start-up; on every real "
+            f"completion that would leave the sample unscored (reward_errors)" for kind, why in out["result"] if kind]
+
+
+def one(part, name, prompt, example, completion_ids):
+    """One function's dry call: (None, None) when it gave a number or TRL's None, ("wrong", why) for a
+    value of the wrong type or length, ("warn", why) for its own exception or our form's None."""
+    fn, form, keywords = part
+    got = {}
+
+    def guarded(*args, **kwargs):
+        try:
+            got["value"] = fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - user code may raise anything
+            raise Raised(f"{name} raised {type(e).__name__}: {e}") from None
+        return got["value"]
+
+    try:
+        Reward.call((guarded, form, keywords), prompt, DRY_COMPLETION, example, completion_ids)
+    except Raised as e:
+        return "warn", str(e)
+    except Exception as e:  # noqa: BLE001 - to_float's and one_value's: its value is of the wrong type or length
+        if form == "ours" and got.get("value", 0) is None:
+            return "warn", f"{name} returned None"
+        return "wrong", f"{name} {e}"
+    return None, None
 
 
 class PromptSampler:

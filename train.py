@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 import packing
 from config import Config
-from data import PromptSampler, load_prompts
+from data import DRY_COMPLETION, PromptSampler, dry_call, load_prompts
 from episodes import Completions
 from packing import batch_plan
 from reference import make_reference
@@ -124,6 +124,11 @@ def load_inputs(cfg):
             vllm_server.check_vllm(cfg)  # the servers you run answer; every vLLM is the pinned one
         player, env = choose_player(cfg, tokenizer)
         train_rows, eval_rows, skipped, reward_fn = load_prompts(cfg, tokenizer, env)
+        if rank0 and cfg.reward_fn:  # called once on a real row, in seconds: a value of the wrong length stops here
+            ids = tokenizer(DRY_COMPLETION, add_special_tokens=False)["input_ids"]
+            for line in dry_call(cfg.reward_fn, cfg.reward_weights, train_rows[0], ids, cfg.reward_timeout,
+                          player.multi_turn):
+                print(f"warning: {line}", file=sys.stderr)
         plan = (memory.trainer_plan(cfg, model_config, meta_model, world, cuda),
                 server_plan(cfg, model_config, meta_model, cuda),  # then a colocated GPU's headroom, the host's
                 *memory.node_plan(cfg, model_config, meta_model, world, cuda, colocation.colocated(cfg, cuda)))

@@ -6,6 +6,10 @@ Its doors: envs/environment.py (Environment.start makes the CallPool of Calls) a
 worker_pool.py (its forkserver preloads this module, so that a replacement worker starts fast).
 """
 
+import inspect
+import json
+import zlib
+
 from envs import tool_calls
 from infra.user_code import load_object, to_float
 from envs.tool_calls import Starved, ToolError, Unavailable
@@ -23,6 +27,43 @@ def check_messages(value):
             for m in value):
         raise TypeError(f"step returned {value!r:.80}, not a list of {{'role': str, 'content': str}} messages")
     return [{k: m[k] for k in KEYS if k in m} for m in value]
+
+
+NOT_IDENTITY = ("messages", "prompt_text", "prompt_ids")  # what data.tokenize_rows adds to a row after its reset
+
+
+def row_seed(row):
+    """The seed of a row's reset: a stable hash of its content (its dataset columns; not what its
+    rendering adds), the same at load time and in every episode of its group, in any process and
+    run. Its content, not its index: a row reaches a worker as itself, shuffled, without a place."""
+    identity = {k: v for k, v in row.items() if k not in NOT_IDENTITY}
+    return zlib.crc32(json.dumps(identity, sort_keys=True, default=str).encode())
+
+
+def seeded(reset):
+    """True when reset takes a `seed` (the Gym convention): the trainer passes row_seed(row)."""
+    try:
+        return "seed" in inspect.signature(reset).parameters
+    except (TypeError, ValueError):  # no signature to read: called with the row alone
+        return False
+
+
+def first_messages(instance, row):
+    """An instance's reset(row), seeded by the row where its reset takes a seed, as checked messages."""
+    reset = instance.reset
+    return check_messages(reset(row, seed=row_seed(row)) if seeded(reset) else reset(row))
+
+
+def mismatch(got, rendered, source="the prompt was rendered from"):
+    """Why an episode's first messages are not its prompt's (None when they are): a reset that drew
+    another state than the one the prompt was rendered from, so the policy would play another game."""
+    if got == rendered:
+        return None
+    where = next((i for i, (a, b) in enumerate(zip(got, rendered)) if a != b), min(len(got), len(rendered)))
+    shown = lambda ms: repr(ms[where]["content"]) if where < len(ms) else "nothing"  # noqa: E731
+    return (f"reset gave {shown(got):.60} where {source} {shown(rendered):.60} "
+            f"(message {where}); seed your reset (take a `seed` parameter: the trainer passes one derived "
+            f"from the row) or derive its state from the row")
 
 
 INSTANCES = {}  # this process's per-episode environments: episode key -> instance
@@ -45,7 +86,8 @@ class Calls:
     named by its row of faults.FAULTS, and whose it is decided there:
     - what="step" returns (messages, kind, why): kind None, "tool_bad_calls" (the policy's mistake:
       the messages tell it), or one of ours with no messages ("tool_errors", "tool_unavailable", "tool_starved",
-      "tool_resets", "tool_lost": the instance died with an earlier worker);
+      "tool_resets", "tool_reset_mismatch": its reset gave other messages than its prompt was rendered
+      from, "tool_lost": the instance died with an earlier worker);
     - what="finish" returns (the episode's reward or None without a reward method, kind, why): the
       reward is computed, then the instance closed; a close that raises is "tool_errors", and a
       reward that raises goes up to the pool (reward_errors);
@@ -68,9 +110,9 @@ class Calls:
         env = self.obj
         if per_episode(env):
             if first and what != "close":  # an episode's first call; "close": it never had one
-                why = self.make(key, row)
-                if why:
-                    return ([] if what == "step" else None), "tool_resets", why
+                failed = self.make(key, row)
+                if failed:
+                    return ([] if what == "step" else None), *failed
             env = INSTANCES.pop(key, None) if what != "step" else INSTANCES.get(key)
             if env is None and what == "close":
                 return None
@@ -98,16 +140,21 @@ class Calls:
                 close(env)
 
     def make(self, key, row):
-        """The episode's instance, made and reset(row) into INSTANCES; None, or why that raised."""
-        instance = None
+        """The episode's instance, made and reset(row) into INSTANCES; None, or (kind, why): its
+        constructor or reset raised ("tool_resets"), or its reset's messages are not the ones its
+        prompt was rendered from at load time, row["messages"] ("tool_reset_mismatch")."""
+        instance, failed = None, None
         try:
             instance = self.obj()
-            if callable(getattr(instance, "reset", None)):
-                instance.reset(row)  # its state starts here; the prompt was rendered at load time
+            if callable(getattr(instance, "reset", None)):  # its state starts here
+                why = mismatch(first_messages(instance, row), row.get("messages"))
+                failed = ("tool_reset_mismatch", why) if why else None
         except Exception as e:  # noqa: BLE001 - user code may raise anything: not the policy's doing
+            failed = "tool_resets", f"the environment could not be made or reset: {type(e).__name__}: {e}"
+        if failed:
             if instance is not None:
                 close(instance)
-            return f"the environment could not be made or reset: {type(e).__name__}: {e}"
+            return failed
         INSTANCES[key] = instance
         return None
 

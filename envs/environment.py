@@ -14,7 +14,11 @@ have more:
         [{"role": "tool", "content": "873"}], or feedback as a user message. Raise
         ToolError("...") for the policy's mistake (a bad call): its text is the answer.
     reset(row) -> the first messages (default: the row's prompt as one user message); the
-        same messages for the same row, since they are rendered into the row's prompt once
+        same messages for the same row, since they are rendered into the row's prompt once. A reset
+        that takes a `seed` (reset(row, seed=None), the Gym convention) is given calls.row_seed(row),
+        the same at load time and in every episode; start-up resets the first row twice and refuses
+        an environment whose two resets differ, and each episode's reset is compared with its
+        prompt's messages (a mismatch is ours: tool_reset_mismatch)
     reward(row, messages) -> a number: the environment scores its episodes (the dataset's
         default reward is then unused; a --reward_fn you set is added to it)
     close(): called on a per-episode instance when its episode ends (after reward; a close that
@@ -45,9 +49,9 @@ The calls run in worker processes (worker_pool.CallPool) under tool_timeout. Who
 is, and how it is counted, is one table, faults.FAULTS (docs/operations.md): a ToolError, or a tool
 function's exception, is the policy's (an "error: ..." tool message, tool_bad_calls: it learns from
 it); any other exception of step, raising tool_calls.Unavailable, a constructor or reset that
-raises, a timeout, a worker that dies is ours: the episode ends there unscored (its group leaves
-the batch), as do the other episodes whose per-episode instances lived in that worker (tool_lost),
-and the step's first one is printed.
+raises, a reset whose messages are not its prompt's, a timeout, a worker that dies is ours: the
+episode ends there unscored (its group leaves the batch), as do the other episodes whose
+per-episode instances lived in that worker (tool_lost), and the step's first one is printed.
 A message longer than tool_output_max_tokens is cut there (to a bounded number of characters
 first, then tokens). The worker is an ordinary process in a process group of its own, ended
 with its children on a timeout or a crash: it keeps a tool from stopping the run; it does not
@@ -76,7 +80,7 @@ import time
 from infra import faults
 from envs import tool_calls
 from envs.chat import ChatTokens
-from envs.calls import Calls, check_messages, close, per_episode
+from envs.calls import Calls, close, first_messages, mismatch, per_episode
 from episodes import Episode, take_turn, turn_seed
 from infra.faults import Refused
 from infra.user_code import load_object
@@ -142,6 +146,7 @@ class Environment:
         self.reasoning = tool_calls.Reasoning(cfg.reasoning_parser, tokenizer, self.chat.generation_prompt()) \
             if cfg.reasoning_parser else None
         self.spec, self.cfg, self.tokenizer, self.pool = spec, cfg, tokenizer, None
+        self.deterministic = False  # its reset gave the same messages twice for a row (reset)
         self.keys, self.started = itertools.count(), set()  # episode keys; those whose instance exists (factory)
         # no token spans more characters than the vocabulary's longest string: a reply is cut to
         # that many characters per token it may keep before it is tokenized (bounded work per reply)
@@ -230,21 +235,31 @@ class Environment:
     def reset(self, row):
         """The first messages of the row's episodes (rendered into its prompt once, at load time). A
         per-episode environment resets an instance of its own for the row, closed at once: none
-        stays open in the trainer (an OpenEnv adapter's reset builds an environment)."""
+        stays open in the trainer (an OpenEnv adapter's reset builds an environment). The first row
+        is reset twice, and an environment whose two resets differ is refused here, in one line:
+        unseeded, it would draw one state for the prompt and another in each episode."""
         if not callable(getattr(self.probe, "reset", None)):
             return default_reset(row)
+        messages = self.reset_once(row)
+        if not self.deterministic:
+            why = mismatch(self.reset_once(row), messages, "its first reset gave")
+            if why:
+                raise ValueError(f"environment={self.spec!r} is not deterministic: for the same row its {why}")
+            self.deterministic = True
+        self.chat.check_first(messages, self.spec)
+        return messages
+
+    def reset_once(self, row):
         try:
             instance = self.make() if self.factory else self.probe
             try:
-                messages = check_messages(instance.reset(row))
+                return first_messages(instance, row)
             finally:
                 if self.factory:
                     close(instance)
         except Exception as e:  # noqa: BLE001 - user code may raise anything: the run stops here, in one line
             raise ValueError(f"environment={self.spec!r}: making or resetting it for a prompt raised "
                              f"{type(e).__name__}: {e}; fix the environment (envs/environment.py)") from None
-        self.chat.check_first(messages, self.spec)
-        return messages
 
     def message(self, text, turn):
         """The policy's turn as an assistant message: its text, and with a tool_call_parser its calls.

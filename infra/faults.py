@@ -35,6 +35,8 @@ FAULTS = {  # the metric that counts it: (whose, what it is)
                            "queue) for more than half of it, its processes together given less than half a CPU: a "
                            "loaded machine (envs.tool_calls.Starved)"),
     "tool_resets": (OURS, "a per-episode environment's constructor or reset(row) raised"),
+    "tool_reset_mismatch": (OURS, "a per-episode environment's reset(row) gave other messages than the ones its "
+                                  "prompt was rendered from at load time (an unseeded, nondeterministic reset)"),
     "tool_timeouts": (OURS, "a call ran past tool_timeout: its worker was killed"),
     "tool_crashes": (OURS, "a call's worker died (a signal, or an exit)"),
     "tool_lost": (OURS, "the episode's per-episode instance died with its worker in another episode's call"),

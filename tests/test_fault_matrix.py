@@ -31,6 +31,8 @@ class Faulty:
     def reset(self, row):
         if row.get("fault") == "tool_resets":
             raise RuntimeError("reset broke")
+        if row.get("fault") == "tool_reset_mismatch":  # set after the prompt's rendering: another board
+            return [{"role": "user", "content": row["prompt"] + " (another board)"}]
         return [{"role": "user", "content": row["prompt"]}]
 
     def step(self, row, messages):
@@ -159,7 +161,7 @@ def cells():
                 if workers == 0 and fault in ("tool_timeouts", "tool_crashes", "tool_lost", "reward_timeouts",
                                               "reward_crashes"):
                     continue  # in the trainer there is no timeout and no worker to die
-                if kind == "shared" and fault in ("tool_resets", "tool_lost"):
+                if kind == "shared" and fault in ("tool_resets", "tool_reset_mismatch", "tool_lost"):
                     continue  # a shared environment has no instance per episode (its reset runs at load time)
                 marks = [pytest.mark.subprocess] if workers else []
                 yield pytest.param(fault, kind, workers, marks=marks,

@@ -574,8 +574,9 @@ def test_a_close_that_raises_leaves_its_episode_unscored(tiny_model_dir, tmp_pat
     assert all(r != r for r in score(None, episodes)[0])
     assert [kind for kind, _ in stats["tool_failures"]] == ["tool_errors", "tool_errors"]
     assert "close() raised OSError: the disk is gone" in stats["tool_failures"][0][1]
-    # a prompt's rendering at load time closes the instance it reset: 1 row, and 2 episodes
-    assert (tmp_path / "log").read_text().count("closed") == 3
+    # a prompt's rendering at load time closes the instances it reset: the first row's two (its reset is
+    # checked twice at start-up), and 2 episodes
+    assert (tmp_path / "log").read_text().count("closed") == 4
 
 
 def test_a_failed_play_closes_its_episodes(tiny_model_dir, tmp_path, monkeypatch):
