@@ -10,7 +10,7 @@ import pytest
 
 from agent_programs import PolicyFailed
 from config import Config
-from helpers import IM_END, ScriptedClient
+from helpers import ScriptedClient, family_tokenizer
 from infra import faults
 from infra.worker_pool import RewardPool
 from rollout import sample_groups
@@ -129,7 +129,9 @@ def play(tmp_path, tiny_model_dir, fn, script, spec=None, **kw):
     from agent_programs.runner import Agents
 
     (tmp_path / "programs.py").write_text(PROGRAMS)
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    # tool calls in Qwen2.5's format, read by the hermes parser, with Qwen2.5's tokenizer (tests/test_tool_calls.py)
+    tok = family_tokenizer("qwen2.5-instruct") if kw.get("tool_call_parser") else AutoTokenizer.from_pretrained(
+        tiny_model_dir)
     cfg = Config(agent=spec or f"{tmp_path}/programs.py:{fn}", agent_workers=2, agent_timeout=60.0, max_prompt_length=3584,
                  response_length=512, num_samples_per_prompt_rollout=2, num_unique_prompts_rollout=2,
                  unscored_stop=0.0, filter_zero_std_samples=False, **kw)
@@ -140,7 +142,7 @@ def play(tmp_path, tiny_model_dir, fn, script, spec=None, **kw):
         text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
         rows.append(dict(prompt=prompt, answer="ab", prompt_text=text, prompt_ids=tok(text)["input_ids"]))
     pool = RewardPool(lambda p, c, e: 1.0 if c == "ab" else 0.0, workers=0, fallback=float("nan"))
-    client = ScriptedClient(tok, script, IM_END)
+    client = ScriptedClient(tok, script, tok.convert_tokens_to_ids("<|im_end|>"))
     try:
         return (*sample_groups(cfg, client, rows, 0, 1, pool, tok, agents), client)
     finally:
