@@ -60,7 +60,7 @@ from agent_programs.gateway import Gateway
 from infra.user_code import load_object, to_float
 from infra.worker_pool import CallPool
 
-FAILURES = tuple(k for k in faults.FAULTS if k.startswith("agent_"))  # how a program's episode fails: ours, but agent_policy_failures
+FAILURES = tuple(k for k in faults.FAULTS if k.startswith("agent_"))  # how a program's episode fails (all ours but one)
 
 
 def returned(value):
