@@ -8,3 +8,15 @@ Its door: train.py:choose_player makes runner.Agents, the run's player (episodes
 --agent or --agent_cmd is set. From there it is a player like the others: rollout.py calls its play,
 and its episodes say which the reward must score (Episode.needs_reward).
 """
+
+
+class PolicyFailed(Exception):
+    """Raised by an --agent function: the policy failed here (it never stopped calling tools, it gave
+    arguments no tool takes, ...). The episode is the policy's mistake (faults: agent_policy_failures):
+    scored and trained on, as if the function had returned `reward`; None, the default, leaves the
+    conversation as it stands to the reward (--reward_fn, or the dataset's). Any other exception is ours:
+    the episode is unscored. The frameworks' own limits count as this (faults.POLICY_EXCEPTIONS)."""
+
+    def __init__(self, why="the policy failed", reward=None):
+        super().__init__(why)
+        self.reward = reward

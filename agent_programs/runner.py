@@ -32,7 +32,11 @@ gateway could not serve (agent_refused: the server failed, a prompt too long, to
 --tool_call_parser) or a run that never called the model (agent_idle) is ours (faults.FAULTS): the
 episode is unscored, its group leaves the batch, and unscored_stop stops a run that loses too many.
 A mistake of the policy's that the program can see (a bad tool call, an expression that overflows)
-is the program's to tell the policy, as the tool's answer (examples/calculator_agent.py).
+is the program's to tell the policy, as the tool's answer (examples/calculator_agent.py). A run that
+ends on one raises agent_programs.PolicyFailed (reward=None, or a number), and a framework's own limit
+on the policy (the Agents SDK's MaxTurnsExceeded, pydantic-ai's UsageLimitExceeded, LangGraph's
+GraphRecursionError: faults.POLICY_EXCEPTIONS) counts as that: the policy's (agent_policy_failures),
+scored as a run that returned that reward, and trained on.
 
 The programs run as the trainer's user, in its worker processes: they are not sandboxed. An agent
 that runs code the model wrote runs it in envs/sandbox.py (sandbox.run, or an Interpreter per episode).
@@ -56,12 +60,20 @@ from agent_programs.gateway import Gateway
 from infra.user_code import load_object, to_float
 from infra.worker_pool import CallPool
 
-FAILURES = tuple(k for k in faults.FAULTS if k.startswith("agent_"))  # how a program's episode fails: all ours
+FAILURES = tuple(k for k in faults.FAULTS if k.startswith("agent_"))  # how a program's episode fails (all ours but one)
 
 
 def returned(value):
     """What a program's run gave: None (the reward scores it) or a finite number."""
     return None if value is None else to_float(value)
+
+
+class Failed:
+    """A run that raised the policy's failure (faults.POLICY_EXCEPTIONS, agent_programs.PolicyFailed):
+    why, and the reward it gave (None: the reward scores the conversation as it stands)."""
+
+    def __init__(self, why, reward):
+        self.why, self.reward = why, reward
 
 
 class Program:
@@ -84,6 +96,10 @@ class Program:
                 return self.run(row, base_url, api_key)
             value = self.fn(row, base_url, api_key)
             return returned(asyncio.run(value) if inspect.isawaitable(value) else value)
+        except Exception as e:  # noqa: BLE001 - the program's code may raise anything; the rest is ours
+            if not faults.policy_failed(e):
+                raise
+            return Failed(f"{type(e).__name__}: {e}", returned(getattr(e, "reward", None)))
         finally:  # the episode ends with its run: a call a thread it left makes later is refused, not recorded
             with contextlib.suppress(OSError):
                 urllib.request.urlopen(urllib.request.Request(f"{base_url}/end", b"{}", method="POST"),
@@ -154,10 +170,12 @@ class Agents:
             e.sample, e.messages, e.completion = trace.sample, trace.messages, trace.completion
             e.row = dict(e.row, prompt_text=self.tokenizer.decode(trace.sample.prompt_ids))
             e.turns, e.tool_calls, e.cut, e.eos = trace.calls, trace.tool_calls, trace.cut, trace.eos is not None
+        gave_up, value = (value, value.reward) if isinstance(value, Failed) else (None, value)
         e.agent_failure, why = (  # the gateway's refusal first: the cause, when the program then failed on it
             ("agent_refused", trace.failure) if trace.failure else
             (f"agent_{failed[0]}", f"the agent: {failed[1]}") if failed else
-            ("agent_idle", "the agent never called the model") if trace.sample is None else (None, None))
+            ("agent_idle", "the agent never called the model") if trace.sample is None else
+            ("agent_policy_failures", gave_up.why) if gave_up else (None, None))
         if faults.ours(e.agent_failure):
             e.failure = why
         e.env_reward, e.needs_reward = value, value is None or bool(self.cfg.reward_fn)  # a --reward_fn is added

@@ -46,6 +46,8 @@ FAULTS = {  # the metric that counts it: (whose, what it is)
     "reward_crashes": (OURS, "the reward's worker died"),
     "reward_none": (OURS, "a TRL-form reward returned None (not applicable) and no other reward scores the sample"),
     # an agent program (agent_programs/runner.py, agent_programs/gateway.py)
+    "agent_policy_failures": (POLICY, "the program raised agent_programs.PolicyFailed, or a framework's own limit "
+                                      "on the policy (POLICY_EXCEPTIONS: max turns, requests, recursion)"),
     "agent_errors": (OURS, "the program raised, exited non-zero, or returned something that is not a number"),
     "agent_timeouts": (OURS, "the program ran past agent_timeout"),
     "agent_crashes": (OURS, "the program's worker died"),
@@ -84,3 +86,23 @@ def ours(kind):
     """True when the failure `kind` (a key of FAULTS) is the infrastructure's: its episode is unscored.
     None (no failure) is nobody's; a kind missing from the table is a bug, and raises KeyError."""
     return kind is not None and FAULTS[kind][0] == OURS
+
+
+# The exceptions that say the policy failed inside an agent program (agent_policy_failures: scored and
+# trained on, as the program's return of the reward it gives, None when not given). A framework that
+# stops an agent still calling tools at its own limit raises one; a policy that never stops calling
+# tools is the policy's mistake, the one the trainer should teach it out of. Found by module and class
+# name along the exception's class hierarchy, so nothing here imports a framework. smolagents raises
+# nothing at max_steps: it asks the model for a final answer and returns that, scored as any answer.
+POLICY_EXCEPTIONS = {
+    ("agent_programs", "PolicyFailed"): "the program says so (docs/data.md)",
+    ("agents.exceptions", "MaxTurnsExceeded"): "the OpenAI Agents SDK's Runner.run(max_turns=...)",
+    ("pydantic_ai.exceptions", "UsageLimitExceeded"): "pydantic-ai's UsageLimits(request_limit=..., ...)",
+    ("langgraph.errors", "GraphRecursionError"): "LangGraph's recursion_limit",
+}
+
+
+def policy_failed(error):
+    """True when the exception `error`, raised by an agent program, is the policy's failure
+    (POLICY_EXCEPTIONS, or a subclass of one)."""
+    return any((c.__module__, c.__name__) in POLICY_EXCEPTIONS for c in type(error).__mro__)

@@ -262,3 +262,37 @@ def test_agent_timeout_bounds_the_step_its_call_in_flight_aborted(tmp_path, tiny
     assert took < 3.0 + 30.0, took  # agent_timeout, the kill and one abort for both (a loaded machine): not 300 s
     assert stats["agent_timeouts"] == 2 and all(e.failure and e.sample.token_ids == [] for e in episodes)
     assert set(client.aborted) == set(client.named) and len(client.named) == 2
+
+
+FAILING = '''
+from agent_programs import PolicyFailed
+
+
+def said_so(row, base_url, api_key):
+    raise PolicyFailed("no answer", reward=row.get("reward"))
+
+
+async def max_turns(row, base_url, api_key):
+    from agents.exceptions import MaxTurnsExceeded
+
+    raise MaxTurnsExceeded("Max turns (2) exceeded")
+
+
+def broke(row, base_url, api_key):
+    raise RuntimeError("the agent broke")
+'''
+
+
+@pytest.mark.parametrize("fn,row,why,reward", [
+    ("said_so", {}, "PolicyFailed: no answer", None), ("said_so", {"reward": 0.5}, "PolicyFailed: no answer", 0.5),
+    ("max_turns", {}, "MaxTurnsExceeded: Max turns (2) exceeded", None)])
+def test_a_program_that_raises_the_policys_failure_returns_it(tmp_path, fn, row, why, reward):
+    """In the worker, Program turns the policy's failure (faults.POLICY_EXCEPTIONS) into a value, its
+    reward the one given; any other exception goes on to the pool, as ours."""
+    from agent_programs.runner import Failed, Program
+
+    (tmp_path / "failing.py").write_text(FAILING)
+    out = Program(f"{tmp_path}/failing.py:{fn}", None, 1.0)(row, "http://127.0.0.1:9", "key")  # /end: refused
+    assert isinstance(out, Failed) and (out.why, out.reward) == (why, reward)
+    with pytest.raises(RuntimeError, match="the agent broke"):
+        Program(f"{tmp_path}/failing.py:broke", None, 1.0)({}, "http://127.0.0.1:9", "key")

@@ -96,6 +96,10 @@ def solve(row, base_url, api_key):
                                        **(dict(tools=tools) if fault == "agent_refused" else {}))
     except openai.APIStatusError:
         return None  # the program gave up on a call the gateway refused: still ours
+    if fault == "agent_policy_failures":
+        from agent_programs import PolicyFailed
+
+        raise PolicyFailed("still calling tools at its last turn")
     if fault == "agent_errors":
         raise RuntimeError("the agent broke")
     if fault == "agent_timeouts":
@@ -188,7 +192,8 @@ def test_every_failure_is_attributed_once(tiny_model_dir, tmp_path, fault, kind,
     told = ["error:" in tok.decode(s.token_ids) for s in samples]
     if FAULTS[fault][0] == POLICY:
         assert len(samples) == 4 and m["unscored_groups"] == 0 and m["unscored_episodes"] == 0, m
-        assert told == [True, True, False, False]  # told to the policy, and trained on
+        # told to the policy, and trained on; an agent's failure is its program's to tell (agent_programs.PolicyFailed)
+        assert told == ([False] * 4 if kind == "agent" else [True, True, False, False])
     else:
         assert FAULTS[fault][0] == OURS
         assert len(samples) == 2 and m["unscored_groups"] == 1 and m["unscored_episodes"] == 2, m
