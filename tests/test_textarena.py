@@ -37,6 +37,23 @@ def test_a_game_is_played_turn_by_turn_and_pays_the_games_reward():
     assert lost.env_reward == 0.0 and lost.turns == 2 and lost.failure is None
 
 
+def test_a_turn_max_turns_cut_off_is_judged_by_the_game():
+    """max_turns 1 ends the episode after its first turn, before the game saw it: the game is stepped with
+    it at the end, and the right guess wins (1) where an out-of-range one leaves the game undecided (0)."""
+    tok = family_tokenizer("qwen2.5-instruct")
+    cfg = Config(environment=GUESS, tool_workers=0, max_prompt_length=1500, response_length=400, max_turns=1)
+    env = Environment(cfg.environment, tok, cfg)
+    env.start()
+    try:
+        rows = with_prompts(env, tok, [dict(prompt="", seed=7)])
+        won, _ = env.play(ScriptedClient(tok, ["[11]"], eos_id=tok.eos_token_id), rows, 2, 0, 1.0)
+        undecided, _ = env.play(ScriptedClient(tok, ["[50]"], eos_id=tok.eos_token_id), rows, 2, 0, 1.0)
+    finally:
+        env.close()
+    assert [e.env_reward for e in won] == [1.0, 1.0] and [e.env_reward for e in undecided] == [0.0, 0.0]
+    assert not any(e.failure for e in won + undecided)
+
+
 def test_a_random_board_is_the_rows_board_in_every_episode():
     """FifteenPuzzle draws its board on each reset; the adapter seeds it from the row (its "seed", else its
     prompt), or with the seed it is given, so the prompt's board is the one every episode plays."""
