@@ -11,8 +11,8 @@ reasoning-gym's own system prompt (SYSTEM_PROMPTS["default"]: think, then the an
 policy wrote in the answer tags (reasoning_gym.utils.extract_answer; none: its score of None, 0).
 
 The items are procedural, drawn from a seed, so the rows only pick seeds, as for TextArena's games:
-the item is item 0 of the dataset made with the seed `reset` is given (the row's, from the trainer)
-or, without one, a number read from the row ("seed" if it has one, else its prompt), the same at the
+the item is item 0 of the dataset made with the row's "seed" if it has one, else the seed `reset`
+is given (the row's, from the trainer), else a number read from the row's prompt, the same at the
 prompt's render and in every episode of the row. Any dataset gives rows (`--dataset copy`: 340
 prompts, 340 items); a .jsonl of {"prompt": "", "seed": n} names the items. A dataset's settings
 (difficulty, ...) are a subclass's `config`:
@@ -37,11 +37,12 @@ from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer
 
 
 def row_seed(row, seed=None):
-    """The item's seed: the one given, else the row's "seed", else a number read from its prompt."""
-    if seed is not None:
-        return int(seed)
+    """The item's seed: the row's "seed" (a dataset that names its items), else the one reset is given,
+    else a number read from the row's prompt."""
     if isinstance(row.get("seed"), int) and not isinstance(row.get("seed"), bool):
         return row["seed"]
+    if seed is not None:
+        return int(seed)
     return zlib.crc32(repr(row.get("prompt")).encode())
 
 

@@ -13,10 +13,10 @@ the game's (player 0's of `close()`); a game that max_turns or the token budget 
 its last turn stepped at the end, so that the game judges it, and one still undecided then earns
 0.0 (TextArena has no reward for an unfinished game).
 
-The game is drawn from its seed, so the rows only pick seeds: the seed `reset` is given (the row's,
-from the trainer) or, without one, a number read from the row ("seed" if it has one, else its
-prompt), the same at the load-time render of the prompt and in every episode of the row, so the
-policy plays the board it was shown. Any dataset gives rows (`--dataset copy`: 340 prompts, 340
+The game is drawn from its seed, so the rows only pick seeds: the row's "seed" if it has one, else
+the seed `reset` is given (the row's, from the trainer), else a number read from the row's prompt,
+the same at the load-time render of the prompt and in every episode of the row, so the policy
+plays the board it was shown. Any dataset gives rows (`--dataset copy`: 340 prompts, 340
 games); a .jsonl of {"prompt": "", "seed": n} names the games.
 
 Its doors: none; --environment names it (infra/user_code.load_object reads the id as an attribute).
@@ -30,11 +30,12 @@ from textarena.envs.registration import ENV_REGISTRY
 
 
 def row_seed(row, seed=None):
-    """The game's seed: the one given, else the row's "seed", else a number read from its prompt."""
-    if seed is not None:
-        return int(seed)
+    """The game's seed: the row's "seed" (a dataset that names its games), else the one reset is given,
+    else a number read from the row's prompt."""
     if isinstance(row.get("seed"), int) and not isinstance(row.get("seed"), bool):
         return row["seed"]
+    if seed is not None:
+        return int(seed)
     return zlib.crc32(repr(row.get("prompt")).encode())
 
 
