@@ -10,8 +10,8 @@ it does not know is refused at load, in one line). SkyRL's environments read the
 row, as SkyRL's datasets write it: the row is the environment's `extras`, whose "reward_spec"
 ({"method": "rule", "ground_truth": ...}) is, when the row has none, {"method": "rule",
 "ground_truth": row["answer"]}, so a dataset with an answer column runs as it is; the row's
-"env_config", if any, is the environment's `env_config` (the search and SQL environments need
-theirs). Each episode: `make`, then `init(prompt)`, whose messages are the first ones (the row's
+"env_config", if any, is the environment's `env_config` (an OmegaConf config, as SkyRL gives it:
+the search and SQL environments read theirs, `db_path`, `search_url`, ...). Each episode: `make`, then `init(prompt)`, whose messages are the first ones (the row's
 prompt, for gsm8k); each policy turn is one `step(text)`, whose observations come back until it
 says done. The episode's reward is the sum of its steps' (SkyRL's turn-level rewards); a run that
 max_turns or the token budget ended first has its last turn stepped at the end, so that the
@@ -24,6 +24,7 @@ Its doors: none; --environment names it (infra/user_code.load_object reads the i
 import functools
 
 import skyrl_gym
+from omegaconf import OmegaConf
 from skyrl_gym.envs.registration import registry
 
 
@@ -40,7 +41,8 @@ class SkyRLGym:
     def reset(self, row, seed=None):  # seed: SkyRL's environments take their task from the row
         extras = dict(row, extra_info=row.get("extra_info") or {},
                       reward_spec=row.get("reward_spec") or {"method": "rule", "ground_truth": row.get("answer")})
-        self.env = skyrl_gym.make(self.env_id, env_config=row.get("env_config") or {}, extras=extras)
+        self.env = skyrl_gym.make(self.env_id, env_config=OmegaConf.create(row.get("env_config") or {}),
+                                  extras=extras)
         self.rewards, self.done, self.seen = [], False, 0
         messages, _ = self.env.init(prompt_messages(row["prompt"]))
         return [{"role": m["role"], "content": m["content"]} for m in messages]
