@@ -7,7 +7,7 @@ import pytest
 
 from config import Config
 from envs.environment import Environment
-from helpers import command, family_tokenizer, flags, metrics, run, ScriptedClient, with_prompts
+from helpers import family_tokenizer, metrics, ScriptedClient, train, with_prompts
 
 pytest.importorskip("reasoning_gym", reason="reasoning-gym is installed by scripts/install.sh (the envs extra)")
 
@@ -67,10 +67,11 @@ def test_rows_pick_their_items_and_a_subclass_sets_the_datasets_config(tmp_path)
 def test_train_two_steps_on_a_reasoning_gym_dataset(tiny_model_dir, tmp_path):
     """--environment envs.reasoning_gym_adapter:leg_counting with no glue: 2 steps on the tiny model,
     every episode scored, the server's logprobs the trainer's."""
-    out = run(command("train.py", 1) + flags(
-        tiny_model_dir, tmp_path, 2, "--environment", LEGS, "--dataset", "copy", "--max_prompt_length", "1024",
+    out = train([
+        "--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path / "out"), "--num_training_steps", "2",
+        "--eval_freq", "0", "--seed", "5", "--environment", LEGS, "--dataset", "copy", "--max_prompt_length", "1024",
         "--response_length", "64", "--num_unique_prompts_rollout", "2", "--num_samples_per_prompt_rollout", "2",
-        "--tool_workers", "2", "--filter_zero_std_samples", "false"))
+        "--tool_workers", "2", "--filter_zero_std_samples", "false"])
     assert out.returncode == 0, out.stderr[-4000:]
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2], rows
