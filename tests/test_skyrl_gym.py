@@ -64,5 +64,6 @@ def test_train_two_steps_on_a_skyrl_gym_environment(tiny_model_dir, tmp_path):
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2], rows
     for r in rows:
-        assert r["unscored_groups"] == 0 and r["turns"] >= 4 and r["trained_tokens"] > 0, r
+        assert r["unscored_groups"] == 0 and 1 <= r["turns"] <= 2 and r["trained_tokens"] > 0, r
         assert 0 < r["vllm_logp_diff_max"] < 1e-4, r
+    assert any(r["turns"] > 1 for r in rows), rows  # the environment answered a turn: a second one was played
