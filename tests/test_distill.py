@@ -329,7 +329,7 @@ def test_the_teachers_server_agrees_with_the_teacher_in_the_trainer(teacher_dir,
                Sample(list(range(3, 11)), torch.randint(3, 60, (12,), generator=gen).tolist(), [0.0] * 12)]
     ref = teacher.Teacher(cfg, 0)
     try:
-        got = ref.ask(samples)
+        got = ref.ask(samples, [s.prompt_ids for s in samples])
     finally:
         ref.close()
     model = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32)
