@@ -38,6 +38,18 @@ def load(path):
     return messages
 
 
+def checked(tokenizer, path):
+    """The Context of the file at path, checked (Context.check); ValueError in one line naming the fix."""
+    messages = load(path)
+    try:
+        context = Context(tokenizer, messages)
+    except Exception as e:  # noqa: BLE001 - a Jinja template may raise anything (Gemma's: on a system role)
+        raise ValueError(f"teacher_context_file={path!r}: the chat template of {tokenizer.name_or_path!r} raises on "
+                         f"its messages ({type(e).__name__}: {e}); use roles the template renders") from None
+    context.check(path)
+    return context
+
+
 def common(a, b):
     """The length of the common prefix of lists a and b."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

@@ -97,13 +97,7 @@ def check(cfg, tokenizer, cuda):
     if cfg.teacher_context_file:  # the file loads, and the template renders the teacher's chat as a splice
         from distill import context
 
-        messages, path = context.load(cfg.teacher_context_file), cfg.teacher_context_file
-        try:
-            teachers = context.Context(tokenizer, messages)
-        except Exception as e:  # noqa: BLE001 - a Jinja template may raise anything (Gemma's: on a system role)
-            raise ValueError(f"teacher_context_file={path!r}: the chat template of {cfg.model_name_or_path!r} raises on "
-                             f"its messages ({type(e).__name__}: {e}); use roles the template renders") from None
-        teachers.check(path)
+        context.checked(tokenizer, cfg.teacher_context_file)
     # One tokenizer, not one embedding: Qwen2.5-7B has 152,064 rows, 0.5B 151,936 (padding past the tokens).
     # The teacher's top k are ids its server ranks over its own rows, and the student's forward gathers its
     # logprobs at them (update.frozen_logprobs): an id past the student's rows would index out of range.
