@@ -3,6 +3,7 @@ token, the objectives against exact enumeration, the refusals, and the teacher's
 forward of the teacher in the trainer."""
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -469,6 +470,25 @@ def test_distillation_from_a_teacher_equal_to_the_student_reads_a_kl_of_zero(tin
     assert [r["step"] for r in rows] == [1, 2] and all("kl" not in r for r in rows)
     assert abs(rows[0]["teacher_kl"]) < 1e-6 and rows[0]["trained_tokens"] > 0
     assert "teacher_weights" in out.stdout and os.path.exists(tmp_path / "out" / "teacher_vllm.log")
+
+
+@pytest.mark.slow
+def test_distillation_from_the_student_with_a_system_prompt_of_its_own_reads_a_kl_above_zero(tiny_model_dir, tmp_path):
+    """Two ranks, the student's own weights as the teacher, which alone sees a system prompt
+    (teacher_context_file): the prefix changes the teacher's distribution, so at step 1 (the student still
+    its initial weights) the KL to it is finite and above zero, where without it it is 0."""
+    (tmp_path / "context.json").write_text(json.dumps([{"role": "system", "content": "Copy the text exactly."}]))
+    args = ["--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path / "out"), "--num_training_steps", "2",
+            "--eval_freq", "0", "--seed", "5", *EAGER, "--teacher_model_name_or_path", tiny_model_dir, "--beta", "1.0",
+            "--teacher_context_file", str(tmp_path / "context.json"), "--apply_chat_template", "true",
+            "--kl_estimator", "advantage", "--reward_advantage", "false", "--num_unique_prompts_rollout", "2",
+            "--num_samples_per_prompt_rollout", "4", "--response_length", "16"]
+    out = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29673", "train.py",
+               *args])
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(math.isfinite(r["teacher_kl"]) for r in rows) and abs(rows[0]["teacher_kl"]) > 1e-3, rows[0]
 
 
 def test_the_memory_plan_counts_the_teachers_server_and_its_prompt_logits(tiny_model_dir):
