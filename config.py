@@ -403,6 +403,9 @@ class Config:
                     "at temperature 1 (prompt logprobs skip its sampler); sample at temperature=1.0")
         if self.ref_policy_update_freq is not None or self.offload_ref_policy:
             return "a teacher neither moves nor offloads: leave ref_policy_update_freq None and offload_ref_policy off"
+        if self.teacher_context_file and not (self.apply_chat_template or self.environment or self.agent):
+            return ("teacher_context_file puts chat messages before a chat prompt's first turn, and string prompts "
+                    "without a chat template have none: set apply_chat_template=True")
 
     def _check_lora(self):
         if not self.lora_rank:

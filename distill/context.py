@@ -17,6 +17,8 @@ and without a system message, at start-up: a template for which they differ is r
 
 import json
 
+from infra.faults import Refused
+
 MARK = "zq1 + 2zq"  # a user message's text that no template writes
 
 
@@ -85,8 +87,8 @@ class Context:
         return a[:cut], a[cut:text], b[cut:len(b) - (len(a) - text)]
 
     def prompt(self, prompt_ids):
-        """The teacher's prompt ids for a student's prompt ids; ValueError when no splice has its place
-        (a prompt not made by the chat template)."""
+        """The teacher's prompt ids for a student's prompt ids; Refused (the run stops on every rank, in one
+        line) when no splice has its place (a prompt not made by the chat template)."""
         head, old, new = self.bare
         if prompt_ids[:len(head) + len(old)] == head + old:  # the template's beginning: no system message
             return head + new + prompt_ids[len(head) + len(old):]
@@ -94,7 +96,7 @@ class Context:
         for i in range(len(prompt_ids) - len(old) + 1):
             if prompt_ids[i:i + len(old)] == old:
                 return prompt_ids[:i] + new + prompt_ids[i + len(old):]
-        raise ValueError(f"a prompt of {len(prompt_ids)} tokens has no user turn as the chat template opens one "
+        raise Refused(f"a prompt of {len(prompt_ids)} tokens has no user turn as the chat template opens one "
                          f"({self.tokenizer.decode(prompt_ids[:40])!r}...), so teacher_context_file has no place in "
                          "it; use chat prompts (apply_chat_template=True)")
 

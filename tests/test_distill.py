@@ -241,6 +241,8 @@ def test_a_teacher_context_file_is_refused_in_one_line_when_it_cannot_be_read(tm
     with pytest.raises(ValueError, match="^teacher_context_file is what a teacher sees beyond the prompt: set "
                                          "teacher_model_name_or_path too$"):
         Config(teacher_context_file="f.json")
+    with pytest.raises(ValueError, match="string prompts without a chat template have none: set apply_chat_template=True"):
+        Config(teacher_model_name_or_path="t", beta=1.0, kl_estimator="advantage", teacher_context_file="f.json")
     bad = tmp_path / "bad.json"
     for text, why in (("[{", "does not load"), ("[]", "holds no messages"), ('[{"role": "who", "content": "x"}]',
                                                                             "holds no messages, or one that")):
@@ -251,12 +253,14 @@ def test_a_teacher_context_file_is_refused_in_one_line_when_it_cannot_be_read(tm
     assert context.load(str(tmp_path / "ok.jsonl"))[1] == {"role": "user", "content": "B"}
     (tmp_path / "sys.json").write_text('[{"role": "system", "content": "Think."}]')
     cfg = Config(model_name_or_path=tiny_model_dir, teacher_model_name_or_path=tiny_model_dir, beta=1.0,
-                 kl_estimator="advantage", teacher_context_file=str(tmp_path / "sys.json"))
+                 kl_estimator="advantage", teacher_context_file=str(tmp_path / "sys.json"), apply_chat_template=True)
     teacher.check(cfg, AutoTokenizer.from_pretrained(tiny_model_dir), cuda=False)
     with pytest.raises(ValueError, match=r"^teacher_context_file=.*: the chat template of 'gemma-2-it' raises on its "
                                          r"messages \(TemplateError: System role not supported\)"):
         context.checked(family_tokenizer("gemma-2-it"), str(tmp_path / "sys.json"))
-    with pytest.raises(ValueError, match="no user turn as the chat template opens one"):
+    from infra.faults import Refused
+
+    with pytest.raises(Refused, match="no user turn as the chat template opens one"):
         context.Context(family_tokenizer("qwen3"), [{"role": "system", "content": "Think."}]).prompt([5, 6, 7])
 
 
