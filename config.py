@@ -186,8 +186,9 @@ class Config:
                              "sampled k4)", low=0)
     teacher_model_name_or_path: Optional[str] = option(None, "on-policy distillation (distill/): a teacher with the "
         "student's tokenizer, served by a vLLM server train.py launches, is the reference the KL term reads")
-    teacher_context_file: Optional[str] = option(None, "context distillation: a JSON list (or JSONL) of chat messages "
-        "(a system prompt, worked examples) the teacher sees before each prompt's first non-system turn, the student not")
+    teacher_context_file: Optional[str] = option(None, "context distillation: a JSON list (or JSONL) of chat "
+        "messages (a system prompt, worked examples) the teacher sees before each prompt's first non-system turn, "
+        "the student not (distill/context.py)")
     reward_advantage: bool = option(True, "the reward's group advantage in the policy term; False: the KL term "
                                           "alone trains (distillation from a teacher)")
     ess_scope: Literal["step", "micro_batch"] = option("step",

@@ -40,7 +40,8 @@ from infra.model_files import load_model_config
 def teacher_context(cfg, context=None):
     """A teacher's context: one token past the longest sample, whose request asks for one (max_tokens=1),
     and the tokens its own context (teacher_context_file) adds to the prompt at most."""
-    return (cfg.vllm_max_model_len or cfg.max_prompt_length + cfg.response_length) + 1 + (context.extra if context else 0)
+    longest = cfg.vllm_max_model_len or cfg.max_prompt_length + cfg.response_length
+    return longest + 1 + (context.extra if context else 0)
 
 
 def own_context(cfg):

@@ -221,8 +221,9 @@ def test_the_teachers_prompt_is_the_templates_rendering_of_its_chat(family):
 
     tok = family_tokenizer(family)
     system = [{"role": "system", "content": "You are a careful calculator user."}]
-    examples = [{"role": "user", "content": "What is 214 + 659?"}, {"role": "assistant", "content": "<calc>214 + 659</calc>"},
-                {"role": "tool", "content": "873"}, {"role": "assistant", "content": "\\boxed{873}."}]
+    examples = [{"role": "user", "content": "What is 214 + 659?"},
+                {"role": "assistant", "content": "<calc>214 + 659</calc>"}, {"role": "tool", "content": "873"},
+                {"role": "assistant", "content": "\\boxed{873}."}]
     for messages in (system, examples, system + examples):
         context = Context(tok, messages)
         context.check("f.json")
@@ -241,7 +242,8 @@ def test_a_teacher_context_file_is_refused_in_one_line_when_it_cannot_be_read(tm
     with pytest.raises(ValueError, match="^teacher_context_file is what a teacher sees beyond the prompt: set "
                                          "teacher_model_name_or_path too$"):
         Config(teacher_context_file="f.json")
-    with pytest.raises(ValueError, match="string prompts without a chat template have none: set apply_chat_template=True"):
+    with pytest.raises(ValueError, match="string prompts without a chat template have none: set "
+                                         "apply_chat_template=True"):
         Config(teacher_model_name_or_path="t", beta=1.0, kl_estimator="advantage", teacher_context_file="f.json")
     bad = tmp_path / "bad.json"
     for text, why in (("[{", "does not load"), ("[]", "holds no messages"), ('[{"role": "who", "content": "x"}]',
@@ -487,8 +489,8 @@ def test_distillation_from_the_student_with_a_system_prompt_of_its_own_reads_a_k
             "--teacher_context_file", str(tmp_path / "context.json"), "--apply_chat_template", "true",
             "--kl_estimator", "advantage", "--reward_advantage", "false", "--num_unique_prompts_rollout", "2",
             "--num_samples_per_prompt_rollout", "4", "--response_length", "16"]
-    out = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29673", "train.py",
-               *args])
+    out = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29673",
+               "train.py", *args])
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
@@ -509,6 +511,24 @@ def test_the_memory_plan_counts_the_teachers_server_and_its_prompt_logits(tiny_m
     policy = memory.server_plan(Config(model_name_or_path=tiny_model_dir, beta=1.0, max_prompt_length=100,
                                        response_length=27), *_meta(tiny_model_dir), cuda=False)
     assert plan["teacher_weights"] == policy["weights"] and plan["teacher_kv_cache"] == policy["kv_cache"]
+
+
+
+def test_the_teachers_server_counts_the_tokens_its_context_adds(tiny_model_dir, tmp_path):
+    """A system prompt of the teacher's own: its server's context and prompt logits count the tokens the
+    tiny template's system turn adds (it has no default system prompt: all of it is added)."""
+    import train
+    from transformers import AutoTokenizer
+
+    (tmp_path / "c.json").write_text(json.dumps([{"role": "system", "content": "Think."}]))
+    cfg = Config(model_name_or_path=tiny_model_dir, teacher_model_name_or_path=tiny_model_dir, beta=1.0,
+                 kl_estimator="advantage", max_prompt_length=100, response_length=27, apply_chat_template=True,
+                 teacher_context_file=str(tmp_path / "c.json"))
+    turn = AutoTokenizer.from_pretrained(tiny_model_dir)("<|im_start|>system\nThink.<|im_end|>\n",
+                                                         add_special_tokens=False)["input_ids"]
+    assert teacher.teacher_context(cfg, teacher.own_context(cfg)) == 100 + 27 + 1 + len(turn)
+    plan = train.server_plan(cfg, *_meta(tiny_model_dir), cuda=False)
+    assert plan["teacher_prompt_logits"] == 2 * 4 * (100 + 27 + 1 + len(turn)) * 64
 
 
 def _meta(path):
