@@ -97,15 +97,19 @@ class Context:
             if prompt_ids[i:i + len(old)] == old:
                 return prompt_ids[:i] + new + prompt_ids[i + len(old):]
         raise Refused(f"a prompt of {len(prompt_ids)} tokens has no user turn as the chat template opens one "
-                         f"({self.tokenizer.decode(prompt_ids[:40])!r}...), so teacher_context_file has no place in "
-                         "it; use chat prompts (apply_chat_template=True)")
+                      f"({self.tokenizer.decode(prompt_ids[:40])!r}...), so teacher_context_file has no place in it; "
+                      "use chat prompts (apply_chat_template=True)")
 
     def check(self, path):
         """ValueError in one line where the splice differs from the template's own rendering of the teacher's
         chat: a prompt's system message, then the file's messages, then the prompt's other messages."""
         for system in ([], [{"role": "system", "content": "Be brief."}]):
             row = system + [{"role": "user", "content": "What is 214 + 659?"}]
-            if self.prompt(self.ids(row)) != self.ids(system + self.messages + row[len(system):]):
+            try:
+                spliced = self.prompt(self.ids(row))
+            except Refused:  # no place for it: as wrong as a wrong place
+                spliced = None
+            if spliced != self.ids(system + self.messages + row[len(system):]):
                 raise ValueError(f"teacher_context_file={path!r}: the chat template of {self.tokenizer.name_or_path!r} "
                                  f"renders the file's messages before a prompt {'with' if system else 'without'} a "
                                  "system message otherwise than as a splice of the student's prompt; fold the file's "

@@ -233,6 +233,28 @@ def test_the_teachers_prompt_is_the_templates_rendering_of_its_chat(family):
                 assert context.prompt(context.ids(row)) == context.ids(own + messages + row[len(own):]), (messages, row)
 
 
+HOISTING = ("{% set ns = namespace(s='') %}{% for m in messages %}{% if m.role == 'system' %}"
+            "{% set ns.s = ns.s + m.content + '\\n\\n' %}{% else %}<|im_start|>{{ m.role }}\\n"
+            "{% if m.role == 'user' %}{{ ns.s }}{% set ns.s = '' %}{% endif %}{{ m.content }}<|im_end|>\\n{% endif %}"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\\n{% endif %}")
+
+
+def test_a_template_that_moves_the_system_message_into_the_first_user_turn_is_refused_at_start_up():
+    """Gemma-like, without raising: a template that writes a system message into the next user turn puts a
+    prompt's system message into the first worked example's turn, which no splice at the prompt's user
+    turn makes: check refuses it in one line."""
+    from distill.context import Context
+    from helpers import family_tokenizer
+
+    tok = family_tokenizer("qwen2.5-instruct")
+    tok.chat_template = HOISTING
+    context = Context(tok, [{"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "2"}])
+    with pytest.raises(ValueError, match=r"^teacher_context_file='f.json': the chat template of 'qwen2.5-instruct' "
+                                         r"renders the file's messages before a prompt with a system message otherwise "
+                                         r"than as a splice of the student's prompt; fold"):
+        context.check("f.json")
+
+
 def test_a_teacher_context_file_is_refused_in_one_line_when_it_cannot_be_read(tmp_path, tiny_model_dir):
     from transformers import AutoTokenizer
 
