@@ -186,6 +186,9 @@ class Config:
                              "sampled k4)", low=0)
     teacher_model_name_or_path: Optional[str] = option(None, "on-policy distillation (distill/): a teacher with the "
         "student's tokenizer, served by a vLLM server train.py launches, is the reference the KL term reads")
+    teacher_context_file: Optional[str] = option(None, "context distillation: a JSON list (or JSONL) of chat "
+        "messages (a system prompt, worked examples) the teacher sees before each prompt's first non-system turn, "
+        "the student not (distill/context.py)")
     reward_advantage: bool = option(True, "the reward's group advantage in the policy term; False: the KL term "
                                           "alone trains (distillation from a teacher)")
     ess_scope: Literal["step", "micro_batch"] = option("step",
@@ -383,6 +386,8 @@ class Config:
                     "teacher_model_name_or_path and beta > 0, or reward_advantage=True")
         if not self.reward_advantage and self.active_sampling:
             return "active_sampling=True refills groups without reward signal; with reward_advantage=False none is read"
+        if self.teacher_context_file and not self.teacher_model_name_or_path:
+            return "teacher_context_file is what a teacher sees beyond the prompt: set teacher_model_name_or_path too"
         return self._check_teacher() if self.teacher_model_name_or_path else None
 
     def _check_teacher(self):
@@ -399,6 +404,9 @@ class Config:
                     "at temperature 1 (prompt logprobs skip its sampler); sample at temperature=1.0")
         if self.ref_policy_update_freq is not None or self.offload_ref_policy:
             return "a teacher neither moves nor offloads: leave ref_policy_update_freq None and offload_ref_policy off"
+        if self.teacher_context_file and not (self.apply_chat_template or self.environment or self.agent):
+            return ("teacher_context_file puts chat messages before a chat prompt's first turn, and string prompts "
+                    "without a chat template have none: set apply_chat_template=True")
 
     def _check_lora(self):
         if not self.lora_rank:

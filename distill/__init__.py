@@ -1,6 +1,7 @@
 """On-policy distillation, an optional concept in one folder: teacher.py (a teacher model served by a
-vLLM server of its own, scoring every token the student sampled). `rm -r distill` leaves a trainer
-that runs everything but --teacher_model_name_or_path; a plain run imports none of it.
+vLLM server of its own, scoring every token the student sampled) and context.py (what the teacher sees
+before the prompt that the student does not: context distillation, --teacher_context_file). `rm -r distill`
+leaves a trainer that runs everything but --teacher_model_name_or_path; a plain run imports none of it.
 
 The teacher is a kind of reference: the KL term (beta, kl_estimator) reads it as it reads a fixed
 or moving reference, so the objectives are loss.py's rows (the sampled k1 as a per-token advantage,

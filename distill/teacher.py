@@ -37,9 +37,23 @@ from infra.faults import VLLMError
 from infra.model_files import load_model_config
 
 
-def teacher_context(cfg):
-    """A teacher's context: one token past the longest sample, whose request asks for one (max_tokens=1)."""
-    return (cfg.vllm_max_model_len or cfg.max_prompt_length + cfg.response_length) + 1
+def teacher_context(cfg, context=None):
+    """A teacher's context: one token past the longest sample, whose request asks for one (max_tokens=1),
+    and the tokens its own context (teacher_context_file) adds to the prompt at most."""
+    longest = cfg.vllm_max_model_len or cfg.max_prompt_length + cfg.response_length
+    return longest + 1 + (context.extra if context else 0)
+
+
+def own_context(cfg):
+    """The teacher's context (distill/context.py) of teacher_context_file, None without one."""
+    if not cfg.teacher_context_file:
+        return None
+    from transformers import AutoTokenizer
+
+    from distill import context
+
+    return context.Context(AutoTokenizer.from_pretrained(cfg.teacher_model_name_or_path),
+                           context.load(cfg.teacher_context_file))
 
 
 def server_plan(cfg, cuda):
@@ -54,7 +68,7 @@ def server_plan(cfg, cuda):
     with torch.device("meta"):
         teacher = AutoModelForCausalLM.from_config(tc)
     plan = {f"teacher_{k}": v for k, v in memory.model_server(cfg, tc, teacher, cuda).items()}
-    return plan | {"teacher_prompt_logits": 2 * 4 * teacher_context(cfg) * tc.vocab_size}
+    return plan | {"teacher_prompt_logits": 2 * 4 * teacher_context(cfg, own_context(cfg)) * tc.vocab_size}
 
 
 def check(cfg, tokenizer, cuda):
@@ -81,6 +95,10 @@ def check(cfg, tokenizer, cuda):
         raise ValueError(f"teacher_model_name_or_path={path!r} has another tokenizer than model_name_or_path="
                          f"{cfg.model_name_or_path!r} ({differ} token/id pairs differ): the KL compares the logprobs "
                          "of the same token ids; pick a teacher of the student's family")
+    if cfg.teacher_context_file:  # the file loads, and the template renders the teacher's chat as a splice
+        from distill import context
+
+        context.checked(tokenizer, cfg.teacher_context_file)
     # One tokenizer, not one embedding: Qwen2.5-7B has 152,064 rows, 0.5B 151,936 (padding past the tokens).
     # The teacher's top k are ids its server ranks over its own rows, and the student's forward gathers its
     # logprobs at them (update.frozen_logprobs): an id past the student's rows would index out of range.
@@ -93,20 +111,25 @@ def check(cfg, tokenizer, cuda):
                          "(or k2, k4: they read the sampled token's logprob alone), or a teacher of the student's rows")
 
 
-def sequences(s):
+def sequences(s, prompt_ids=None):
     """The sequences of sample s the teacher scores: (token ids, the index in s.token_ids of its first
-    token after the prompt, that token's position in it). An agent's episode may restart (Sample.restarts)."""
+    token after the prompt, that token's position in it). An agent's episode may restart (Sample.restarts).
+    prompt_ids: the teacher's prompt in place of the student's (its own context, distill/context.py):
+    the first sequence is it and every token of the episode after the student's prompt (the environment's
+    too), so sampled token i is at len(prompt_ids) + i; a restarted sequence is the episode's own."""
+    prompt_ids = s.prompt_ids if prompt_ids is None else prompt_ids
     cuts = [0, *s.restarts, len(s.token_ids)]
-    return [((s.prompt_ids if m == 0 else []) + s.token_ids[a:b], a, len(s.prompt_ids) if m == 0 else 0)
+    return [((prompt_ids if m == 0 else []) + s.token_ids[a:b], a, len(prompt_ids) if m == 0 else 0)
             for m, (a, b) in enumerate(zip(cuts, cuts[1:]))]
 
 
-def scores(s, answers, k):
-    """The teacher's answers for sample s (prompt_logprobs of each of its sequences) as lists over its policy
-    tokens, in the mask's order (packing.loss_tokens): ref_logp, and with k > 0 ref_head_ids and
-    ref_head_logp, the teacher's k most likely tokens at each position."""
+def scores(s, answers, k, prompt_ids=None):
+    """The teacher's answers for sample s (prompt_logprobs of each of its sequences(s, prompt_ids)) as lists
+    over its policy tokens, in the mask's order (packing.loss_tokens): ref_logp, and with k > 0 ref_head_ids
+    and ref_head_logp, the teacher's k most likely tokens at each position. The prompt's entries are
+    dropped, the teacher's own context's with them."""
     out = dict(ref_logp=[], ref_head_ids=[], ref_head_logp=[])
-    for (ids, first, at), entries in zip(sequences(s), answers):
+    for (ids, first, at), entries in zip(sequences(s, prompt_ids), answers):
         for j in range(len(ids) - at):  # token first + j of the sample is token at + j of this sequence
             if not s.mask[first + j]:
                 continue
@@ -133,6 +156,7 @@ class Teacher:
         self.topk = cfg.kl_estimator == "topk"
         self.k = cfg.kl_topk if self.topk else 0
         self.server = self.client = None
+        self.context = own_context(cfg) if rank == 0 else None  # what the teacher sees before the prompt
         # rank 0 launches it (one that does not start ends every rank in one line); a Teacher(rank=1) without a
         # process group has no server (the tests' teacher)
         ranks.from_rank0(lambda: self.launch(cfg) if rank == 0 else None)
@@ -140,7 +164,7 @@ class Teacher:
     def launch(self, cfg):
         """Rank 0: the teacher's server, stopped at exit, and its client."""
         log = os.path.join(cfg.output_dir, "teacher_vllm.log")
-        context = teacher_context(cfg)
+        context = teacher_context(cfg, self.context)
         try:
             self.server, url = vllm_server.launch_server(
                 cfg.teacher_model_name_or_path, cfg, log,
@@ -152,9 +176,10 @@ class Teacher:
         self.client = vllm_client.VLLMClient([url], cfg.teacher_model_name_or_path, cfg.vllm_request_timeout,
                                              cfg.vllm_max_retries, proc=self.server, log_path=log)
 
-    def ask(self, samples):
-        """Rank 0: every sample's scores (a list of dicts, scores()), from one request per sequence."""
-        asked = [(i, ids) for i, s in enumerate(samples) for ids, _, _ in sequences(s)]
+    def ask(self, samples, prompts):
+        """Rank 0: every sample's scores (a list of dicts, scores()), from one request per sequence, the
+        first with the teacher's prompt (prompts: one a sample)."""
+        asked = [(i, ids) for i, (s, p) in enumerate(zip(samples, prompts)) for ids, _, _ in sequences(s, p)]
         got = self.client.map("/v1/completions", [dict(model=self.client.model, prompt=ids, max_tokens=1,
                                                        temperature=1.0, prompt_logprobs=self.k) for _, ids in asked])
         answers = [[] for _ in samples]
@@ -163,13 +188,14 @@ class Teacher:
             if len(entries) != len(ids):
                 raise ValueError(f"{len(entries)} prompt logprobs for a sequence of {len(ids)} tokens")
             answers[i].append(entries)
-        return [scores(s, a, self.k) for s, a in zip(samples, answers)]
+        return [scores(s, a, self.k, p) for s, a, p in zip(samples, answers, prompts)]
 
     def scored(self, samples):
         """Rank 0: ask(samples), any failure of the teacher's server or its answers a VLLMError (which
         ends every rank in one line)."""
+        prompts = [self.context.prompt(s.prompt_ids) if self.context else s.prompt_ids for s in samples]
         try:
-            return self.ask(samples)
+            return self.ask(samples, prompts)
         except VLLMError as e:
             raise VLLMError(f"the teacher's server: {e}") from None
         except (KeyError, IndexError, TypeError, ValueError) as e:  # an answer not of the form asked for

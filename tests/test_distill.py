@@ -3,6 +3,7 @@ token, the objectives against exact enumeration, the refusals, and the teacher's
 forward of the teacher in the trainer."""
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -115,18 +116,20 @@ def test_a_teacher_equal_to_the_student_gives_a_kl_of_exactly_zero(kl_estimator)
 # --- the teacher's answers, aligned with the trainer's targets
 
 
+def encoding(ids, k):
+    """What a vLLM server answers for a sequence of token ids (prompt_logprobs), with each logprob encoding
+    the token it scores and its position: entry j gives token t at position j the logprob -(t + j / 1000),
+    and its top k are the ids t + 1.. t + k (t itself among them when t is even)."""
+    entries = [None]
+    for j, t in enumerate(ids[1:], 1):
+        head = [t] + [t + i for i in range(1, k)] if t % 2 == 0 else [t + i for i in range(1, k + 1)]
+        entries.append({str(i): {"logprob": -(i + j / 1000), "rank": 1} for i in (head if k else []) + [t]})
+    return entries
+
+
 def answers_encoding(sample, k):
-    """What a vLLM server answers for each sequence of `sample` (prompt_logprobs), with each logprob
-    encoding the token it scores and its position: entry j of a sequence gives token t at position j
-    the logprob -(t + j / 1000), and its top k are the ids t + 1.. t + k (t itself among them when t is even)."""
-    out = []
-    for ids, _, _ in teacher.sequences(sample):
-        entries = [None]
-        for j, t in enumerate(ids[1:], 1):
-            head = [t] + [t + i for i in range(1, k)] if t % 2 == 0 else [t + i for i in range(1, k + 1)]
-            entries.append({str(i): {"logprob": -(i + j / 1000), "rank": 1} for i in (head if k else []) + [t]})
-        out.append(entries)
-    return out
+    """The encoded answers (encoding) for each sequence of `sample`."""
+    return [encoding(ids, k) for ids, _, _ in teacher.sequences(sample)]
 
 
 @pytest.mark.parametrize("k", [0, 3])
@@ -155,6 +158,134 @@ def test_the_teachers_scores_land_on_the_trainers_targets(k):
         assert torch.equal(b["ref_head_logp"][:, 0], -(b["ref_head_ids"][:, 0].double() + positions / 1000).float())
     else:
         assert "ref_head_ids" not in b
+
+
+class Encoder:
+    """A teacher's server that answers every request with its encoding, and keeps the token ids asked."""
+    model = "t"
+
+    def __init__(self, k):
+        self.k, self.asked = k, []
+
+    def map(self, route, payloads):
+        self.asked += [p["prompt"] for p in payloads]
+        return [{"choices": [{"prompt_logprobs": encoding(p["prompt"], self.k)}]} for p in payloads]
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_teacher_with_a_context_of_its_own_scores_the_students_tokens_at_their_place_in_its_sequence(k):
+    """The teacher sees a system prompt the student does not (teacher_context_file): Teacher.prepare asks
+    for the teacher's chat rendered by the template and the episode's tokens after the student's prompt,
+    and through packing each loss token gets the encoding of its own token at its position in the
+    teacher's sequence: the student's position shifted by what the context adds, in the first sequence
+    only (a restarted one is the episode's own); the environment's tokens are asked and dropped."""
+    from distill.context import Context
+    from helpers import family_tokenizer
+
+    tok = family_tokenizer("qwen3")  # no default system prompt: the teacher's is a prefix of its own
+    system = [{"role": "system", "content": "Think."}]
+    context = Context(tok, system)
+    questions = [[{"role": "user", "content": "What is 3 + 4?"}], [{"role": "user", "content": "Hi"}]]
+    prompts = [context.ids(q) for q in questions]  # the student's prompt ids, as data.tokenize_rows makes them
+    theirs = [context.ids(system + q) for q in questions]  # the teacher's, rendered by the template on its own
+    samples = [Sample(prompts[0], [11, 12, 13, 14], [0.0] * 4),
+               Sample(prompts[0], [11, 20, 21, 22, 15, 16], [0.0] * 6, mask=[1, 1, 0, 0, 1, 1]),
+               Sample(prompts[1], [6, 30, 31, 32, 33], [0.0] * 5, mask=[1, 0, 0, 1, 1], restarts=(1,))]
+    ref = teacher.Teacher(Config(teacher_model_name_or_path="t", beta=1.0, kl_estimator="topk" if k else "advantage",
+                                 kl_topk=k), rank=1)
+    ref.rank, ref.context, ref.client = 0, context, Encoder(k)
+    ref.prepare(samples)
+    assert ref.client.asked == [theirs[0] + samples[0].token_ids, theirs[0] + samples[1].token_ids,
+                                theirs[1] + [6], [30, 31, 32, 33]]
+    shifts = [len(t) - len(p) for t, p in zip(theirs, prompts)]
+    prefix = tok("<|im_start|>system\nThink.<|im_end|>\n", add_special_tokens=False)["input_ids"]
+    assert shifts == [len(prefix)] * 2 and all(t == prefix + p for t, p in zip(theirs, prompts))
+    b = collate(samples, share=True)
+    targets = b["input_ids"][0, 1:][b["mask"][0]]
+    positions = b["position_ids"][0, 1:][b["mask"][0]]  # the student's
+    shift = torch.tensor([shifts[0]] * 8 + [shifts[1], 0, 0])  # sample 3's last two after its restart
+    expected = -(targets.double() + (positions + shift).double() / 1000)
+    assert torch.equal(b["ref_logp"], expected.float())
+    if k:
+        assert torch.equal(b["ref_head_logp"][:, 0],
+                           -(b["ref_head_ids"][:, 0].double() + (positions + shift) / 1000).float())
+
+
+@pytest.mark.parametrize("family", ["qwen2.5-instruct", "qwen3", "smollm2-instruct", "llama-3.1-instruct"])
+def test_the_teachers_prompt_is_the_templates_rendering_of_its_chat(family):
+    """Context.prompt on the student's prompt ids against the template's rendering of the teacher's chat (the
+    prompt's system message, then the file's messages, then the prompt's turns), for the families' real
+    templates: a system prompt, worked examples, both, before prompts with and without a system message."""
+    from distill.context import Context
+    from helpers import family_tokenizer
+
+    tok = family_tokenizer(family)
+    system = [{"role": "system", "content": "You are a careful calculator user."}]
+    examples = [{"role": "user", "content": "What is 214 + 659?"},
+                {"role": "assistant", "content": "<calc>214 + 659</calc>"}, {"role": "tool", "content": "873"},
+                {"role": "assistant", "content": "\\boxed{873}."}]
+    for messages in (system, examples, system + examples):
+        context = Context(tok, messages)
+        context.check("f.json")
+        for own in ([], [{"role": "system", "content": "Be brief."}], [{"role": "system", "content": "In words."}]):
+            for question in ("Hi", "What is 3 * 4?"):
+                row = own + [{"role": "user", "content": question}]
+                assert context.prompt(context.ids(row)) == context.ids(own + messages + row[len(own):]), (messages, row)
+
+
+HOISTING = ("{% set ns = namespace(s='') %}{% for m in messages %}{% if m.role == 'system' %}"
+            "{% set ns.s = ns.s + m.content + '\\n\\n' %}{% else %}<|im_start|>{{ m.role }}\\n"
+            "{% if m.role == 'user' %}{{ ns.s }}{% set ns.s = '' %}{% endif %}{{ m.content }}<|im_end|>\\n{% endif %}"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\\n{% endif %}")
+
+
+def test_a_template_that_moves_the_system_message_into_the_first_user_turn_is_refused_at_start_up():
+    """Gemma-like, without raising: a template that writes a system message into the next user turn puts a
+    prompt's system message into the first worked example's turn, which no splice at the prompt's user
+    turn makes: check refuses it in one line."""
+    from distill.context import Context
+    from helpers import family_tokenizer
+
+    tok = family_tokenizer("qwen2.5-instruct")
+    tok.chat_template = HOISTING
+    context = Context(tok, [{"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "2"}])
+    with pytest.raises(ValueError, match=r"^teacher_context_file='f.json': the chat template of 'qwen2.5-instruct' "
+                                         r"renders the file's messages before a prompt with a system message otherwise "
+                                         r"than as a splice of the student's prompt; fold"):
+        context.check("f.json")
+
+
+def test_a_teacher_context_file_is_refused_in_one_line_when_it_cannot_be_read(tmp_path, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from distill import context
+    from helpers import family_tokenizer
+
+    with pytest.raises(ValueError, match="^teacher_context_file is what a teacher sees beyond the prompt: set "
+                                         "teacher_model_name_or_path too$"):
+        Config(teacher_context_file="f.json")
+    with pytest.raises(ValueError, match="string prompts without a chat template have none: set "
+                                         "apply_chat_template=True"):
+        Config(teacher_model_name_or_path="t", beta=1.0, kl_estimator="advantage", teacher_context_file="f.json")
+    bad = tmp_path / "bad.json"
+    for text, why in (("[{", "does not load"), ("[]", "holds no messages"), ('[{"role": "who", "content": "x"}]',
+                                                                            "holds no messages, or one that")):
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=f"^teacher_context_file=.*{why}"):
+            context.load(str(bad))
+    (tmp_path / "ok.jsonl").write_text('{"role": "system", "content": "A"}\n\n{"role": "user", "content": "B"}\n')
+    assert context.load(str(tmp_path / "ok.jsonl"))[1] == {"role": "user", "content": "B"}
+    (tmp_path / "sys.json").write_text('[{"role": "system", "content": "Think."}]')
+    cfg = Config(model_name_or_path=tiny_model_dir, teacher_model_name_or_path=tiny_model_dir, beta=1.0,
+                 kl_estimator="advantage", teacher_context_file=str(tmp_path / "sys.json"), apply_chat_template=True)
+    teacher.check(cfg, AutoTokenizer.from_pretrained(tiny_model_dir), cuda=False)
+    with pytest.raises(ValueError, match=r"^teacher_context_file=.*: the chat template of 'gemma-2-it' raises on its "
+                                         r"messages \(TemplateError: System role not supported\)"):
+        context.checked(family_tokenizer("gemma-2-it"), str(tmp_path / "sys.json"))
+    from infra.faults import Refused
+
+    with pytest.raises(Refused, match="no user turn as the chat template opens one"):
+        context.Context(family_tokenizer("qwen3"), [{"role": "system", "content": "Think."}]).prompt([5, 6, 7])
 
 
 def test_the_teachers_head_in_a_micro_batch_of_padding_alone_and_at_k_0():
@@ -329,7 +460,7 @@ def test_the_teachers_server_agrees_with_the_teacher_in_the_trainer(teacher_dir,
                Sample(list(range(3, 11)), torch.randint(3, 60, (12,), generator=gen).tolist(), [0.0] * 12)]
     ref = teacher.Teacher(cfg, 0)
     try:
-        got = ref.ask(samples)
+        got = ref.ask(samples, [s.prompt_ids for s in samples])
     finally:
         ref.close()
     model = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32)
@@ -369,6 +500,25 @@ def test_distillation_from_a_teacher_equal_to_the_student_reads_a_kl_of_zero(tin
     assert "teacher_weights" in out.stdout and os.path.exists(tmp_path / "out" / "teacher_vllm.log")
 
 
+@pytest.mark.slow
+def test_distillation_from_the_student_with_a_system_prompt_of_its_own_reads_a_kl_above_zero(tiny_model_dir, tmp_path):
+    """Two ranks, the student's own weights as the teacher, which alone sees a system prompt
+    (teacher_context_file): the prefix changes the teacher's distribution, so at step 1 (the student still
+    its initial weights) the KL to it is finite and above zero, where without it it is 0."""
+    (tmp_path / "context.json").write_text(json.dumps([{"role": "system", "content": "Copy the text exactly."}]))
+    args = ["--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path / "out"), "--num_training_steps", "2",
+            "--eval_freq", "0", "--seed", "5", *EAGER, "--teacher_model_name_or_path", tiny_model_dir, "--beta", "1.0",
+            "--teacher_context_file", str(tmp_path / "context.json"), "--apply_chat_template", "true",
+            "--kl_estimator", "advantage", "--reward_advantage", "false", "--num_unique_prompts_rollout", "2",
+            "--num_samples_per_prompt_rollout", "4", "--response_length", "16"]
+    out = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29673",
+               "train.py", *args])
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(math.isfinite(r["teacher_kl"]) for r in rows) and abs(rows[0]["teacher_kl"]) > 1e-3, rows[0]
+
+
 def test_the_memory_plan_counts_the_teachers_server_and_its_prompt_logits(tiny_model_dir):
     """The teacher's server planned as the policy's, plus a whole sequence's logits and log-softmax over the
     vocabulary in float32 (vLLM's profile leaves them out): by hand for the tiny model (vocabulary 64)."""
@@ -383,6 +533,24 @@ def test_the_memory_plan_counts_the_teachers_server_and_its_prompt_logits(tiny_m
     policy = memory.server_plan(Config(model_name_or_path=tiny_model_dir, beta=1.0, max_prompt_length=100,
                                        response_length=27), *_meta(tiny_model_dir), cuda=False)
     assert plan["teacher_weights"] == policy["weights"] and plan["teacher_kv_cache"] == policy["kv_cache"]
+
+
+
+def test_the_teachers_server_counts_the_tokens_its_context_adds(tiny_model_dir, tmp_path):
+    """A system prompt of the teacher's own: its server's context and prompt logits count the tokens the
+    tiny template's system turn adds (it has no default system prompt: all of it is added)."""
+    import train
+    from transformers import AutoTokenizer
+
+    (tmp_path / "c.json").write_text(json.dumps([{"role": "system", "content": "Think."}]))
+    cfg = Config(model_name_or_path=tiny_model_dir, teacher_model_name_or_path=tiny_model_dir, beta=1.0,
+                 kl_estimator="advantage", max_prompt_length=100, response_length=27, apply_chat_template=True,
+                 teacher_context_file=str(tmp_path / "c.json"))
+    turn = AutoTokenizer.from_pretrained(tiny_model_dir)("<|im_start|>system\nThink.<|im_end|>\n",
+                                                         add_special_tokens=False)["input_ids"]
+    assert teacher.teacher_context(cfg, teacher.own_context(cfg)) == 100 + 27 + 1 + len(turn)
+    plan = train.server_plan(cfg, *_meta(tiny_model_dir), cuda=False)
+    assert plan["teacher_prompt_logits"] == 2 * 4 * (100 + 27 + 1 + len(turn)) * 64
 
 
 def _meta(path):
