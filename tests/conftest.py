@@ -60,7 +60,7 @@ def no_process_outside_its_tier(request, monkeypatch):
 ALONE = {"test_smollm2.py"}
 LONGEST = ["test_smollm2.py", "test_faults.py", "test_lora.py", "test_agents_e2e.py", "test_train.py",
            "test_distributed.py", "test_vllm.py", "test_doors.py", "test_two_runs.py", "test_sequence_parallel.py",
-           "test_generation_config.py", "test_async.py"]
+           "test_generation_config.py", "test_async.py", "test_ending.py", "test_multinode.py", "test_ranks.py"]
 SERVERS = pytest.StashKey()
 
 

@@ -4,7 +4,6 @@ anything starts; and the colocated run's instrument (benchmarks/colocated_phases
 colocated path (the same sleep and wake calls: vLLM's CPU build frees nothing)."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys

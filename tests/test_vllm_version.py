@@ -17,7 +17,7 @@ import torch
 
 import train
 from config import Config
-from infra import colocation, vllm_client, vllm_server
+from infra import colocation, vllm_server
 from lora import sync as lora_sync
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
