@@ -124,15 +124,18 @@ def from_rank0(fn):
         return fn()
     outcome, error = None, None
     if dist.get_rank() == 0:
-        R.in_fn = True
         try:
-            outcome = ("ok", fn())
-        except Stop as e:
+            try:
+                R.in_fn = True  # a SIGTERM from here on raises Stop in fn (handle)
+                if R.stop and R.in_loop:  # told while rank 0 was outside any call (its evaluation): stop here
+                    raise Stop()
+                outcome = ("ok", fn())
+            finally:
+                R.in_fn = False
+        except Stop as e:  # wherever it was raised above: every rank stops with rank 0
             outcome, error = ("stop", None), e
         except BaseException as e:  # noqa: BLE001 - every rank must hear of it; rank 0 raises it below
             outcome, error = ("carried", e) if getattr(e, "every_rank", False) else ("failed", None), e
-        finally:
-            R.in_fn = False
     kind, value = share(outcome)
     if error is not None:
         raise error
