@@ -33,9 +33,12 @@ NOT_IDENTITY = ("messages", "prompt_text", "prompt_ids")  # what data.tokenize_r
 
 
 def row_seed(row):
-    """The seed of a row's reset: a stable hash of its content (its dataset columns; not what its
-    rendering adds), the same at load time and in every episode of its group, in any process and
-    run. Its content, not its index: a row reaches a worker as itself, shuffled, without a place."""
+    """The seed of a row's reset: the row's own "seed" (an integer column: a dataset that names its games
+    or items), else a stable hash of its content (its dataset columns; not what its rendering adds), the
+    same at load time and in every episode of its group, in any process and run. Its content, not its
+    index: a row reaches a worker as itself, shuffled, without a place."""
+    if isinstance(row.get("seed"), int) and not isinstance(row.get("seed"), bool):
+        return row["seed"]
     identity = {k: v for k, v in row.items() if k not in NOT_IDENTITY}
     return zlib.crc32(json.dumps(identity, sort_keys=True, default=str).encode())
 

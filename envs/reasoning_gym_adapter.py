@@ -12,7 +12,7 @@ policy wrote in the answer tags (reasoning_gym.utils.extract_answer; none: its s
 
 The items are procedural, drawn from a seed, so the rows only pick seeds, as for TextArena's games:
 the item is item 0 of the dataset made with the row's "seed" if it has one, else the seed `reset`
-is given (the row's, from the trainer), else a number read from the row's prompt, the same at the
+is given (the row's, from the trainer: envs/calls.row_seed, a hash of the row), the same at the
 prompt's render and in every episode of the row. Any dataset gives rows (`--dataset copy`: 340
 prompts, 340 items); a .jsonl of {"prompt": "", "seed": n} names the items. A dataset's settings
 (difficulty, ...) are a subclass's `config`:
@@ -29,21 +29,12 @@ Its doors: none; --environment names it (infra/user_code.load_object reads the n
 """
 
 import functools
-import zlib
 
 import reasoning_gym
 from reasoning_gym.factory import DATASETS
 from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer
 
-
-def row_seed(row, seed=None):
-    """The item's seed: the row's "seed" (a dataset that names its items), else the one reset is given,
-    else a number read from the row's prompt."""
-    if isinstance(row.get("seed"), int) and not isinstance(row.get("seed"), bool):
-        return row["seed"]
-    if seed is not None:
-        return int(seed)
-    return zlib.crc32(repr(row.get("prompt")).encode())
+from envs.calls import row_seed  # the row's "seed", else a hash of the row: the trainer's rule
 
 
 class ReasoningGym:
@@ -53,7 +44,8 @@ class ReasoningGym:
     name, config = None, {}
 
     def reset(self, row, seed=None):
-        self.dataset = reasoning_gym.create_dataset(self.name, size=1, seed=row_seed(row, seed), **self.config)
+        seed = row_seed(row) if seed is None else seed
+        self.dataset = reasoning_gym.create_dataset(self.name, size=1, seed=seed, **self.config)
         self.entry = self.dataset[0]
         return [{"role": "system", "content": SYSTEM_PROMPTS["default"]},
                 {"role": "user", "content": self.entry["question"]}]

@@ -14,8 +14,7 @@ its last turn stepped at the end, so that the game judges it, and one still unde
 0.0 (TextArena has no reward for an unfinished game).
 
 The game is drawn from its seed, so the rows only pick seeds: the row's "seed" if it has one, else
-the seed `reset` is given (the row's, from the trainer), else a number read from the row's prompt,
-the same at the load-time render of the prompt and in every episode of the row, so the policy
+the seed `reset` is given (the row's, from the trainer: envs/calls.row_seed, a hash of the row), the same at the load-time render of the prompt and in every episode of the row, so the policy
 plays the board it was shown. Any dataset gives rows (`--dataset copy`: 340 prompts, 340
 games); a .jsonl of {"prompt": "", "seed": n} names the games.
 
@@ -23,20 +22,11 @@ Its doors: none; --environment names it (infra/user_code.load_object reads the i
 """
 
 import functools
-import zlib
 
 import textarena as ta
 from textarena.envs.registration import ENV_REGISTRY
 
-
-def row_seed(row, seed=None):
-    """The game's seed: the row's "seed" (a dataset that names its games), else the one reset is given,
-    else a number read from the row's prompt."""
-    if isinstance(row.get("seed"), int) and not isinstance(row.get("seed"), bool):
-        return row["seed"]
-    if seed is not None:
-        return int(seed)
-    return zlib.crc32(repr(row.get("prompt")).encode())
+from envs.calls import row_seed  # the row's "seed", else a hash of the row: the trainer's rule
 
 
 def render(observation):
@@ -56,7 +46,7 @@ class TextArena:
 
     def reset(self, row, seed=None):
         self.env, self.done, self.seen = ta.make(self.env_id), False, 0
-        self.env.reset(num_players=1, seed=row_seed(row, seed))
+        self.env.reset(num_players=1, seed=row_seed(row) if seed is None else seed)
         self.read = ""  # what the policy has read of the game's observation
         return [{"role": "user", "content": self.observe()}]
 

@@ -55,8 +55,10 @@ def test_a_turn_max_turns_cut_off_is_judged_by_the_game():
 
 
 def test_a_random_board_is_the_rows_board_in_every_episode():
-    """FifteenPuzzle draws its board on each reset; the adapter seeds it from the row (its "seed", else its
-    prompt, the trainer's seed in between), so the prompt's board is the one every episode plays."""
+    """FifteenPuzzle draws its board on each reset; the adapter seeds it with the seed the trainer gives
+    (envs/calls.row_seed: the row's "seed", else a hash of the row) or, called alone, the same rule, so the
+    prompt's board is the one every episode plays."""
+    from envs.calls import row_seed
     from envs.textarena_adapter import __getattr__ as by_id
 
     puzzle = by_id("FifteenPuzzle-v0")
@@ -66,8 +68,9 @@ def test_a_random_board_is_the_rows_board_in_every_episode():
 
     assert board(dict(prompt="a")) == board(dict(prompt="a")) != board(dict(prompt="b"))
     assert board(dict(prompt="a", seed=3)) == board(dict(prompt="b", seed=3)) != board(dict(prompt="a", seed=4))
-    assert board(dict(prompt="a"), seed=3) == board(dict(prompt="c", seed=3)) != board(dict(prompt="a"))  # given: the
-    assert board(dict(prompt="a", seed=4), seed=3) == board(dict(prompt="b", seed=4))  # trainer's, under a row's own
+    assert board(dict(prompt="a"), seed=3) == board(dict(prompt="c", seed=3)) != board(dict(prompt="a"))  # given
+    for row in (dict(prompt="a"), dict(prompt="b", seed=4)):  # what the trainer gives is the rule's own seed
+        assert board(row, seed=row_seed(row)) == board(row)
     with pytest.raises(ValueError, match="has no environment 'NoSuchGame-v0'"):
         Environment("envs.textarena_adapter:NoSuchGame-v0", family_tokenizer("qwen2.5-instruct"), Config())
 
