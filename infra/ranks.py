@@ -9,6 +9,7 @@ and a failure or a stop on any rank ends every rank within seconds.
     ranks.abort()                  this rank failed: every other rank ends (exit 1) within seconds
     ranks.failed_elsewhere()       whether another rank failed first (this rank's error is its echo)
     ranks.ending()                 the run is over here: a late SIGTERM lets the exit finish
+    ranks.close()                  before destroy_process_group (parallel.close_distributed)
 
 Why not broadcast_object_list on the default group: on GPUs that is an NCCL collective, and a rank
 waiting in one spins a kernel on the GPU that rank 0's colocated vLLM server computes on, for as long
@@ -27,7 +28,7 @@ in native code (a collective whose peer is gone) gets STUCK seconds to come back
 A failure: what rank 0 raises inside from_rank0 reaches every rank (our faults as the same exception,
 printed once by rank 0; anything else as Ended on the other ranks, which exit quietly while rank 0's
 own error is printed). A failure anywhere else (a rank's out-of-memory in the update) is posted by
-abort() to the store every rank watches; the others end within POLL + STUCK seconds.
+abort() to the store every rank watches; the others end within WATCH + STUCK seconds.
 """
 
 import atexit
