@@ -3,6 +3,11 @@ a native tool in the hermes format (`calculator_tool`, with --tool_call_parser h
 
     --environment envs.calculator:calculator
     --environment envs.calculator:calculator_tool --tool_call_parser hermes
+    --environment envs.calculator:calculator_plain   # the system message alone: no worked example
+
+`calculator_plain` is the student of context distillation (scripts/demo.sh --distill-context): the
+teacher sees the worked example that the student's prompt lacks (examples/calculator_example.json,
+--teacher_context_file), which is worked_example's messages between the system message and the question.
 
 Its doors: none; the trainer loads it by its spec like any environment. config.py's
 --environment help and data.py's calc task (its dataset, scripts/demo.sh --tools) name it.
@@ -65,15 +70,19 @@ def worked_example(system, call, row):
 class Calculator:
     """The policy writes <calc>expression</calc>; the environment answers with its value as a
     tool message. A turn without a call ends the episode (its \\boxed{} answer is scored).
-    The first messages describe the tool and show one worked example."""
+    The first messages describe the tool and show one worked example (none with example=False)."""
 
     stop = ["</calc>"]
     system = ("You can use a calculator. To compute an expression, write it between <calc> and </calc>, "
               "for example <calc>12 * 7</calc>, and its value will be shown to you. "
               "Give the final answer as \\boxed{number}.")
 
+    def __init__(self, example=True):
+        self.example = example
+
     def reset(self, row):
-        return worked_example(self.system, lambda e: f"<calc>{e}</calc>", row)
+        messages = worked_example(self.system, lambda e: f"<calc>{e}</calc>", row)
+        return messages if self.example else [messages[0], messages[-1]]
 
     def step(self, row, messages):
         call = re.search(r"<calc>(.*?)</calc>", messages[-1]["content"], re.S)
@@ -98,4 +107,4 @@ class CalculatorTool:
         return worked_example(self.system, hermes_call, row)
 
 
-calculator, calculator_tool = Calculator(), CalculatorTool()
+calculator, calculator_tool, calculator_plain = Calculator(), CalculatorTool(), Calculator(example=False)

@@ -13,6 +13,9 @@
 #   bash scripts/demo.sh --agent                  # the same played by an OpenAI-client program (examples/)
 #   bash scripts/demo.sh --lora_rank 16           # LoRA adapters (rank 16) at LoRA's learning rate
 #   bash scripts/demo.sh --distill                # on-policy distillation: the math demo's export teaches the student
+#   bash scripts/demo.sh --distill-context        # the calculator without its worked example, taught by the same
+#                                                 # model shown the example (context distillation)
+#   bash scripts/demo.sh --distill-context --grpo # the same student by GRPO alone (the baseline)
 #   OUT=output/run2 bash scripts/demo.sh          # another output directory (default output/demo)
 #
 # The reward is rewards:math_reward_last_number (a \boxed{} answer, else the last number):
@@ -100,6 +103,30 @@ elif [ "${1:-}" = "--distill" ]; then
           --learning_rate 1e-5 --warm_up_steps 5
           --num_unique_prompts_rollout 4 --num_samples_per_prompt_rollout 8
           --teacher_model_name_or_path "$teacher" --beta 1.0 --kl_estimator advantage --reward_advantage false)
+elif [ "${1:-}" = "--distill-context" ]; then
+    shift
+    .venv/bin/python scripts/prepare_smollm2.py
+    # The tools demo's task and budget, but the student's prompt is the system message alone
+    # (calculator_plain: no worked example). The teacher is the same model, scoring the student's
+    # episodes with the worked example before the question (examples/calculator_example.json): the
+    # tools demo's own prompt. Temperature 1 (the teacher's server scores at 1), lr 1e-5; held-out
+    # accuracy and tool-call rate every 2 steps. --grpo: the same student, prompts and steps by
+    # GRPO alone (no teacher, the reward in the loss).
+    task=(--dataset calc --environment envs.calculator:calculator_plain --math_digits 3 --math_operations "+-*")
+    args=(--model_name_or_path models/smollm2-135m-instruct --max_prompt_length 160 --response_length 96
+          --max_turns 3 --num_training_steps 20 --eval_freq 2 --num_eval_prompts 64 --temperature 1.0
+          --learning_rate 1e-5 --warm_up_steps 5
+          --num_unique_prompts_rollout 4 --num_samples_per_prompt_rollout 8)
+    if [ "${1:-}" = "--grpo" ]; then
+        shift
+        out=${OUT:-output/demo-context-grpo}
+        args+=(--beta 0 --load_ref_policy false)
+    else
+        out=${OUT:-output/demo-distill-context}
+        args+=(--teacher_model_name_or_path models/smollm2-135m-instruct
+               --teacher_context_file examples/calculator_example.json
+               --beta 1.0 --kl_estimator advantage --reward_advantage false)
+    fi
 elif [ "${1:-}" = "--tiny" ]; then
     shift
     out=${OUT:-output/demo-tiny}

@@ -233,6 +233,23 @@ def test_the_teachers_prompt_is_the_templates_rendering_of_its_chat(family):
                 assert context.prompt(context.ids(row)) == context.ids(own + messages + row[len(own):]), (messages, row)
 
 
+def test_the_calculator_demos_teacher_sees_the_tools_demos_prompt():
+    """scripts/demo.sh --distill-context: the student's prompt is calculator_plain's (the system message and
+    the question), and the teacher's, spliced in by examples/calculator_example.json, is token for token the
+    prompt of the calculator with its worked example (the tools demo's), in SmolLM2's template."""
+    from distill.context import Context, load
+    from envs.calculator import calculator, calculator_plain
+    from helpers import family_tokenizer
+
+    context = Context(family_tokenizer("smollm2-instruct"), load("examples/calculator_example.json"))
+    context.check("examples/calculator_example.json")
+    for question in ("What is 348 - 479?", "What is 25 * 61?"):
+        row = {"prompt": question}
+        student = calculator_plain.reset(row)
+        assert [m["role"] for m in student] == ["system", "user"] and student[-1]["content"] == question
+        assert context.prompt(context.ids(student)) == context.ids(calculator.reset(row))
+
+
 HOISTING = ("{% set ns = namespace(s='') %}{% for m in messages %}{% if m.role == 'system' %}"
             "{% set ns.s = ns.s + m.content + '\\n\\n' %}{% else %}<|im_start|>{{ m.role }}\\n"
             "{% if m.role == 'user' %}{{ ns.s }}{% set ns.s = '' %}{% endif %}{{ m.content }}<|im_end|>\\n{% endif %}"
@@ -560,3 +577,24 @@ def _meta(path):
     mc = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         return mc, AutoModelForCausalLM.from_config(mc)
+
+
+def test_plot_curves_averages_seeds_and_joins_a_continued_run(tmp_path, capsys):
+    """The demo's table (scripts/plot_curves.py): seeds averaged with their range, a run continued by another
+    (GRPO from a distilled export) placed after the first's last step, its own step 0 dropped."""
+    import plot_curves
+
+    def write(name, evals):
+        with open(tmp_path / name, "w") as f:
+            for step, acc in evals.items():
+                f.write(json.dumps({"step": step, "eval_accuracy": acc}) + "\n" + json.dumps({"step": step}) + "\n")
+        return str(tmp_path / name)
+
+    a, b = write("a.jsonl", {0: 0.0, 2: 0.25, 4: 0.5}), write("b.jsonl", {0: 0.0, 2: 0.5, 4: 0.75})
+    more = write("more.jsonl", {0: 0.4, 2: 1.0})  # its step 0 is dropped: the first run has step 4
+    plot_curves.main([f"seeds={a},{b}", f"then={a}+{more}", "--level", "teacher=0.5",
+                      "--out", str(tmp_path / "p.png")])
+    out = capsys.readouterr().out.splitlines()
+    assert out[2:7] == ["| 0 | 0.000 | 0.000 |", "| 2 | 0.375 (0.25-0.50) | 0.250 |", "| 4 | 0.625 (0.50-0.75) | 0.500 |",
+                        "| 6 |  | 1.000 |", "seeds: first within 0.02 of teacher (0.500) at step 4"]
+    assert out[7] == "then: first within 0.02 of teacher (0.500) at step 4" and os.path.getsize(tmp_path / "p.png") > 0
