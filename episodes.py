@@ -24,6 +24,7 @@ sample j of a request seeded s with s + j (vllm/v1/engine/parallel_sampling.py);
 largest run seed for which all of them fit vLLM's int64.
 """
 
+import concurrent.futures
 import dataclasses
 import time
 from typing import Optional, Protocol
@@ -166,13 +167,24 @@ class Completions:
 
 
 def wait_all(futures, f):
-    """f's result; when it failed, every other request ends first, so that none is left behind."""
+    """f's result; when it failed, the other requests are settled first (settle)."""
     try:
         return f.result()
-    except BaseException:
-        for other in futures:
-            other.exception()
+    except BaseException as e:
+        settle(futures, e)
         raise
+
+
+def settle(futures, error):
+    """Requests left when a batch ends early. A failed request (an Exception: a dead server): the others end
+    first, so that none is left behind for a restarted server to meet. A stop (infra/ranks.py's Stop,
+    KeyboardInterrupt): those not sent are cancelled and none is waited for; the server goes with the run, and
+    torchrun kills a rank that takes longer than its grace after a SIGTERM."""
+    if isinstance(error, Exception):
+        concurrent.futures.wait(futures)
+    else:
+        for f in futures:
+            f.cancel()
 
 
 def seed_block(cfg):

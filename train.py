@@ -404,6 +404,10 @@ if __name__ == "__main__":
         status = 1
     except ranks.Ended as e:  # another rank failed (and said why), or our launcher is gone: no barrier to meet
         ranks.exit_now(e.status)
+    except SystemExit as e:  # a SIGTERM before the loop (infra/ranks.py): every rank was told, none failed
+        if e.code != 128 + signal.SIGTERM:
+            ranks.abort()
+        raise
     except BaseException:  # this rank failed: every other rank ends within seconds, this one says why
         if ranks.failed_elsewhere():  # or another rank did first, and this is the echo (a peer's closed socket)
             ranks.exit_now(1)

@@ -81,7 +81,7 @@ from infra import faults
 from envs import tool_calls
 from envs.chat import ChatTokens
 from envs.calls import Calls, close, first_messages, mismatch, per_episode
-from episodes import Episode, take_turn, turn_seed
+from episodes import Episode, settle, take_turn, turn_seed
 from infra.faults import Refused
 from infra.user_code import load_object
 from infra.worker_pool import CallPool
@@ -181,7 +181,7 @@ class Environment:
             return client.submit(e.ids, 1, e.budget, temperature, cfg.top_p,
                                  turn_seed(seed, e.turns, len(episodes), e.k), self.stop)
 
-        started, finished, failures, tools = time.perf_counter(), False, [], 0.0
+        started, failures, tools = time.perf_counter(), [], 0.0
         pending = {send(e): e for e in episodes}
         try:
             while pending:
@@ -200,12 +200,11 @@ class Environment:
                     going = take_replies(going, replies)
                     failures, tools = failures + lost, tools + time.perf_counter() - t
                     pending.update((send(e), e) for e in going)
-            finished = True
-        finally:  # a request failed (a dead server): the others end before the error goes on, none left behind,
-            concurrent.futures.wait(pending)  # and the episodes' instances are closed
-            if not finished:
-                with contextlib.suppress(Exception):  # cleanup on the way out: the error that got us here goes on
-                    self.discard(episodes)
+        except BaseException as e:  # a request failed (a dead server), or a stop: episodes.settle, and the
+            settle(pending, e)  # episodes' instances are closed
+            with contextlib.suppress(Exception):  # cleanup on the way out: the error that got us here goes on
+                self.discard(episodes)
+            raise
         generating, t = time.perf_counter() - started - tools, time.perf_counter()
         failures += self.score(episodes)
         return episodes, dict(time_generate=generating, time_tools=tools + time.perf_counter() - t,

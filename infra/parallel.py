@@ -79,7 +79,7 @@ def setup_distributed(cfg):
     if device.type == "cuda" and (cfg.offload_params or cfg.offload_ref_policy):
         backend = "cuda:nccl,cpu:gloo"  # offloaded gradients are CPU tensors: their norm is reduced over gloo
     dist.init_process_group(backend, timeout=timedelta(minutes=cfg.backend_timeout))
-    ranks.start(cfg.backend_timeout)  # the CPU group the waits for rank 0 use, SIGTERM, the watch (infra/ranks.py)
+    ranks.start()  # the CPU group the waits for rank 0 use, SIGTERM, the watch (infra/ranks.py)
     replicas, shard = mesh_shape(cfg, dist.get_world_size())
     # Consecutive ranks share a shard group: with torchrun they are the GPUs of one node,
     # so the all-gathers stay on the fast links and only the gradient all-reduce crosses nodes.

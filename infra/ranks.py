@@ -1,7 +1,7 @@
 """Every rank together: rank 0 talks to the servers while the other ranks wait for it on the CPU,
 and a failure or a stop on any rank ends every rank within seconds.
 
-    ranks.start(backend_timeout)   every rank, after init_process_group: the CPU group, SIGTERM, the watch
+    ranks.start()                  every rank, after init_process_group: the CPU group, SIGTERM, the watch
     value = ranks.from_rank0(fn)   rank 0 runs fn(); every rank returns its value, or raises its failure
     ranks.share(obj)               rank 0's obj on every rank
     ranks.barrier()                every rank here
@@ -22,13 +22,17 @@ handler runs at once, and a rank that is gone ends the wait with gloo's error.
 A rank told to stop (torchrun's SIGTERM, or its launcher gone): before the loop it unwinds at once
 (SystemExit 143: finally blocks stop the servers we launched); inside it, rank 0 drops the step it is
 generating (Stop, raised in fn), every rank learns it from from_rank0, and train.py checkpoints the last
-trained step; during training the step finishes and stopping() stops every rank after it. A rank stuck
-in native code (a collective whose peer is gone) gets STUCK seconds to come back to Python, then exits.
+trained step; during training the step finishes and stopping() stops every rank after it. A rank that
+another rank's failure or its launcher's end reaches in native code (a collective whose peer is gone) gets
+STUCK seconds to come back to Python, then exits, posting its end for the others; a SIGTERM alone sets no
+such bound (a step's backward may take longer; torchrun kills its ranks after its own grace).
 
 A failure: what rank 0 raises inside from_rank0 reaches every rank (our faults as the same exception,
 printed once by rank 0; anything else as Ended on the other ranks, which exit quietly while rank 0's
 own error is printed). A failure anywhere else (a rank's out-of-memory in the update) is posted by
-abort() to the store every rank watches; the others end within WATCH + STUCK seconds.
+abort() to the store every rank watches; the others end within WATCH + STUCK seconds. The waits
+themselves have no deadline of backend_timeout's: rank 0 may generate for longer than that, and every
+call it makes to a server has a timeout of its own (WAIT_LIMIT bounds a wait whose peer hangs).
 """
 
 import atexit
@@ -39,6 +43,7 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from datetime import timedelta
 
 import torch
@@ -47,6 +52,8 @@ import torch.distributed as dist
 POLL = 0.05  # seconds between two looks at a collective we wait on
 WATCH = 1.0  # seconds between two looks at the store and the launcher
 STUCK = 10.0  # seconds a rank told to end has to come back to Python before it exits from the watch
+LOST = 3  # store checks failed in a row before the launcher counts as gone
+WAIT_LIMIT = timedelta(hours=24)  # the CPU group's deadline: a wait for rank 0 is bounded by its calls' timeouts
 
 
 class Stop(BaseException):
@@ -72,17 +79,20 @@ class Ranks:
         self.ending = False  # the run is over: its exit (atexit's calls among it) is not to be interrupted
         self.pending = None  # since when a SIGTERM waits for its handler (None: none waits)
         self.handled = 0.0  # when the handler last ran
+        self.bounded = None  # since when the handler must run within STUCK (another rank failed, the launcher gone)
+        self.nonce = ""  # this attempt's, in every store key: torchrun's restart counts differ between nodes
 
 
 R = Ranks()
 
 
-def start(backend_timeout_minutes):
+def start():
     """Every rank, after init_process_group: the gloo group the waits use, SIGTERM's handler, and (in a
     world of several ranks) the thread that watches the store, the launcher and a stuck main thread."""
-    R.group = dist.new_group(backend="gloo", timeout=timedelta(minutes=backend_timeout_minutes))
+    R.group = dist.new_group(backend="gloo", timeout=WAIT_LIMIT)
     signal.signal(signal.SIGTERM, handle)
     if dist.get_world_size() > 1:
+        R.nonce = share(uuid.uuid4().hex)
         read, write = os.pipe()
         os.set_blocking(write, False)
         signal.set_wakeup_fd(write, warn_on_full_buffer=False)  # the C handler writes here even when the
@@ -113,6 +123,7 @@ def handle(*_):
         sys.exit(128 + signal.SIGTERM)
     R.stop = True
     if R.in_fn:  # rank 0 drops the generation, the sleep or the wake it is in: every rank stops with it
+        R.in_fn = False  # once: a second SIGTERM on the way out does not raise again
         raise Stop()
 
 
@@ -178,22 +189,27 @@ def stopping():
 
 def wait(work):
     """Until `work` completes, back in Python every POLL seconds (a signal's handler runs). A peer that is
-    gone ends it with gloo's error: this rank ends quietly, the failed one says why."""
+    gone ends it with gloo's error: this rank ends quietly, the failed one says why. A peer that hung past
+    WAIT_LIMIT: this rank says so, in one line, and every rank ends."""
     while not work.is_completed():
         time.sleep(POLL)
     try:
         work.wait()
-    except RuntimeError:  # DistBackendError and gloo's "connection closed by peer" among them
+    except RuntimeError as e:  # DistBackendError and gloo's "connection closed by peer" among them
+        if "timed out" in str(e).lower() and not failed_elsewhere():
+            print(f"error: rank {dist.get_rank()} waited {WAIT_LIMIT.total_seconds():g} s for the other ranks, and one "
+                  "never came (a rank hung outside any call with a timeout); see each rank's last lines",
+                  file=sys.stderr)
+            abort()
         raise Ended(1) from None
 
 
 def abort():
-    """This rank failed: post it where every rank's watch looks (best effort: the store may be gone)."""
+    """This rank failed: post it where every rank's watch looks (best effort: the store may be gone). Its own
+    watch sees the post too: from here the rank is ending, and nothing interrupts its way out."""
+    R.ending = True
     if dist.is_initialized() and dist.get_world_size() > 1:
-        try:
-            store().set(key("abort"), str(dist.get_rank()))
-        except Exception:  # noqa: BLE001 - the launcher and its store are gone: so are the others
-            pass
+        with_store(lambda c: c.set(key("abort"), str(dist.get_rank())))
 
 
 def ending():
@@ -218,7 +234,8 @@ def failed_elsewhere():
 def exit_now(status):
     """End this process without the interpreter's shutdown (another rank failed: no barrier to meet, and
     gloo's threads must not be torn down under a finalizing interpreter); atexit's calls run first (a
-    teacher's server is stopped there)."""
+    teacher's server is stopped there), not to be interrupted by the watch."""
+    R.ending = True
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -226,8 +243,9 @@ def exit_now(status):
 
 
 def key(name):
-    """A store key of this run and restart (torchrun keeps its store across --max_restarts)."""
-    return f"flatgrpo/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{name}"
+    """A store key of this run and attempt (torchrun keeps its store across --max_restarts, and each node's
+    agent counts its restarts on its own: the attempt is start()'s nonce, the same on every rank)."""
+    return f"flatgrpo/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{R.nonce}/{name}"
 
 
 def store():
@@ -239,34 +257,49 @@ def store():
 def watch(signals, parent):
     """The watch thread: every WATCH seconds, another rank's abort, a stop told to another rank, and the
     launcher (our parent process, and its store); a SIGTERM whose handler cannot run. Ends the process
-    itself when the main thread does not come back to Python within STUCK seconds of being told."""
-    client, posted, told_seen, gone_seen = store(), False, False, False
+    itself when the main thread, told that another rank failed or that the launcher is gone, does not
+    come back to Python within STUCK seconds."""
+    client, posted, told_seen, gone_seen, lost, nudged = None, False, False, False, 0, 0.0
     looked = time.monotonic()  # a signal's byte read now was written after this
     while not R.closed:
         ready = select.select([signals], [], [], WATCH)[0]
         if ready and signal.SIGTERM in os.read(signals, 64) and R.pending is None:
             R.pending = looked
         looked = time.monotonic()
-        gone = os.getppid() != parent
         failed = told = False
         try:
-            if client is not None:
-                failed, told = client.check([key("abort")]), client.check([key("stop")])
-                if R.stop and not posted:  # the others stop after the same step
-                    client.set(key("stop"), str(dist.get_rank()))
-                    posted = True
-        except Exception:  # noqa: BLE001 - the store is the launcher's: it is gone
-            client, gone = None, True
+            client = client or store()
+            failed, told = client.check([key("abort")]), client.check([key("stop")])
+            if R.stop and not posted:  # the others stop after the same step
+                client.set(key("stop"), str(dist.get_rank()))
+                posted = True
+            lost = 0
+        except Exception:  # noqa: BLE001 - the store is the launcher's: gone, once it fails LOST times in a row
+            client, lost = None, lost + 1
+        gone = os.getppid() != parent or lost >= LOST
         if failed and R.ended is None:
             R.ended = 1
-            interrupt()  # the handler raises Ended
         if (gone and not gone_seen) or (told and not R.stop and not told_seen):
             gone_seen, told_seen = gone_seen or gone, told_seen or told
             interrupt()  # as a SIGTERM: stop (or, before the loop, exit)
+        if (R.ended is not None or gone) and R.bounded is None:
+            R.bounded = time.monotonic()  # from here the main thread has STUCK seconds to come back to Python
+        if R.ended is not None and not R.ending and time.monotonic() - nudged > STUCK:
+            nudged = time.monotonic()  # the handler raises Ended (again, where a __del__ swallowed it)
+            interrupt()
         if R.pending is not None and R.handled >= R.pending:
             R.pending = None  # the handler ran since
-        elif R.pending is not None and time.monotonic() - R.pending > STUCK:
+        elif R.pending is not None and R.bounded is not None and time.monotonic() - max(R.pending, R.bounded) > STUCK:
+            with_store(lambda c: c.set(key("abort"), str(dist.get_rank())), client)  # its peers end too
             exit_now(R.ended or 128 + signal.SIGTERM)  # in native code since: a collective whose peer is gone
+
+
+def with_store(fn, client=None):
+    """fn(a store client), best effort: the store may be gone with the launcher."""
+    try:
+        fn(client or store())
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def interrupt():

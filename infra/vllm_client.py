@@ -195,11 +195,18 @@ class VLLMClient:
         raise VLLMError(f"vLLM server {url} failed {route} after {attempt + 1} attempt(s): {last}")
 
     def map(self, route, payloads, fn=None):
-        """POST every payload concurrently, spread over the servers; results in order."""
-        with ThreadPoolExecutor(max_workers=min(64, max(1, len(payloads)))) as pool:
+        """POST every payload concurrently, spread over the servers; results in order. A failed request lets
+        the others end first; a stop (infra/ranks.py's Stop) waits for none of them."""
+        pool = ThreadPoolExecutor(max_workers=min(64, max(1, len(payloads))))
+        try:
             futures = [pool.submit(fn or self.post, self.urls[i % len(self.urls)], route, p)
                        for i, p in enumerate(payloads)]
             return [f.result() for f in futures]
+        except BaseException as e:
+            pool.shutdown(wait=isinstance(e, Exception), cancel_futures=True)
+            raise
+        finally:
+            pool.shutdown(wait=False)
 
     def versioned_post(self, url, route, payload):
         """A generation request on the weights of one version: the model it names (a LoRA adapter's

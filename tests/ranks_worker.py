@@ -11,6 +11,7 @@ The cases:
     abort      rank 1 fails outside any call while rank 0 waits inside a gloo all_reduce (native code)
     stuck      the same, but rank 1 lingers after posting its failure: its socket stays open
     long       rank 0's call sleeps for 10 minutes, inside the loop (the test stops or kills the launcher)
+    hang       rank 0's call takes 20 s, past a WAIT_LIMIT of 3 s (24 h in a run): rank 1 says so, every rank ends
 """
 
 import json
@@ -18,6 +19,7 @@ import os
 import signal
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -64,11 +66,13 @@ def case(name, rank, out):
     elif name in ("abort", "stuck"):
         if rank == 1:
             time.sleep(1)
-            if name == "stuck":  # it says so, then takes its time to exit: its peer's socket stays open
-                ranks.abort()
-                time.sleep(120)
+            if name == "stuck":  # it says so, then takes its time to exit: its peer's socket stays open (past
+                ranks.abort()  # rank 0's STUCK; a SIGTERM no longer interrupts a rank that is ending)
+                time.sleep(25)
             raise RuntimeError("rank 1 failed on its own")
         dist.all_reduce(torch.ones(1))  # never met; gloo notices a peer that exits, not one that lingers
+    elif name == "hang":
+        ranks.from_rank0(lambda: time.sleep(20))
     elif name == "long":
         ranks.R.in_loop = True
         record(out, rank, started=True)
@@ -83,7 +87,9 @@ def case(name, rank, out):
 def main():
     name, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
-    ranks.start(1)
+    if name == "hang":
+        ranks.WAIT_LIMIT = timedelta(seconds=3)
+    ranks.start()
     try:
         status = case(name, dist.get_rank(), out)
     except VLLMError as e:  # as train.py: every rank is here, rank 0 says it

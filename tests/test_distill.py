@@ -595,6 +595,7 @@ def test_plot_curves_averages_seeds_and_joins_a_continued_run(tmp_path, capsys):
     plot_curves.main([f"seeds={a},{b}", f"then={a}+{more}", "--level", "teacher=0.5",
                       "--out", str(tmp_path / "p.png")])
     out = capsys.readouterr().out.splitlines()
-    assert out[2:7] == ["| 0 | 0.000 | 0.000 |", "| 2 | 0.375 (0.25-0.50) | 0.250 |", "| 4 | 0.625 (0.50-0.75) | 0.500 |",
+    assert out[2:7] == ["| 0 | 0.000 | 0.000 |", "| 2 | 0.375 (0.25-0.50) | 0.250 |",
+                        "| 4 | 0.625 (0.50-0.75) | 0.500 |",
                         "| 6 |  | 1.000 |", "seeds: first within 0.02 of teacher (0.500) at step 4"]
     assert out[7] == "then: first within 0.02 of teacher (0.500) at step 4" and os.path.getsize(tmp_path / "p.png") > 0

@@ -91,6 +91,18 @@ def test_a_rank_that_fails_alone_ends_a_rank_inside_a_collective(tmp_path, case)
     assert time.monotonic() - start < 60, "rank 0 waited for the collective's timeout"
 
 
+def test_a_wait_past_its_limit_is_one_line_and_ends_every_rank(tmp_path):
+    """The waits have no deadline of backend_timeout's, only WAIT_LIMIT (24 h; 3 s here): rank 0 inside a
+    20 s call, rank 1 past the limit says so in one line, and rank 0 ends with it, quietly, before its call is
+    done."""
+    rc, out = finished(launch("hang", tmp_path), 120)
+    assert rc != 0
+    lines = [x for x in rank_output(tmp_path, 1).splitlines() if x.strip()]
+    assert lines == ["error: rank 1 waited 3 s for the other ranks, and one never came (a rank hung outside "
+                     "any call with a timeout); see each rank's last lines"], lines
+    assert rank_output(tmp_path, 0).strip() == "", rank_output(tmp_path, 0)
+
+
 @pytest.mark.parametrize("how", ["sigterm", "launcher_killed"])
 def test_a_stop_reaches_rank0s_call_and_every_rank(tmp_path, how):
     """Rank 0 is inside a 10-minute call (as in a generation), rank 1 waits for it. torchrun's SIGTERM, or
