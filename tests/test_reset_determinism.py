@@ -44,8 +44,10 @@ class Drifting:
 
     def reset(self, row):
         path = os.path.join(os.path.dirname(__file__), "count")  # beside this file: every process counts
-        n = int(open(path).read() or 0) + 1 if os.path.exists(path) else 1
-        open(path, "w").write(str(n))
+        n = int(open(path).read()) + 1 if os.path.exists(path) else 1
+        with open(f"{path}.{os.getpid()}", "w") as f:  # replaced whole: a worker reading it beside another's
+            f.write(str(n))  # write never sees it empty (and counts from 1: board A)
+        os.replace(f"{path}.{os.getpid()}", path)
         return [{"role": "user", "content": f"{row['prompt']} board {'A' if n <= 2 else 'B'}"}]
 
     def step(self, row, messages):
