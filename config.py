@@ -179,11 +179,11 @@ class Config:
     clip_higher: float = option(0.28, "dapo, gspo: ratio clipped above at 1 + clip_higher; cispo: weight capped at 1 "
                                       "+ clip_higher", low=0)
     beta: float = option(0.0, "KL coefficient toward the reference; 0 = no KL term", low=0)
-    kl_estimator: Literal["k1", "k2", "k3", "k4", "topk", "advantage"] = option("k3",
-        "k1, k2, k3, k4 or topk (a loss term), or advantage (the sampled k1 taken from each token's advantage); the KL "
-        "each one's gradient follows: docs/algorithm.md (a teacher refuses k1 and k3)")
-    kl_topk: int = option(0, "topk: tokens of the sampling policy (a teacher's) summed exactly per position (0 = "
-                             "sampled k4)", low=0)
+    kl_estimator: Literal["k1", "k2", "k3", "k4", "topk", "topk_forward", "advantage"] = option("k3",
+        "k1, k2, k3, k4, topk or topk_forward (a loss term), or advantage (the sampled k1 taken from each token's "
+        "advantage); the KL each one's gradient follows: docs/algorithm.md (a teacher refuses k1 and k3)")
+    kl_topk: int = option(0, "topk, topk_forward: tokens of the sampling policy (a teacher's) summed exactly per "
+                             "position (0 = sampled: topk is then k4)", low=0)
     teacher_model_name_or_path: Optional[str] = option(None, "on-policy distillation (distill/): a teacher with the "
         "student's tokenizer, served by a vLLM server train.py launches, is the reference the KL term reads")
     teacher_context_file: Optional[str] = option(None, "context distillation: a JSON list (or JSONL) of chat "
@@ -353,8 +353,9 @@ class Config:
         if not self.objective.ess and self.ess_scope != default(self, "ess_scope"):
             return (f"ess_scope={self.ess_scope!r} only applies to an objective that reads the batch's ESS "
                     f"(loss_fn={', '.join(repr(n) for n, o in OBJECTIVES.items() if o.ess)})")
-        if self.kl_topk != 0 and self.kl_estimator != "topk":
-            return f"kl_topk={self.kl_topk} only applies to kl_estimator='topk' (got {self.kl_estimator!r})"
+        if self.kl_topk != 0 and self.kl_estimator not in ("topk", "topk_forward"):
+            return (f"kl_topk={self.kl_topk} only applies to kl_estimator='topk' or 'topk_forward' (got "
+                    f"{self.kl_estimator!r})")
         if self.kl_topk > 0 and self.beta == 0:
             return f"kl_topk={self.kl_topk} has no effect with beta=0 (no KL term); set beta > 0 or kl_topk=0"
         if 0 < self.truncated_importance_sampling_ratio_cap < 1:  # min(w, cap) would shrink weights below 1 too
@@ -394,11 +395,11 @@ class Config:
         if not self.uses_reference:
             return "teacher_model_name_or_path needs beta > 0 (and load_ref_policy=True): the KL to it is its one use"
         why = {"k1": "k1's gradient is zero in expectation: the teacher would pull nothing",
-               "k3": "k3's gradient is the forward KL(teacher || student), not on-policy distillation's reverse "
+               "k3": "k3's gradient is the forward KL(teacher || student) while its value estimates the reverse "
                      "KL(student || teacher)"}  # what each estimator's gradient follows: docs/algorithm.md
         if self.kl_estimator in why:
             return (f"teacher_model_name_or_path with kl_estimator={self.kl_estimator!r}: {why[self.kl_estimator]}; "
-                    "pick advantage (the usual start), topk, k2 or k4")
+                    "pick advantage (the usual start), topk, k2 or k4 (the reverse KL), or topk_forward (the forward)")
         if self.temperature != 1.0:
             return (f"teacher_model_name_or_path with temperature={self.temperature}: vLLM scores the student's tokens "
                     "at temperature 1 (prompt logprobs skip its sampler); sample at temperature=1.0")
@@ -514,4 +515,4 @@ class Config:
     @property
     def topk_kl(self) -> bool:
         """Whether the KL term is the top-k one: the step then freezes each token's head (update.frozen_logprobs)."""
-        return self.kl_estimator == "topk" and self.beta > 0
+        return self.kl_estimator in ("topk", "topk_forward") and self.beta > 0

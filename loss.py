@@ -39,7 +39,7 @@ def group_advantages(rewards, group_size, normalization, eps=1e-6):
 # Their values all estimate (k2: approximate) the reverse KL(pi || pi_ref); their gradients do not all
 # follow it. In expectation over pi: k1's is zero, k3's is the forward KL(pi_ref || pi)'s, and k2's, k4's,
 # topk's and the advantage form's are the reverse KL's; against any reference, a teacher's too (Config
-# refuses k1 and k3 beside one). Over a sequence this holds position by position, the prefix's probability
+# refuses k1 and k3 beside one). topk_forward estimates the forward KL(pi_ref || pi) itself, value and gradient. Over a sequence this holds position by position, the prefix's probability
 # not differentiated. Derivations: docs/algorithm.md; exact enumeration: tests/test_kl_directions.py.
 #
 # The tokens were sampled by mu, not by pi: by pi_old (the weights before this step's first
@@ -82,8 +82,8 @@ def kl_k4(logp, ref_logp, rho):
     return rho * (logp - ref_logp)
 
 
-# kl_estimator names; each takes (logp, ref_logp, rho) (N,) and returns (N,). "topk" is apart: it
-# also needs the sampling policy's top-k head (kl_topk below); so is "advantage" (kl_advantage).
+# kl_estimator names; each takes (logp, ref_logp, rho) (N,) and returns (N,). "topk" and "topk_forward" are
+# apart: they also need a top-k head (kl_topk below); so is "advantage" (kl_advantage).
 KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3, "k4": kl_k4}
 
 
@@ -120,6 +120,27 @@ def kl_topk(logp, ref_logp, old_logp, head_logp, ref_head_logp, in_head, correct
     rho = torch.exp(logp - old_logp) * (1.0 if behaviour_weight is None else behaviour_weight)
     tail = rho * (logp - ref_logp).detach() + ((rho - rho.detach()) if corrected else 0.0)
     return head + torch.where(in_head, torch.zeros_like(tail), tail)
+
+
+def kl_topk_forward(logp, ref_logp, old_logp, head_logp, ref_head_logp, in_head, behaviour_weight=None):
+    """The forward KL(ref || pi) per position over the same head q (a teacher's: its k most likely tokens),
+    the exact head plus a sampled tail when the sampled token p is not in q:
+
+        sum_{j in q} ref(j) (log ref(j) - log pi(j))  +  1[p not in q] sg(ref(p)/mu(p)) (log ref(p) - log pi(p))
+
+    mu the policy that sampled p: ref/mu = exp(ref_logp - old_logp) * behaviour_weight (None: mu = pi_old).
+    Value and gradient, -sum_j ref(j) grad log pi(j), are the forward KL's for every k; k = 0 is the sampled
+    form, k = |V| the exact KL. It pulls pi toward every token the reference likes, those pi almost never
+    samples too, where the reverse KL weighs a token by pi's own probability of it: GKD's forward KL on the
+    student's samples (Agarwal et al.), the supervised cross-entropy to the reference's distribution at
+    the student's own prefixes. Arguments as kl_topk's."""
+    head = (ref_head_logp.exp() * (ref_head_logp - head_logp)).sum(-1)
+    weight = torch.exp(ref_logp - old_logp) * (1.0 if behaviour_weight is None else behaviour_weight)
+    tail = weight.detach() * (ref_logp - logp)
+    return head + torch.where(in_head, torch.zeros_like(tail), tail)
+
+
+TOPK_KL = {"topk": kl_topk, "topk_forward": kl_topk_forward}  # the kl_estimator names that read a head
 
 
 def ess_sums(rho):
@@ -266,7 +287,7 @@ def grpo_loss(logp, old_logp, adv, seq_ids, denominator, cfg, *, ref_logp=None, 
     by rho), whose weight must be pi/mu with mu the policy that sampled: pi/pi_old x pi_old/pi_vllm.
     mismatch_mask (N,) masks tokens out of the policy term (1.0 kept, 0.0 out; mismatch_mask()).
     ess_value is sg(ESS), passed to an objective whose row has ess=True; kl_heads is the tuple (head_logp, ref_head_logp, in_head) for
-    kl_estimator="topk". Returns (loss, sums) where sums holds per-micro-batch totals for
+    kl_estimator="topk" and "topk_forward". Returns (loss, sums) where sums holds per-micro-batch totals for
     logging (they are summed over micro-batches and ranks, then divided by the tokens).
     """
     row = cfg.objective
@@ -284,8 +305,8 @@ def grpo_loss(logp, old_logp, adv, seq_ids, denominator, cfg, *, ref_logp=None, 
     if mismatch_mask is not None:
         pg = pg * mismatch_mask
     if in_loss:
-        if cfg.kl_estimator == "topk":  # needs the top-k heads, not just the sampled token
-            kl = kl_topk(logp, ref_logp, old_logp, *kl_heads, behaviour_weight=tis_weight)
+        if cfg.kl_estimator in TOPK_KL:  # needs the top-k heads, not just the sampled token
+            kl = TOPK_KL[cfg.kl_estimator](logp, ref_logp, old_logp, *kl_heads, behaviour_weight=tis_weight)
         else:
             # pi/mu, mu the policy that sampled: k1-k3 take sg(rho) (their on-policy targets, off-policy too), k4 rho
             rho = torch.exp(logp - old_logp) * (1.0 if tis_weight is None else tis_weight)

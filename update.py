@@ -126,6 +126,13 @@ def optimizer_step(cfg, state, step_loss):
     return grad_norm.item(), not finite.item()
 
 
+def kl_name(cfg):
+    """The logged KL's name: teacher_kl to a teacher, kl to the policy's own reference; _forward when it is the
+    forward KL(ref || pi) (topk_forward), the others all estimating the reverse KL(pi || ref)."""
+    return ("teacher_kl" if cfg.teacher_model_name_or_path else "kl") + (
+        "_forward" if cfg.kl_estimator == "topk_forward" else "")
+
+
 def sync_tolerance(cfg):
     """The sync check's bound on the mean |trainer - vLLM| logprob: vllm_logp_tolerance, or by the dtypes the
     two sides compute in (the trainer in bfloat16 on GPUs, parallel.py; the server in server_dtype).
@@ -185,7 +192,7 @@ class StepMetrics:
         s = dict(zip(self.SUMS, sums.tolist()))
         n = max(s["tokens"], 1)
         m = dict(loss=s["loss"] / n, pg_loss=s["pg_loss"] / n, clip_frac=s["clipped"] / n,
-                 **{"teacher_kl" if cfg.teacher_model_name_or_path else "kl": s["kl"] / n},  # KL to the reference
+                 **{kl_name(cfg): s["kl"] / n},  # KL to the reference
                  entropy=s["entropy"] / n, grad_norm=sum(self.grad_norms) / max(len(self.grad_norms), 1),
                  grad_norm_max=max(self.grad_norms, default=0.0),
                  vllm_logp_diff_mean=self.vllm_logp_diff_mean,

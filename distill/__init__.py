@@ -5,7 +5,8 @@ leaves a trainer that runs everything but --teacher_model_name_or_path; a plain 
 
 The teacher is a kind of reference: the KL term (beta, kl_estimator) reads it as it reads a fixed
 or moving reference, so the objectives are loss.py's rows (the sampled k1 as a per-token advantage,
-kl_estimator="advantage"; EMA-PG's top-k KL over the teacher's top k, kl_estimator="topk").
+kl_estimator="advantage"; EMA-PG's top-k KL over the teacher's top k, kl_estimator="topk"; the forward KL over
+the same head, GKD's, kl_estimator="topk_forward").
 
 Its doors, each only when teacher_model_name_or_path is set:
 - reference.py:make_reference  teacher.Teacher, the run's reference (it launches the server)

@@ -20,8 +20,8 @@ The environment's tokens are scored and dropped with the mask.
 Prompt logprobs skip vLLM's sampler: they are the teacher's at temperature 1, so Config refuses a
 teacher beside another sampling temperature (the KL would compare two different temperatures).
 
-For the top-k KL (kl_estimator="topk") the exact head is the teacher's k most likely tokens at each
-position. EMA-PG's estimator is unbiased for any head chosen before the token at that position is
+For the top-k KLs (kl_estimator="topk", the reverse; "topk_forward", the forward) the exact head is the teacher's k most likely tokens at each
+position. EMA-PG's estimator (and its forward twin, loss.kl_topk_forward) is unbiased for any head chosen before the token at that position is
 sampled (the tail term covers the rest), and the teacher's top k is such a head; it is also the
 only one a server that reports its own top k can give, where a reference in the trainer reports
 its logprobs at any ids (there the head is the sampling policy's k). The student's forward reads its
@@ -102,7 +102,7 @@ def check(cfg, tokenizer, cuda):
     # One tokenizer, not one embedding: Qwen2.5-7B has 152,064 rows, 0.5B 151,936 (padding past the tokens).
     # The teacher's top k are ids its server ranks over its own rows, and the student's forward gathers its
     # logprobs at them (update.frozen_logprobs): an id past the student's rows would index out of range.
-    if cfg.kl_estimator != "topk" or not cfg.kl_topk:
+    if not cfg.topk_kl or not cfg.kl_topk:
         return
     teacher_rows, student_rows = AutoConfig.from_pretrained(path).vocab_size, load_model_config(cfg).vocab_size
     if teacher_rows > student_rows:
@@ -153,7 +153,7 @@ class Teacher:
 
     def __init__(self, cfg, rank):
         self.rank = rank
-        self.topk = cfg.kl_estimator == "topk"
+        self.topk = cfg.topk_kl
         self.k = cfg.kl_topk if self.topk else 0
         self.server = self.client = None
         self.context = own_context(cfg) if rank == 0 else None  # what the teacher sees before the prompt

@@ -23,7 +23,8 @@ from tqdm import tqdm
 
 SAMPLE_COLUMNS = ("step", "prompt", "completion", "episode", "reward")  # rollout.show_episode says what each is
 CONSOLE = ("step", "reward_mean", "eval_accuracy", "eval_tool_calls", "response_length", "tool_calls", "loss", "kl",
-           "teacher_kl", "clip_frac", "entropy", "grad_norm", "vllm_logp_diff_max", "time_step")
+           "teacher_kl", "kl_forward", "teacher_kl_forward", "clip_frac", "entropy", "grad_norm", "vllm_logp_diff_max",
+           "time_step")
 
 
 def private_dir(prefix, base=None, clean=True):

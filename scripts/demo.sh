@@ -165,9 +165,10 @@ evals = [r for r in rows if r.get("eval_accuracy") is not None]
 first, last = evals[0], evals[-1]
 tools = (f"; tool-call rate {first['eval_tool_calls']:.3f} -> {last['eval_tool_calls']:.3f}"
          if "eval_tool_calls" in first else "")
-key = "teacher_kl" if any("teacher_kl" in r for r in rows) else "kl"
+key = next((k for k in ("teacher_kl", "teacher_kl_forward", "kl_forward") if any(k in r for r in rows)), "kl")
 kls = [r[key] for r in rows if r.get(key) is not None][-5:] if beta > 0 else []  # logged as 0 without a KL term
-tools += f"; KL to the {key[:-3] or 'reference'} {sum(kls) / len(kls):.4f} (last 5 steps)" if kls else ""
+kl = ("forward " if key.endswith("_forward") else "") + "KL to the " + ("teacher" if key[0] == "t" else "reference")
+tools += f"; {kl} {sum(kls) / len(kls):.4f} (last 5 steps)" if kls else ""
 print(f"held-out greedy accuracy: {first['eval_accuracy']:.3f} at step {first['step']} -> {last['eval_accuracy']:.3f} "
       f"at step {last['step']} ({100 * (last['eval_accuracy'] - first['eval_accuracy']):+.1f} points){tools}; "
       f"the run took {int(sys.argv[2]) // 60} min {int(sys.argv[2]) % 60} s")

@@ -374,19 +374,21 @@ def test_config_refuses_what_a_teacher_cannot_do():
     Config(teacher_model_name_or_path="t", beta=1.0, reward_advantage=False, kl_estimator="advantage")
 
 
-def test_a_teacher_refuses_the_estimators_that_do_not_follow_the_reverse_kl():
+def test_a_teacher_refuses_the_estimators_that_do_not_follow_the_kl_they_estimate():
     """Beside a teacher, k1's gradient is zero in expectation and k3's is the forward KL(teacher || student)
-    (tests/test_kl_directions.py): both refused in one line naming the fix, k3 (kl_estimator's default) too
-    when not asked for; the four whose gradient is the reverse KL pass, with or without the reward."""
+    while its value is the reverse's (tests/test_kl_directions.py): both refused in one line naming the fix, k3
+    (kl_estimator's default) too when not asked for; the four whose gradient is the reverse KL and topk_forward
+    pass, with or without the reward."""
     for asked in ({}, {"kl_estimator": "k3"}):
         with pytest.raises(ValueError, match=r"^teacher_model_name_or_path with kl_estimator='k3': k3's gradient is "
-                                             r"the forward KL\(teacher \|\| student\), not on-policy distillation's "
-                                             r"reverse KL\(student \|\| teacher\); pick advantage .*, topk, k2 or k4$"):
+                                             r"the forward KL\(teacher \|\| student\) while its value estimates the "
+                                             r"reverse KL\(student \|\| teacher\); pick advantage .*, topk, k2 or k4 "
+                                             r"\(the reverse KL\), or topk_forward \(the forward\)$"):
             Config(teacher_model_name_or_path="t", beta=1.0, **asked)
     for reward_advantage in (True, False):
         with pytest.raises(ValueError, match="k1's gradient is zero in expectation: the teacher would pull nothing"):
             Config(teacher_model_name_or_path="t", beta=1.0, kl_estimator="k1", reward_advantage=reward_advantage)
-        for kl_estimator in ("advantage", "topk", "k2", "k4"):
+        for kl_estimator in ("advantage", "topk", "k2", "k4", "topk_forward"):
             Config(teacher_model_name_or_path="t", beta=1.0, kl_estimator=kl_estimator,
                    reward_advantage=reward_advantage)
     Config(beta=1.0)  # without a teacher k3 stays the default (the reference's KL in GRPO's own form)

@@ -13,7 +13,8 @@ from config import Config
 from loss import grpo_loss
 
 V, K = 6, 2  # the vocabulary; the top-k KL's head: the reference's K most likely tokens (a teacher's are its own)
-DIRECTION = {"k1": "none", "k2": "reverse", "k3": "forward", "k4": "reverse", "topk": "reverse", "advantage": "reverse"}
+DIRECTION = {"k1": "none", "k2": "reverse", "k3": "forward", "k4": "reverse", "topk": "reverse", "advantage": "reverse",
+             "topk_forward": "forward"}
 
 
 def logits(seed, *shape):
@@ -35,9 +36,10 @@ def kl_term(logpi, logref, tokens, kl_estimator):
     q = logref.detach().topk(K, -1).indices  # (T, K)
     heads = (logpi.gather(-1, q), logref.gather(-1, q), (q == tokens[:, None]).any(-1))
     logp = logpi[at, tokens]
-    cfg = Config(beta=1.0, kl_estimator=kl_estimator, kl_topk=K if kl_estimator == "topk" else 0)
+    topk = kl_estimator.startswith("topk")
+    cfg = Config(beta=1.0, kl_estimator=kl_estimator, kl_topk=K if topk else 0)
     loss, _ = grpo_loss(logp, logp.detach(), torch.zeros_like(logp), torch.zeros_like(tokens), 1.0, cfg,
-                        ref_logp=logref[at, tokens], kl_heads=heads if kl_estimator == "topk" else None)
+                        ref_logp=logref[at, tokens], kl_heads=heads if topk else None)
     return loss
 
 

@@ -10,7 +10,8 @@ import torch
 
 import loss
 from config import Config
-from loss import KL_ESTIMATORS, OBJECTIVES, dapo_loss, ess_from_sums, ess_loss, ess_sums, grpo_loss, gspo_loss, kl_topk
+from loss import (KL_ESTIMATORS, OBJECTIVES, TOPK_KL, dapo_loss, ess_from_sums, ess_loss, ess_sums, grpo_loss, gspo_loss,
+                  kl_topk, kl_topk_forward)
 from helpers import run_worker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,7 +31,7 @@ def ess(rho):
 
 def test_objective_and_kl_tables_agree_with_config():
     assert set(config_choices("loss_fn")) == set(OBJECTIVES)
-    assert set(config_choices("kl_estimator")) == set(KL_ESTIMATORS) | {"topk", "advantage"}  # apart: heads, advantage
+    assert set(config_choices("kl_estimator")) == set(KL_ESTIMATORS) | set(TOPK_KL) | {"advantage"}  # apart
 
 
 def test_gspo_by_hand():
@@ -124,28 +125,31 @@ def logits(seed):
     return torch.randn(V, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-def expected_topk(k, theta, ref_logits, old_logits, corrected=True, behaviour_logits=None):
+def expected_topk(k, theta, ref_logits, old_logits, corrected=True, behaviour_logits=None, estimator=kl_topk,
+                  head_of="old"):
     """E over the sampled token p ~ mu of the estimator's value and of its gradient,
     enumerating all V tokens (no sampling noise). mu is pi_old unless a behaviour policy is
-    given (the vLLM weights that sampled); its tail is then weighted by pi_old/mu as well."""
+    given (the vLLM weights that sampled); its tail is then weighted by pi_old/mu as well.
+    head_of: whose top k is the head, pi_old's (the trainer's own references) or ref's (a teacher's)."""
     logpi, logref, logold = (torch.log_softmax(x, -1) for x in (theta, ref_logits, old_logits))
     logmu = logold if behaviour_logits is None else torch.log_softmax(behaviour_logits, -1)
-    q = logold.topk(k).indices  # the top-k of pi_old, as the trainer computes it
+    q = (logold if head_of == "old" else logref).topk(k).indices
     in_head = torch.isin(torch.arange(V), q)  # (V,): is token p in q
     # the default is what grpo_loss uses in training: only the published form is asked for by name
     kwargs = {} if corrected else {"corrected": False}
     if behaviour_logits is not None:
         kwargs["behaviour_weight"] = torch.exp(logold - logmu)
-    est = kl_topk(logpi, logref, logold, logpi[q].expand(V, k), logref[q].expand(V, k), in_head, **kwargs)
+    est = estimator(logpi, logref, logold, logpi[q].expand(V, k), logref[q].expand(V, k), in_head, **kwargs)
     weights = logmu.exp().detach()
     value = (weights * est).sum()
     (grad,) = torch.autograd.grad(value, theta)
     return value, grad
 
 
-def exact_kl(theta, ref_logits):
+def exact_kl(theta, ref_logits, forward=False):
+    """KL(pi || ref), or KL(ref || pi) with forward, and its gradient in theta."""
     logpi, logref = torch.log_softmax(theta, -1), torch.log_softmax(ref_logits, -1)
-    kl = (logpi.exp() * (logpi - logref)).sum()
+    kl = (logref.exp() * (logref - logpi)).sum() if forward else (logpi.exp() * (logpi - logref)).sum()
     return kl, torch.autograd.grad(kl, theta)[0]
 
 
@@ -175,6 +179,24 @@ def test_topk_kl_is_unbiased_when_another_policy_sampled(k):
     value, grad = expected_topk(k, theta, logits(1), logits(2), behaviour_logits=logits(3))
     kl, kl_grad = exact_kl(theta, logits(1))
     assert torch.allclose(value, kl, atol=1e-12) and torch.allclose(grad, kl_grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [0, 3, 7, V])
+@pytest.mark.parametrize("head_of", ["old", "ref"])
+@pytest.mark.parametrize("sampler", ["on-policy", "pi_old", "another"])
+def test_topk_forward_kl_is_unbiased_for_the_forward_kl(k, head_of, sampler):
+    """topk_forward over pi_old's head or the reference's (a teacher's), tokens sampled by pi itself, by
+    pi_old, or by vLLM's older weights: value and gradient are the forward KL(ref || pi)'s exactly, and not
+    the reverse KL's."""
+    theta = logits(0).requires_grad_()
+    old, behaviour = (theta.detach(), None) if sampler == "on-policy" else (logits(2), None)
+    if sampler == "another":
+        behaviour = logits(3)
+    value, grad = expected_topk(k, theta, logits(1), old, behaviour_logits=behaviour, estimator=kl_topk_forward,
+                                head_of=head_of)
+    kl, kl_grad = exact_kl(theta, logits(1), forward=True)
+    assert torch.allclose(value, kl, atol=1e-12) and torch.allclose(grad, kl_grad, atol=1e-9)
+    assert not torch.allclose(grad, exact_kl(theta, logits(1))[1], atol=1e-3)
 
 
 @pytest.mark.parametrize("kl_estimator", ["k4", "topk"])
