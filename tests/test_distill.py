@@ -14,7 +14,7 @@ import torch
 from config import Config
 from distill import teacher
 from episodes import Sample
-from helpers import EAGER, metrics, run, trainer_logprobs
+from helpers import EAGER, command, metrics, run, trainer_logprobs
 from loss import grpo_loss, kl_advantage
 from packing import collate
 
@@ -89,7 +89,7 @@ def test_topk_kl_over_the_teachers_head_is_unbiased(k):
     assert torch.allclose(value, kl, atol=1e-12) and torch.allclose(grad, kl_grad, atol=1e-12)
 
 
-@pytest.mark.parametrize("kl_estimator", ["k1", "k2", "k3", "k4", "topk", "advantage"])
+@pytest.mark.parametrize("kl_estimator", ["k1", "k2", "k3", "k4", "topk", "topk_forward", "advantage"])
 def test_a_teacher_equal_to_the_student_gives_a_kl_of_exactly_zero(kl_estimator):
     """ref_logp equal to the student's logprobs token for token (and its head's): every estimator's value is
     0.0 exactly at every token; k2, k3 and the advantage form (whose gradient is d grad log pi or zero at
@@ -101,7 +101,7 @@ def test_a_teacher_equal_to_the_student_gives_a_kl_of_exactly_zero(kl_estimator)
     adv, seqs = torch.tensor([1.0, 1.0, -1.0, -1.0]), torch.tensor([0, 0, 1, 1])
     in_head = torch.tensor([True, False, True, False])
     for i in range(4):  # one token at a time: zeros, not a sum that cancels
-        heads = (head[i:i + 1], head[i:i + 1].clone(), in_head[i:i + 1]) if kl_estimator == "topk" else None
+        heads = (head[i:i + 1], head[i:i + 1].clone(), in_head[i:i + 1]) if kl_estimator.startswith("topk") else None
         one = slice(i, i + 1)
         _, sums = grpo_loss(logp[one], logp[one].detach(), adv[one], seqs[one], 4.0, cfg,
                             ref_logp=logp[one].detach().clone(), kl_heads=heads)
@@ -502,20 +502,21 @@ def test_the_teachers_server_agrees_with_the_teacher_in_the_trainer(teacher_dir,
 
 
 @pytest.mark.slow
-def test_distillation_from_a_teacher_equal_to_the_student_reads_a_kl_of_zero(tiny_model_dir, tmp_path):
-    """Two ranks, the student's own weights as the teacher, the top-k KL alone: at step 1 (the student still
-    its initial weights) the KL to the teacher is 0 to float32's rounding on every rank's tokens, and the
-    memory plan counts the teacher's server."""
+@pytest.mark.parametrize("kl_estimator", ["topk", "topk_forward"])
+def test_distillation_from_a_teacher_equal_to_the_student_reads_a_kl_of_zero(tiny_model_dir, tmp_path, kl_estimator):
+    """Two ranks, the student's own weights as the teacher, a top-k KL alone (the reverse or the forward): at
+    step 1 (the student still its initial weights) the KL to the teacher is 0 to float32's rounding on every
+    rank's tokens, logged under its direction's name, and the memory plan counts the teacher's server."""
     args = ["--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path / "out"), "--num_training_steps", "2",
             "--eval_freq", "0", "--seed", "5", *EAGER, "--teacher_model_name_or_path", tiny_model_dir, "--beta", "1.0",
-            "--kl_estimator", "topk", "--kl_topk", "4", "--reward_advantage", "false",
+            "--kl_estimator", kl_estimator, "--kl_topk", "4", "--reward_advantage", "false",
             "--num_unique_prompts_rollout", "2", "--num_samples_per_prompt_rollout", "4", "--response_length", "16"]
-    out = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29671", "train.py",
-               *args])
+    out = run(command("train.py", 2) + args)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
-    rows = metrics(tmp_path)
-    assert [r["step"] for r in rows] == [1, 2] and all("kl" not in r for r in rows)
-    assert abs(rows[0]["teacher_kl"]) < 1e-6 and rows[0]["trained_tokens"] > 0
+    rows, key = metrics(tmp_path), "teacher_kl" + ("_forward" if kl_estimator == "topk_forward" else "")
+    assert [r["step"] for r in rows] == [1, 2] and all({"kl", "teacher_kl", "teacher_kl_forward"} & set(r) == {key}
+                                                       for r in rows)
+    assert abs(rows[0][key]) < 1e-6 and rows[0]["trained_tokens"] > 0 and rows[1][key] != rows[0][key]
     assert "teacher_weights" in out.stdout and os.path.exists(tmp_path / "out" / "teacher_vllm.log")
 
 
@@ -530,8 +531,7 @@ def test_distillation_from_the_student_with_a_system_prompt_of_its_own_reads_a_k
             "--teacher_context_file", str(tmp_path / "context.json"), "--apply_chat_template", "true",
             "--kl_estimator", "advantage", "--reward_advantage", "false", "--num_unique_prompts_rollout", "2",
             "--num_samples_per_prompt_rollout", "4", "--response_length", "16"]
-    out = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29673",
-               "train.py", *args])
+    out = run(command("train.py", 2) + args)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
