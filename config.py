@@ -514,5 +514,5 @@ class Config:
 
     @property
     def topk_kl(self) -> bool:
-        """Whether the KL term is the top-k one: the step then freezes each token's head (update.frozen_logprobs)."""
+        """Whether the KL term is a top-k one: the step then freezes each token's head (update.frozen_logprobs)."""
         return self.kl_estimator in ("topk", "topk_forward") and self.beta > 0

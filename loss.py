@@ -36,11 +36,12 @@ def group_advantages(rewards, group_size, normalization, eps=1e-6):
 
 # --- KL estimators of KL(pi || pi_ref), per token, d = logp - ref_logp
 #
-# Their values all estimate (k2: approximate) the reverse KL(pi || pi_ref); their gradients do not all
-# follow it. In expectation over pi: k1's is zero, k3's is the forward KL(pi_ref || pi)'s, and k2's, k4's,
-# topk's and the advantage form's are the reverse KL's; against any reference, a teacher's too (Config
-# refuses k1 and k3 beside one). topk_forward estimates the forward KL(pi_ref || pi) itself, value and gradient. Over a sequence this holds position by position, the prefix's probability
-# not differentiated. Derivations: docs/algorithm.md; exact enumeration: tests/test_kl_directions.py.
+# Their values all estimate (k2: approximate) the reverse KL(pi || pi_ref), but topk_forward's (the forward
+# KL(pi_ref || pi)); their gradients do not all follow their values. In expectation over pi: k1's is zero,
+# k3's is the forward KL's, k2's, k4's, topk's and the advantage form's are the reverse KL's, topk_forward's
+# the forward KL's; against any reference, a teacher's too (Config refuses k1 and k3 beside one). Over a
+# sequence this holds position by position, the prefix's probability not differentiated. Derivations:
+# docs/algorithm.md; exact enumeration: tests/test_kl_directions.py.
 #
 # The tokens were sampled by mu, not by pi: by pi_old (the weights before this step's first
 # update: later mini-batches and epochs) or by vLLM's weights (the engine's mismatch, or older

@@ -20,8 +20,9 @@ The environment's tokens are scored and dropped with the mask.
 Prompt logprobs skip vLLM's sampler: they are the teacher's at temperature 1, so Config refuses a
 teacher beside another sampling temperature (the KL would compare two different temperatures).
 
-For the top-k KLs (kl_estimator="topk", the reverse; "topk_forward", the forward) the exact head is the teacher's k most likely tokens at each
-position. EMA-PG's estimator (and its forward twin, loss.kl_topk_forward) is unbiased for any head chosen before the token at that position is
+For the top-k KLs (kl_estimator="topk", the reverse; "topk_forward", the forward) the exact head is the
+teacher's k most likely tokens at each position. EMA-PG's estimator (and its forward twin,
+loss.kl_topk_forward) is unbiased for any head chosen before the token at that position is
 sampled (the tail term covers the rest), and the teacher's top k is such a head; it is also the
 only one a server that reports its own top k can give, where a reference in the trainer reports
 its logprobs at any ids (there the head is the sampling policy's k). The student's forward reads its

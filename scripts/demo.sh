@@ -14,7 +14,7 @@
 #   bash scripts/demo.sh --lora_rank 16           # LoRA adapters (rank 16) at LoRA's learning rate
 #   bash scripts/demo.sh --distill                # on-policy distillation: the math demo's export teaches the student
 #   bash scripts/demo.sh --distill-context        # the calculator without its worked example, taught by the same
-#                                                 # model shown the example (context distillation)
+#                                                 # model shown the example (context distillation, forward KL)
 #   bash scripts/demo.sh --distill-context --grpo # the same student by GRPO alone (the baseline)
 #   OUT=output/run2 bash scripts/demo.sh          # another output directory (default output/demo)
 #
@@ -109,9 +109,13 @@ elif [ "${1:-}" = "--distill-context" ]; then
     # The tools demo's task and budget, but the student's prompt is the system message alone
     # (calculator_plain: no worked example). The teacher is the same model, scoring the student's
     # episodes with the worked example before the question (examples/calculator_example.json): the
-    # tools demo's own prompt. Temperature 1 (the teacher's server scores at 1), lr 1e-5; held-out
-    # accuracy and tool-call rate every 2 steps. --grpo: the same student, prompts and steps by
-    # GRPO alone (no teacher, the reward in the loss).
+    # tools demo's own prompt. The forward KL over the teacher's top 20 (topk_forward): the reverse
+    # forms leave the student's p('<') at the first position, 0.0003 against the teacher's 0.27,
+    # where it was (BENCHMARKS.md; to see it: --kl_estimator advantage --kl_topk 0). Temperature 1
+    # (the teacher's server scores at 1), lr 1e-5; held-out accuracy and tool-call rate every 2
+    # steps. --grpo: the same student, prompts and steps by GRPO alone (no teacher, the reward in
+    # the loss); --grpo --model_name_or_path output/demo-distill-context/final: GRPO from the
+    # distilled student.
     task=(--dataset calc --environment envs.calculator:calculator_plain --math_digits 3 --math_operations "+-*")
     args=(--model_name_or_path models/smollm2-135m-instruct --max_prompt_length 160 --response_length 96
           --max_turns 3 --num_training_steps 20 --eval_freq 2 --num_eval_prompts 64 --temperature 1.0
@@ -125,7 +129,7 @@ elif [ "${1:-}" = "--distill-context" ]; then
         out=${OUT:-output/demo-distill-context}
         args+=(--teacher_model_name_or_path models/smollm2-135m-instruct
                --teacher_context_file examples/calculator_example.json
-               --beta 1.0 --kl_estimator advantage --reward_advantage false)
+               --beta 1.0 --kl_estimator topk_forward --kl_topk 20 --reward_advantage false)
     fi
 elif [ "${1:-}" = "--tiny" ]; then
     shift
