@@ -1,6 +1,7 @@
-"""Why the calculator's student cannot learn the tool from its own samples (scripts/demo.sh --distill-context):
-the probability it gives the first token of "<calc>" at its first position, against the teacher's (the same
-model with the worked example before the question), on the first 32 held-out prompts of the demo's task.
+"""Whether the calculator's student moves to the tool (scripts/demo.sh --distill-context): the probability it
+gives the first token of "<calc>" at its first position, against the teacher's (the same model with the worked
+example before the question), on the first 32 held-out prompts of the demo's task. Measured: 0.0003 untrained,
+0.001-0.005 after the reverse KL, 0.20-0.26 after the forward KL, the teacher 0.27 (BENCHMARKS.md).
 
     .venv/bin/python experiments/first_token.py                              # the untrained student
     .venv/bin/python experiments/first_token.py output/demo-distill-context/final   # a trained one
