@@ -8,7 +8,8 @@ import argparse
 import json
 import os
 
-DEFAULT_KEYS = "reward_mean,eval_accuracy,response_length,entropy,loss,kl,clip_frac,grad_norm,vllm_logp_diff_max,time_step"
+DEFAULT_KEYS = ("reward_mean,eval_accuracy,response_length,entropy,loss,kl,teacher_kl,kl_forward,teacher_kl_forward,"
+                "clip_frac,grad_norm,vllm_logp_diff_max,time_step")  # those the run logged
 
 
 def main(argv=None):
