@@ -13,10 +13,12 @@ import pytest
 
 from infra.vllm_server import death_signal_prefix
 
-# The child: says it is ready once its handler is in, and writes the signal it gets.
-CHILD = """import signal, sys, time
+# The child: says it is ready once its handler is in, and writes the signal it gets (whole, by a rename).
+CHILD = """import os, signal, sys, time
 def got(signum, frame):
-    open(sys.argv[1], "w").write(signal.Signals(signum).name)
+    with open(sys.argv[1] + ".part", "w") as f:
+        f.write(signal.Signals(signum).name)
+    os.replace(sys.argv[1] + ".part", sys.argv[1])  # whole: the test reads it as soon as it exists
     sys.exit(0)
 signal.signal(signal.SIGTERM, got)
 open(sys.argv[2], "w").close()
