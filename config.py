@@ -21,6 +21,9 @@ def flash_attention_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
 
 
+
+TOPK_ESTIMATORS = ("topk", "topk_forward")  # the kl_estimators that read a top-k head (loss.TOPK_KL)
+
 @dataclass
 class Config:
     # --- model and data
@@ -353,7 +356,7 @@ class Config:
         if not self.objective.ess and self.ess_scope != default(self, "ess_scope"):
             return (f"ess_scope={self.ess_scope!r} only applies to an objective that reads the batch's ESS "
                     f"(loss_fn={', '.join(repr(n) for n, o in OBJECTIVES.items() if o.ess)})")
-        if self.kl_topk != 0 and self.kl_estimator not in ("topk", "topk_forward"):
+        if self.kl_topk != 0 and self.kl_estimator not in TOPK_ESTIMATORS:
             return (f"kl_topk={self.kl_topk} only applies to kl_estimator='topk' or 'topk_forward' (got "
                     f"{self.kl_estimator!r})")
         if self.kl_topk > 0 and self.beta == 0:
@@ -515,4 +518,4 @@ class Config:
     @property
     def topk_kl(self) -> bool:
         """Whether the KL term is a top-k one: the step then freezes each token's head (update.frozen_logprobs)."""
-        return self.kl_estimator in ("topk", "topk_forward") and self.beta > 0
+        return self.kl_estimator in TOPK_ESTIMATORS and self.beta > 0
