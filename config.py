@@ -21,8 +21,8 @@ def flash_attention_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
 
 
-
 TOPK_ESTIMATORS = ("topk", "topk_forward")  # the kl_estimators that read a top-k head (loss.TOPK_KL)
+
 
 @dataclass
 class Config:
